@@ -1,0 +1,51 @@
+"""The `ddiloco` command: one entry point, one subcommand per component.
+
+    ddiloco local --learners 3 --max-seconds 60     # the whole system on this machine
+    ddiloco synchronizer --state-dir /tmp/s          # the merge service (HTTP/2)
+    ddiloco learner --sync-url http://127.0.0.1:8470 --learner-id l0
+    ddiloco operator                                 # the Kubernetes operator (kopf)
+    ddiloco simulate paper-table                     # the discrete-event simulator
+
+Each subcommand lives with its component and is imported only when it runs, so
+`ddiloco operator` never pays for torch and `ddiloco learner` never imports kopf.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Final
+
+# subcommand -> (module, one-line help). The module exposes `main(argv) -> int`.
+SUBCOMMANDS: Final[dict[str, tuple[str, str]]] = {
+    "local": ("ddiloco.local.cli", "run a synchronizer and M learners on this machine"),
+    "synchronizer": ("ddiloco.synchronizer.server", "serve the synchronizer over HTTP/2"),
+    "learner": ("ddiloco.learner.cli", "run one learner against a synchronizer"),
+    "operator": ("ddiloco.operator.cli", "run the Kubernetes operator"),
+    "simulate": ("ddiloco.simulator.cli", "simulate the method at fleet scale"),
+}
+
+
+def usage() -> str:
+    width = max(len(name) for name in SUBCOMMANDS)
+    lines = ["usage: ddiloco <command> [options]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += ["", "`ddiloco <command> --help` lists a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        sys.stdout.write(usage() + "\n")
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in SUBCOMMANDS:
+        sys.stderr.write(f"ddiloco: unknown command {name!r}\n\n{usage()}\n")
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
