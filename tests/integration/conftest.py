@@ -1,0 +1,147 @@
+"""Fixtures for tests/integration: a real Kubernetes control plane (tests/k8senv), one per session.
+
+    python tests/integration/k8senv.py build                 # once per machine (~40 min cold)
+    .venv/bin/pytest tests/integration -m integration        # then the tests
+
+Fixture API (stable; tests/integration/test_operator_*.py code against it):
+
+``k8s`` (session scope) -> ``k8senv.ControlPlane``, already started:
+    k8s.names              ["home", "region-a", "region-b"] (DDILOCO_K8SENV_CLUSTERS=n changes
+                           the count; the first is always "home", then region-a, region-b, ...)
+    k8s.home               == k8s.clusters["home"]
+    k8s.clusters[name]     k8senv.Cluster, frozen:
+        .name              "home" | "region-a" | ...
+        .kubeconfig        Path of an admin kubeconfig (context = name, namespace default)
+        .server            "https://127.0.0.1:<port>"
+        .token             admin bearer token (group system:masters); never log or print it
+        .ca_file           Path of the CA that signed the apiserver cert
+        .api_client()      a new kubernetes.client.ApiClient for this cluster
+        .api(method, path, body=None)   one JSON request, stdlib only
+    k8s.bin("helm")        Path of a built binary: kubectl, helm, kwok, etcd, kube-apiserver, ...
+    k8s.bindir             on PATH for the whole session, so `kubectl` and `helm` are ours
+                           (they still need --kubeconfig; KUBECONFIG is not set)
+    k8s.kubectl(name, *args, input=None, check=True) -> CompletedProcess[str]
+    k8s.node_names(name)   fake nodes of a cluster: "<name>-gpu-0", "<name>-gpu-1"; kwok keeps
+                           them Ready and runs their pods. Labels: type=kwok,
+                           topology.kubernetes.io/region=<name>, topology.kubernetes.io/zone=
+                           <name>-1, nvidia.com/gpu.present=true; capacity nvidia.com/gpu=8,
+                           cpu=32, memory=256Gi, pods=110. No taints.
+    k8senv.KUBE_VERSION    "v1.37.2" (import k8senv works once this conftest has loaded)
+
+``k8s_namespace`` (function scope) -> str: a fresh namespace with this name exists in every
+    cluster and its ``default`` ServiceAccount exists; it is deleted (not awaited) afterwards.
+    Delete your own custom resources first, while your operator still runs, if they hold
+    finalizers.
+
+Pods on the fake nodes: kwok marks them Running/Ready (with a podIP) a moment after they are
+bound, and deletes them at once when they get a deletionTimestamp. Containers never run.
+
+With CI=true a missing build or toolchain fails the session; elsewhere the tests skip with the
+command to run. A build that failed is an error everywhere. The build never runs inside pytest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# --import-mode=importlib puts nothing on sys.path; load the harness as the module `k8senv`.
+if "k8senv" not in sys.modules:
+    _spec = importlib.util.spec_from_file_location("k8senv", Path(__file__).with_name("k8senv.py"))
+    assert _spec is not None and _spec.loader is not None
+    sys.modules["k8senv"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["k8senv"])
+import k8senv
+
+NAMESPACE_TIMEOUT_S = 30.0
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def _cluster_names() -> list[str]:
+    n = int(os.environ.get("DDILOCO_K8SENV_CLUSTERS", len(k8senv.DEFAULT_CLUSTERS)))
+    if n < 1:
+        raise pytest.UsageError(f"DDILOCO_K8SENV_CLUSTERS must be >= 1, got {n}")
+    names = list(k8senv.DEFAULT_CLUSTERS[:n])
+    return names + [f"region-{chr(ord('a') + i - 1)}" for i in range(len(names), n)]
+
+
+def _alive(pid: int) -> bool:
+    """True if pid exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.fixture(scope="session")
+def k8s(tmp_path_factory: pytest.TempPathFactory) -> Iterator[k8senv.ControlPlane]:
+    try:
+        if (failed := k8senv.failed_build_log()) is not None and k8senv.find_built() is None:
+            pytest.fail(f"k8senv: the last build failed, see {failed}; fix it and run "
+                        f"`{k8senv.BUILD_COMMAND}`", pytrace=False)
+        bindir = k8senv.find_built()
+    except k8senv.BuildFailed as e:
+        pytest.fail(f"k8senv: {e}", pytrace=False)
+    if bindir is None:
+        msg = k8senv.missing_message()
+        if _in_ci():
+            pytest.fail(f"{msg} [CI=true: the build step must run before pytest]", pytrace=False)
+        pytest.skip(msg)
+
+    plane = k8senv.ControlPlane(bindir, tmp_path_factory.mktemp("k8senv"), _cluster_names())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PATH", f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
+        try:
+            plane.start()
+            yield plane
+        finally:
+            plane.stop()
+            left = [p.name for p in plane.procs if _alive(p.pid)]
+            if left:
+                pytest.fail(f"k8senv: processes left behind after stop(): {left}", pytrace=False)
+
+
+def _wait_default_sa(k8s: k8senv.ControlPlane, name: str) -> None:
+    deadline = time.monotonic() + NAMESPACE_TIMEOUT_S
+    pending = set(k8s.names)
+    while pending:
+        for cl in list(pending):
+            try:
+                k8s.clusters[cl].api("GET", f"/api/v1/namespaces/{name}/serviceaccounts/default")
+                pending.discard(cl)
+            except OSError:  # 404 until kube-controller-manager creates it
+                pass
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(f"no default ServiceAccount in namespace {name} of {pending}")
+        if pending:
+            time.sleep(0.1)
+
+
+@pytest.fixture
+def k8s_namespace(k8s: k8senv.ControlPlane, request: pytest.FixtureRequest) -> Iterator[str]:
+    base = "".join(c if c.isalnum() else "-" for c in request.node.name.lower())
+    name = f"t-{base[:40].strip('-')}-{uuid.uuid4().hex[:6]}"
+    body = {"apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": name, "labels": {"ddiloco.test/namespace": "true"}}}
+    for cl in k8s.clusters.values():
+        cl.api("POST", "/api/v1/namespaces", body)
+    try:
+        _wait_default_sa(k8s, name)
+        yield name
+    finally:
+        for cl in k8s.clusters.values():
+            # The control plane may be gone already (session teardown); nothing to clean then.
+            with contextlib.suppress(OSError):
+                cl.api("DELETE", f"/api/v1/namespaces/{name}")
