@@ -1,0 +1,93 @@
+"""Settings of the synchronizer, read from the environment (prefix `DDILOCO_`).
+
+    DDILOCO_TOKEN=s3cret DDILOCO_STATE_DIR=/var/lib/ddiloco DDILOCO_QUORUM=1 ddiloco synchronizer
+
+Every knob of the merge service lives here, with the paper's symbol where it has one
+(algorithm.md §5-§8). `get_settings()` is cached; tests build `SyncSettings(...)` directly.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_PORT = 8470
+
+
+class SyncSettings(BaseSettings):
+    """Synchronizer knobs. Invalid values are refused at startup with the field's name."""
+
+    model_config = SettingsConfigDict(env_prefix="DDILOCO_", extra="ignore")
+
+    # --- service ---
+    host: str = "127.0.0.1"
+    """Address to bind; 0.0.0.0 in a pod."""
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535)
+    """TCP port; HTTP/2 cleartext (h2c, prior knowledge) and HTTP/1.1 on the same port."""
+    token: SecretStr | None = None
+    """Per-job bearer token every learner call must carry (the operator puts it in a Secret)."""
+    token_file: Path | None = None
+    """Alternative to `token`: a file holding it (a mounted Secret)."""
+    state_dir: Path = Path("ddiloco-state")
+    """Where global fragments, outer momentum, versions and the learner ledger persist."""
+
+    # --- rounds (algorithm.md §6.1, §6.2) ---
+    quorum: int = Field(1, ge=1)
+    """K: merge a fragment as soon as this many learners contributed to it."""
+    grace: bool = True
+    """Adaptive grace window after the quorum (Eq. 3); False merges at the quorum."""
+    grace_gamma: float = Field(0.5, gt=0.0, lt=1.0)
+    """gamma: the share of the overlap's slack the grace window may spend."""
+    grace_cap_steps: float = Field(1.0, ge=0.0)
+    """Upper bound of the grace window, in inner steps of the slowest live learner."""
+    grace_default_s: float = Field(0.5, ge=0.0)
+    """Grace window used before any step-time estimate exists, in seconds."""
+    tau: int = Field(2, ge=1)
+    """tau: inner steps a learner keeps training before it needs the merged copy back."""
+    ema_alpha: float = Field(0.2, gt=0.0, le=1.0)
+    """Weight of the newest sample in the moving averages of xi_step, xi_quorum, xi_sync."""
+    liveness_s: float = Field(10.0, gt=0.0)
+    """A learner silent for this long is treated as gone (weight 0, not waited for)."""
+
+    # --- merge (algorithm.md §6.3, §6.4) ---
+    merge: Literal["rda", "mean"] = "rda"
+    """How non-embedding fragments combine outer gradients; embedding fragments always average."""
+    rda_granularity: Literal["tensor", "fragment"] = "tensor"
+    """Radial-directional averaging per tensor (default) or over the whole fragment."""
+    weighting: Literal["tokens2_per_step", "tokens", "uniform"] = "tokens2_per_step"
+    """Contribution weight: tokens^2/steps (paper), tokens, or 1."""
+    outer_lr: float = Field(0.7, gt=0.0)
+    """eta: outer learning rate."""
+    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    """mu: outer momentum."""
+    nesterov: bool = True
+    """Nesterov momentum (paper); False gives heavy-ball."""
+    counter_cap_steps: int = Field(96, ge=1)
+    """Cap on the steps (and proportionally tokens) a contribution may claim (a few H)."""
+    max_norm_ratio: float = Field(100.0, gt=1.0)
+    """Refuse an update whose norm exceeds this multiple of the recent median norm."""
+    broadcast_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Precision of global fragments served to learners."""
+
+    @model_validator(mode="after")
+    def _token_source(self) -> SyncSettings:
+        if self.token is None and self.token_file is None:
+            raise ValueError(
+                "set DDILOCO_TOKEN or DDILOCO_TOKEN_FILE: every learner call is authenticated"
+            )
+        return self
+
+    def bearer_token(self) -> str:
+        if self.token is not None:
+            return self.token.get_secret_value()
+        assert self.token_file is not None
+        return self.token_file.read_text().strip()
+
+
+@lru_cache
+def get_settings() -> SyncSettings:
+    return SyncSettings()

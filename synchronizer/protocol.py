@@ -1,0 +1,199 @@
+"""The wire protocol between learners and the synchronizer (API version v1).
+
+Both sides import this module, as torchft's lighthouse and manager share one proto file.
+It imports no torch, so the operator can read the status schema cheaply.
+
+Bulk payloads are safetensors bytes (never pickle). Control messages are JSON:
+
+    POST /v1/join                    JoinRequest            -> JoinResponse
+    PUT  /v1/init                    safetensors (metadata: layout)   -> InitResponse
+    GET  /v1/fragments/{p}           -> safetensors of the global fragment, header X-DDiLoCo-Version
+    POST /v1/fragments/{p}/updates   safetensors of delta = theta_local - Theta_base,
+                                     metadata = UpdateMeta fields   -> UpdateResponse
+    POST /v1/heartbeat               Heartbeat              -> HeartbeatResponse
+    GET  /v1/status                  -> Status
+    GET  /healthz, GET /metrics
+
+Every /v1 call carries `Authorization: Bearer <job token>`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+API_PREFIX: Final = "/v1"
+VERSION_HEADER: Final = "X-DDiLoCo-Version"
+CONTENT_TYPE: Final = "application/vnd.safetensors"
+LAYOUT_KEY: Final = "ddiloco.layout"  # safetensors metadata key carrying the layout JSON
+
+MergeKind = Literal["rda", "avg"]
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TensorSpec(_Msg):
+    name: str
+    shape: list[int]
+    dtype: str = "float32"
+
+
+class FragmentSpec(_Msg):
+    index: int = Field(ge=0)
+    merge: MergeKind
+    """`avg` for embedding fragments (plain weighted mean), `rda` for the rest."""
+    tensors: list[TensorSpec]
+
+    def numel(self) -> int:
+        total = 0
+        for t in self.tensors:
+            n = 1
+            for d in t.shape:
+                n *= d
+            total += n
+        return total
+
+
+class Layout(_Msg):
+    """How the model's parameters split into fragments; identical on every learner."""
+
+    fragments: list[FragmentSpec]
+
+    def digest(self) -> str:
+        raw = json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+    def fragment_of(self) -> dict[str, int]:
+        return {t.name: f.index for f in self.fragments for t in f.tensors}
+
+
+class JoinRequest(_Msg):
+    learner_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    layout_digest: str | None = None
+    """The learner's layout digest; a mismatch with the synchronizer's is refused."""
+    host: str = ""
+    pid: int = 0
+
+
+class JoinResponse(_Msg):
+    initialized: bool
+    """False until the first learner uploaded the initial parameters (PUT /v1/init)."""
+    layout_digest: str | None
+    versions: list[int]
+    incarnation: int
+    """How many times this learner id has joined (1 on its first join)."""
+
+
+class InitResponse(_Msg):
+    created: bool
+    layout_digest: str
+    versions: list[int]
+
+
+class UpdateMeta(_Msg):
+    """What stands behind one fragment update (carried as safetensors metadata)."""
+
+    learner_id: str = Field(min_length=1, max_length=128)
+    fragment: int = Field(ge=0)
+    base_version: int = Field(ge=0)
+    """Version of the global fragment the learner last adopted; delta is relative to it."""
+    steps: int = Field(ge=0)
+    """c_steps: inner steps on this fragment since the learner last received it."""
+    tokens: int = Field(ge=0)
+    """c_tokens: tokens behind those steps."""
+    learner_step: int = Field(ge=0)
+    """The learner's local step t_m when it handed the fragment over."""
+
+    def update_id(self) -> str:
+        return f"{self.learner_id}/{self.fragment}/{self.base_version}/{self.learner_step}"
+
+    def to_metadata(self) -> dict[str, str]:
+        return {k: str(v) for k, v in self.model_dump().items()}
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, str] | None) -> UpdateMeta:
+        if not meta:
+            raise ValueError("update carries no metadata (learner_id, fragment, base_version, ...)")
+        fields = {k: v for k, v in meta.items() if k in cls.model_fields}
+        return cls.model_validate(fields)
+
+
+class UpdateResponse(_Msg):
+    status: Literal["accepted", "duplicate"]
+    fragment: int
+    round_version: int
+    """The version this update will help produce once its round merges."""
+
+
+class Heartbeat(_Msg):
+    learner_id: str = Field(min_length=1, max_length=128)
+    step: int = Field(ge=0)
+    steps: list[int]
+    """c_steps per fragment."""
+    tokens: list[int]
+    """c_tokens per fragment."""
+    base_versions: list[int]
+    step_seconds: float = Field(ge=0.0)
+    """Moving average of this learner's inner-step time (xi_step)."""
+    compute_seconds: float = Field(0.0, ge=0.0)
+    """Time spent executing inner steps since the process started."""
+    uptime_seconds: float = Field(0.0, ge=0.0)
+    tokens_total: int = Field(0, ge=0)
+    loss: float | None = None
+
+
+class HeartbeatResponse(_Msg):
+    versions: list[int]
+    requested: list[int]
+    """Fragments whose round is collecting: send them now if you have steps on them."""
+
+
+class LearnerStatus(_Msg):
+    learner_id: str
+    alive: bool
+    incarnation: int
+    step: int
+    tokens_total: int
+    step_seconds: float
+    compute_seconds: float
+    uptime_seconds: float
+    contributions: int
+    last_seen_s: float
+    loss: float | None = None
+
+
+class FragmentStatus(_Msg):
+    index: int
+    merge: MergeKind
+    version: int
+    contributors_pending: int
+
+
+class Status(_Msg):
+    initialized: bool
+    global_version: int
+    """Sum of the fragment versions: the number of merges since the run began."""
+    merges: int
+    tokens_merged: int
+    contributions_merged: int
+    contributions_rejected: int
+    mean_contributors: float
+    mean_staleness: float
+    bytes_up: int
+    bytes_down: int
+    goodput: float | None
+    """Share of learner uptime spent computing inner steps (algorithm.md §9), None before data."""
+    fragments: list[FragmentStatus]
+    learners: list[LearnerStatus]
+    xi: dict[str, float | None]
+    """Current moving averages: step (slowest live learner), quorum, sync; seconds."""
+
+
+class ErrorBody(_Msg):
+    error: str
+    detail: str

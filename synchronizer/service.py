@@ -1,0 +1,422 @@
+"""The synchronizer's domain logic: learners, fragments, rounds, merges, persistence.
+
+`Synchronizer` is what the HTTP routes call; it knows nothing about HTTP. Blocking work
+(decoding payloads, merging, writing state) happens in the caller's thread: the FastAPI
+layer calls those methods through `asyncio.to_thread`, never on the event loop.
+
+Failure handling (algorithm.md §5, §7): an absent learner simply does not contribute; an
+update that is malformed, non-finite, from an unknown learner or against a stale base
+raises a `SyncError` whose message says why and is never merged; re-sending an update
+already accepted or merged is a no-op. State is persisted after every merge, so a
+restarted synchronizer resumes at the same fragment versions.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ddiloco.synchronizer import codec
+from ddiloco.synchronizer.config import SyncSettings
+from ddiloco.synchronizer.merge import (
+    OuterNesterov,
+    cap_counters,
+    contribution_weight,
+    merge_fragment,
+)
+from ddiloco.synchronizer.protocol import (
+    FragmentStatus,
+    Heartbeat,
+    HeartbeatResponse,
+    InitResponse,
+    JoinRequest,
+    JoinResponse,
+    LearnerStatus,
+    Status,
+    UpdateMeta,
+    UpdateResponse,
+)
+from ddiloco.synchronizer.rounds import GracePolicy, Rounds
+from ddiloco.synchronizer.state import FragmentState, StateStore
+
+log = logging.getLogger(__name__)
+
+
+class SyncError(Exception):
+    """A refused request. `kind` maps to an HTTP status at the route edge."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind  # unknown_learner | not_initialized | stale | conflict | invalid
+
+
+@dataclass
+class LearnerRecord:
+    learner_id: str
+    incarnation: int = 0
+    contributions: int = 0
+    step: int = 0
+    tokens_total: int = 0
+    step_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    uptime_seconds: float = 0.0
+    past_compute_seconds: float = 0.0
+    past_uptime_seconds: float = 0.0
+    loss: float | None = None
+    last_seen: float = field(default=-1e18, repr=False)
+    steps: list[int] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class Pending:
+    meta: UpdateMeta
+    delta: dict[str, torch.Tensor]
+
+
+class Synchronizer:
+    """State: layout, per-fragment Theta/momentum/version, open rounds, learner ledger."""
+
+    def __init__(self, settings: SyncSettings, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.store = StateStore(settings.state_dir)
+        self.lock = threading.RLock()
+        self.outer = OuterNesterov(
+            lr=settings.outer_lr, momentum=settings.outer_momentum, nesterov=settings.nesterov
+        )
+        self.layout = self.store.load_layout()
+        self.fragments: list[FragmentState] = []
+        self.frag_locks: list[threading.Lock] = []
+        self.served: list[tuple[int, bytes]] = []
+        self.norms: list[deque[float]] = []
+        self.learners: dict[str, LearnerRecord] = {}
+        self.totals = {"bytes_up": 0, "bytes_down": 0, "rejected": 0, "merged_contributors": 0}
+        ledger = self.store.load_ledger()
+        for rec in ledger.get("learners", []):
+            r = LearnerRecord(
+                **{k: v for k, v in rec.items() if k in LearnerRecord.__dataclass_fields__}
+            )
+            r.last_seen = -1e18  # alive again only once it speaks
+            self.learners[r.learner_id] = r
+        self.totals.update(ledger.get("totals", {}))
+        self.rounds: Rounds[Pending] = Rounds(0, quorum=settings.quorum, clock=clock)
+        if self.layout is not None:
+            self._adopt(self.store.load_fragments(self.layout))
+            log.info("Resumed state from %s: versions %s", settings.state_dir, self.versions())
+
+    # ---- setup -------------------------------------------------------------------
+    def _adopt(self, fragments: list[FragmentState]) -> None:
+        s = self.settings
+        self.fragments = fragments
+        self.frag_locks = [threading.Lock() for _ in fragments]
+        self.norms = [deque(maxlen=32) for _ in fragments]
+        self.served = [self._encode(fs) for fs in fragments]
+        grace = GracePolicy(
+            enabled=s.grace,
+            gamma=s.grace_gamma,
+            cap_steps=s.grace_cap_steps,
+            default_s=s.grace_default_s,
+            tau=s.tau,
+        )
+        self.rounds = Rounds(
+            len(fragments), quorum=s.quorum, grace=grace, ema_alpha=s.ema_alpha, clock=self.clock
+        )
+
+    def _encode(self, fs: FragmentState) -> tuple[int, bytes]:
+        dtype = codec.WIRE_DTYPES[self.settings.broadcast_dtype]
+        return fs.version, codec.encode({k: v.to(dtype) for k, v in fs.params.items()})
+
+    def versions(self) -> list[int]:
+        return [fs.version for fs in self.fragments]
+
+    def _save_ledger(self) -> None:
+        learners = []
+        for r in self.learners.values():
+            d = asdict(r)
+            d.pop("last_seen")
+            d.pop("steps")
+            learners.append(d)
+        self.store.save_ledger({"learners": learners, "totals": self.totals})
+
+    def _learner(self, learner_id: str) -> LearnerRecord:
+        rec = self.learners.get(learner_id)
+        if rec is None:
+            raise SyncError(
+                "unknown_learner", f"learner {learner_id!r} has not joined; POST /v1/join first"
+            )
+        return rec
+
+    def live(self) -> set[str]:
+        horizon = self.clock() - self.settings.liveness_s
+        return {k for k, r in self.learners.items() if r.last_seen >= horizon}
+
+    # ---- learner calls -----------------------------------------------------------
+    def join(self, req: JoinRequest) -> JoinResponse:
+        with self.lock:
+            digest = self.layout.digest() if self.layout else None
+            if digest and req.layout_digest and req.layout_digest != digest:
+                raise SyncError(
+                    "conflict",
+                    f"layout digest {req.layout_digest} differs from the "
+                    f"job's {digest}: same model, P and fragment rule on every learner",
+                )
+            rec = self.learners.setdefault(req.learner_id, LearnerRecord(req.learner_id))
+            if rec.incarnation:
+                rec.past_compute_seconds += rec.compute_seconds
+                rec.past_uptime_seconds += rec.uptime_seconds
+                rec.compute_seconds = rec.uptime_seconds = 0.0
+            rec.incarnation += 1
+            rec.last_seen = self.clock()
+            self.rounds.drop_learner(req.learner_id)
+            self._save_ledger()
+            log.info(
+                "Learner joined learner=%s incarnation=%d host=%s",
+                req.learner_id,
+                rec.incarnation,
+                req.host,
+            )
+            return JoinResponse(
+                initialized=self.layout is not None,
+                layout_digest=digest,
+                versions=self.versions(),
+                incarnation=rec.incarnation,
+            )
+
+    def init(self, payload: bytes) -> InitResponse:
+        meta = codec.read_metadata(payload)
+        layout = codec.layout_from_metadata(meta)
+        with self.lock:
+            if self.layout is not None:
+                if layout.digest() != self.layout.digest():
+                    raise SyncError("conflict", "already initialized with a different layout")
+                return InitResponse(
+                    created=False, layout_digest=self.layout.digest(), versions=self.versions()
+                )
+            tensors = codec.decode(payload)
+            fragments = []
+            for spec in layout.fragments:
+                part = {t.name: tensors.get(t.name) for t in spec.tensors}
+                missing = [k for k, v in part.items() if v is None]
+                if missing:
+                    raise codec.PayloadError(f"init payload lacks tensors {missing[:5]}")
+                params = {k: v.float().clone() for k, v in part.items() if v is not None}
+                codec.check_fragment(params, spec)
+                fragments.append(
+                    FragmentState(
+                        params=params, momentum={k: torch.zeros_like(v) for k, v in params.items()}
+                    )
+                )
+            for spec, fs in zip(layout.fragments, fragments, strict=True):
+                self.store.save_fragment(spec.index, fs)
+            self.store.save_layout(layout)  # written last: its presence means "initialized"
+            self.layout = layout
+            self._adopt(fragments)
+            log.info(
+                "Initialized global model fragments=%d digest=%s", len(fragments), layout.digest()
+            )
+            return InitResponse(
+                created=True, layout_digest=layout.digest(), versions=self.versions()
+            )
+
+    def fragment(self, p: int) -> tuple[int, bytes]:
+        if self.layout is None:
+            raise SyncError("not_initialized", "no global model yet: the first learner uploads it")
+        if not 0 <= p < len(self.fragments):
+            raise SyncError(
+                "invalid", f"fragment {p} does not exist (0..{len(self.fragments) - 1})"
+            )
+        version, body = self.served[p]
+        with self.lock:
+            self.totals["bytes_down"] += len(body)
+        return version, body
+
+    def submit(self, payload: bytes) -> UpdateResponse:
+        try:
+            meta = UpdateMeta.from_metadata(codec.read_metadata(payload))
+        except ValueError as e:
+            raise codec.PayloadError(f"update metadata is invalid: {e}") from None
+        if self.layout is None:
+            raise SyncError("not_initialized", "no global model yet: nothing to update")
+        if meta.fragment >= len(self.fragments):
+            raise codec.PayloadError(
+                f"fragment {meta.fragment} does not exist (0..{len(self.fragments) - 1})"
+            )
+        self._learner(meta.learner_id)
+        p = meta.fragment
+        with self.frag_locks[p]:
+            fs = self.fragments[p]
+            uid = meta.update_id()
+            if uid in fs.applied:
+                return UpdateResponse(status="duplicate", fragment=p, round_version=fs.version)
+            pending = self.rounds.rounds[p].contributions.get(meta.learner_id)
+            if pending is not None and pending.meta.update_id() == uid:
+                return UpdateResponse(status="duplicate", fragment=p, round_version=fs.version + 1)
+            if meta.base_version != fs.version:
+                raise SyncError(
+                    "stale",
+                    f"update of fragment {p} is based on version {meta.base_version}, "
+                    f"the global fragment is at {fs.version}: fetch it and send again",
+                )
+            delta = codec.decode(payload)
+            codec.check_fragment(delta, self.layout.fragments[p])
+            n = codec.norm(delta)
+            recent = self.norms[p]
+            if len(recent) >= 5 and n > self.settings.max_norm_ratio * max(
+                statistics.median(recent), 1e-12
+            ):
+                raise codec.PayloadError(
+                    f"update norm {n:.3g} exceeds {self.settings.max_norm_ratio:g}x "
+                    f"the recent median {statistics.median(recent):.3g}"
+                )
+            recent.append(n)
+            with self.lock:
+                self.rounds.add(p, meta.learner_id, Pending(meta, delta))
+                self.totals["bytes_up"] += len(payload)
+            return UpdateResponse(status="accepted", fragment=p, round_version=fs.version + 1)
+
+    def reject(self) -> None:
+        with self.lock:
+            self.totals["rejected"] += 1
+
+    def heartbeat(self, hb: Heartbeat) -> HeartbeatResponse:
+        with self.lock:
+            rec = self._learner(hb.learner_id)
+            rec.last_seen = self.clock()
+            rec.step, rec.tokens_total, rec.step_seconds = hb.step, hb.tokens_total, hb.step_seconds
+            rec.compute_seconds, rec.uptime_seconds, rec.loss = (
+                hb.compute_seconds,
+                hb.uptime_seconds,
+                hb.loss,
+            )
+            rec.steps = hb.steps
+            requested = [
+                p
+                for p in self.rounds.collecting()
+                if hb.learner_id not in self.rounds.rounds[p].contributions
+                and p < len(hb.steps)
+                and hb.steps[p] > 0
+            ]
+            return HeartbeatResponse(versions=self.versions(), requested=requested)
+
+    # ---- merging -----------------------------------------------------------------
+    def due(self) -> list[int]:
+        with self.lock:
+            live = self.live()
+            steps = [
+                self.learners[k].step_seconds for k in live if self.learners[k].step_seconds > 0
+            ]
+            return self.rounds.due(live, xi_step=max(steps) if steps else None)
+
+    def merge(self, p: int) -> int | None:
+        """Merge the open round of fragment p; returns the new version (None if nothing)."""
+        t0 = self.clock()
+        assert self.layout is not None
+        spec = self.layout.fragments[p]
+        with self.frag_locks[p]:
+            with self.lock:
+                contribs = list(self.rounds.take(p).values())
+            s = self.settings
+            deltas, weights, tokens = [], [], 0
+            for c in contribs:
+                tok, steps = cap_counters(c.meta.tokens, c.meta.steps, s.counter_cap_steps)
+                w = contribution_weight(tok, steps, s.weighting)
+                if w <= 0:
+                    continue
+                # Outer gradient Delta_m = Theta_p - theta_mp = -(theta_mp - Theta_base); base == current.
+                deltas.append({k: -v.float() for k, v in c.delta.items()})
+                weights.append(w)
+                tokens += c.meta.tokens
+            if not deltas:
+                return None
+            fs = self.fragments[p]
+            delta = merge_fragment(deltas, weights, spec.merge, s.rda_granularity)
+            self.outer.step(fs.params, fs.momentum, delta)
+            fs.version += 1
+            fs.merges += 1
+            fs.tokens_merged += tokens
+            fs.contributions += len(deltas)
+            fs.remember([c.meta.update_id() for c in contribs])
+            self.store.save_fragment(p, fs)
+            self.served[p] = self._encode(fs)
+            with self.lock:
+                for c in contribs:
+                    if c.meta.learner_id in self.learners:
+                        self.learners[c.meta.learner_id].contributions += 1
+                self.totals["merged_contributors"] += len(deltas)
+                self._save_ledger()
+                self.rounds.observe_sync(self.clock() - t0)
+            log.info(
+                "Merged fragment=%d version=%d contributors=%d tokens=%d",
+                p,
+                fs.version,
+                len(deltas),
+                tokens,
+            )
+            return fs.version
+
+    # ---- status ------------------------------------------------------------------
+    def status(self) -> Status:
+        with self.lock:
+            now, live = self.clock(), self.live()
+            merges = sum(fs.merges for fs in self.fragments)
+            compute = sum(
+                r.past_compute_seconds + r.compute_seconds for r in self.learners.values()
+            )
+            uptime = sum(r.past_uptime_seconds + r.uptime_seconds for r in self.learners.values())
+            learners = [
+                LearnerStatus(
+                    learner_id=r.learner_id,
+                    alive=r.learner_id in live,
+                    incarnation=r.incarnation,
+                    step=r.step,
+                    tokens_total=r.tokens_total,
+                    step_seconds=r.step_seconds,
+                    compute_seconds=r.past_compute_seconds + r.compute_seconds,
+                    uptime_seconds=r.past_uptime_seconds + r.uptime_seconds,
+                    contributions=r.contributions,
+                    loss=r.loss,
+                    last_seen_s=max(0.0, now - r.last_seen) if r.last_seen > -1e17 else -1.0,
+                )
+                for r in sorted(self.learners.values(), key=lambda r: r.learner_id)
+            ]
+            frags = [
+                FragmentStatus(
+                    index=i,
+                    merge=self.layout.fragments[i].merge if self.layout else "rda",
+                    version=fs.version,
+                    contributors_pending=self.rounds.pending(i),
+                )
+                for i, fs in enumerate(self.fragments)
+            ]
+            steps = [
+                self.learners[k].step_seconds for k in live if self.learners[k].step_seconds > 0
+            ]
+            return Status(
+                initialized=self.layout is not None,
+                global_version=sum(self.versions()),
+                merges=merges,
+                tokens_merged=sum(fs.tokens_merged for fs in self.fragments),
+                contributions_merged=sum(fs.contributions for fs in self.fragments),
+                contributions_rejected=int(self.totals["rejected"]),
+                mean_contributors=(sum(fs.contributions for fs in self.fragments) / merges)
+                if merges
+                else 0.0,
+                mean_staleness=0.0,
+                bytes_up=int(self.totals["bytes_up"]),
+                bytes_down=int(self.totals["bytes_down"]),
+                goodput=(compute / uptime) if uptime > 0 else None,
+                fragments=frags,
+                learners=learners,
+                xi={
+                    "step": max(steps) if steps else None,
+                    "quorum": self.rounds.xi_quorum.value,
+                    "sync": self.rounds.xi_sync.value,
+                },
+            )
