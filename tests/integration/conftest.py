@@ -27,6 +27,11 @@ Fixture API (stable; tests/integration/test_operator_*.py code against it):
                            <name>-1, nvidia.com/gpu.present=true; capacity nvidia.com/gpu=8,
                            cpu=32, memory=256Gi, pods=110. No taints.
     k8senv.KUBE_VERSION    "v1.37.2" (import k8senv works once this conftest has loaded)
+    k8senv.wait_until(what, probe, timeout=60) -> probe()'s first truthy result; exceptions
+                           from probe count as "not yet"; TimeoutError names `what`
+
+``k8s_bindir`` (session scope) -> Path of the built binaries, without starting anything (for
+    tests that start their own plane); skips or fails like ``k8s``.
 
 ``k8s_namespace`` (function scope) -> str: a fresh namespace with this name exists in every
     cluster and its ``default`` ServiceAccount exists; it is deleted (not awaited) afterwards.
@@ -76,17 +81,9 @@ def _cluster_names() -> list[str]:
     return names + [f"region-{chr(ord('a') + i - 1)}" for i in range(len(names), n)]
 
 
-def _alive(pid: int) -> bool:
-    """True if pid exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 @pytest.fixture(scope="session")
-def k8s(tmp_path_factory: pytest.TempPathFactory) -> Iterator[k8senv.ControlPlane]:
+def k8s_bindir() -> Path:
+    """The built binaries' directory; skips (fails in CI) when they are not built."""
     try:
         if (failed := k8senv.failed_build_log()) is not None and k8senv.find_built() is None:
             pytest.fail(f"k8senv: the last build failed, see {failed}; fix it and run "
@@ -99,7 +96,13 @@ def k8s(tmp_path_factory: pytest.TempPathFactory) -> Iterator[k8senv.ControlPlan
         if _in_ci():
             pytest.fail(f"{msg} [CI=true: the build step must run before pytest]", pytrace=False)
         pytest.skip(msg)
+    return bindir
 
+
+@pytest.fixture(scope="session")
+def k8s(k8s_bindir: Path, tmp_path_factory: pytest.TempPathFactory
+        ) -> Iterator[k8senv.ControlPlane]:
+    bindir = k8s_bindir
     plane = k8senv.ControlPlane(bindir, tmp_path_factory.mktemp("k8senv"), _cluster_names())
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PATH", f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
@@ -108,7 +111,7 @@ def k8s(tmp_path_factory: pytest.TempPathFactory) -> Iterator[k8senv.ControlPlan
             yield plane
         finally:
             plane.stop()
-            left = [p.name for p in plane.procs if _alive(p.pid)]
+            left = [p.name for p in plane.procs if k8senv.pid_alive(p.pid)]
             if left:
                 pytest.fail(f"k8senv: processes left behind after stop(): {left}", pytrace=False)
 

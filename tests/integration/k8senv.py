@@ -270,6 +270,15 @@ class Proc:
         return "\n".join(text[-lines:])
 
 
+def pid_alive(pid: int) -> bool:
+    """True if the process exists and is not a zombie (Linux /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def _free_ports(n: int) -> list[int]:
     """n distinct loopback ports that were free a moment ago."""
     socks = []
@@ -322,6 +331,26 @@ class Cluster:
         from kubernetes import config
 
         return config.new_client_from_config(config_file=str(self.kubeconfig))
+
+
+def wait_until(what: str, probe: Callable[[], Any], timeout: float = 60.0,
+               interval: float = 0.2) -> Any:
+    """Call probe() until it returns something truthy, and return that; TimeoutError after timeout.
+
+    Exceptions from probe() count as "not yet" (the last one is chained to the TimeoutError), so
+    a probe may simply read an object that does not exist yet.
+    """
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while True:
+        try:
+            if result := probe():
+                return result
+        except Exception as e:
+            last = e
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}") from last
+        time.sleep(interval)
 
 
 def _wait(what: str, ready: Callable[[], bool], procs: Sequence[Proc], deadline: float) -> None:
