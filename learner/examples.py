@@ -15,9 +15,10 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from ddiloco.learner.data import BatchIterator, eval_loss, load_tokens, shard, split_eval
 from ddiloco.learner.task import Task, embedding_param_names, gpt_loss
-from torch import nn
 
 
 class CharMLP(nn.Module):

@@ -34,9 +34,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
 from ddiloco.learner.data import BatchIterator, eval_loss, load_tokens, shard, split_eval
 from ddiloco.learner.model import build_model, is_embedding_param
-from torch import nn
 
 
 @dataclass

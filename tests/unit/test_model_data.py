@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from ddiloco.learner.data import (
     BatchIterator,
     eval_loss,
