@@ -1,0 +1,397 @@
+"""The DecoupledDiLoCoJob API (ddiloco.dev/v1alpha1), defined once as pydantic models.
+
+Everything else derives from these classes: the CRD YAML (`python -m ddiloco.operator.crd`
+renders deploy/crds/ from them; tests/unit/test_operator_crd.py fails on drift), the
+builders (typed access to a job's spec) and the status the operator writes.
+
+    from ddiloco.operator.api import DecoupledDiLoCoJob
+    job = DecoupledDiLoCoJob.from_body(body)        # a kopf body or a dict from the API
+
+Field names are the Python spelling of the camelCase YAML keys (`learner_groups` is
+`learnerGroups`). Each field's docstring becomes its CRD description: say the unit and the
+paper's symbol (algorithm.md §2) there. Validation that needs more than one field lives in
+CEL rules (`x-kubernetes-validations`) so the apiserver refuses a bad job before the
+operator sees it; `validate()` below repeats the same checks for bodies that skipped them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
+from pydantic.alias_generators import to_camel
+
+GROUP: Final = "ddiloco.dev"
+VERSION: Final = "v1alpha1"
+KIND: Final = "DecoupledDiLoCoJob"
+PLURAL: Final = "decoupleddilocojobs"
+SINGULAR: Final = "decoupleddilocojob"
+SHORT_NAMES: Final = ("ddj",)
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+
+# The value of spec.managedBy that means "this operator" (the default when unset). Any other
+# value hands the job to that controller, e.g. Kueue's MultiKueue, and we leave it alone.
+MANAGED_BY_US: Final = "ddiloco.dev/operator"
+MAX_JOB_NAME: Final = 40  # children append "-synchronizer-state", "-<group>-<index>"
+MAX_GROUP_NAME: Final = 16
+MAX_GROUPS: Final = 16
+MAX_REPLICAS: Final = 512
+DNS_LABEL: Final = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+
+# A Kubernetes resource quantity ("500m", "16Gi", 1): int or string, as the core API has it.
+Quantity = Annotated[int | str, WithJsonSchema({"x-kubernetes-int-or-string": True})]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid",
+                              use_attribute_docstrings=True, frozen=True)
+
+
+class Resources(_Model):
+    """Compute resources of a container, as in a Pod's `resources`."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+    """Minimum resources, e.g. {cpu: "2", memory: 8Gi}."""
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+    """Maximum resources; GPUs go here, e.g. {"nvidia.com/gpu": 1}."""
+
+    def to_k8s(self) -> dict[str, dict[str, str]]:
+        out: dict[str, dict[str, str]] = {}
+        if self.requests:
+            out["requests"] = {k: str(v) for k, v in self.requests.items()}
+        if self.limits:
+            out["limits"] = {k: str(v) for k, v in self.limits.items()}
+        return out
+
+
+class Toleration(_Model):
+    """A Pod toleration (core/v1 Toleration)."""
+
+    key: str | None = None
+    """Taint key; empty with operator Exists tolerates everything."""
+    operator: Literal["Exists", "Equal"] = "Equal"
+    """How key and value are compared."""
+    value: str | None = None
+    """Taint value for operator Equal."""
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    """Taint effect to match; empty matches all effects."""
+    toleration_seconds: int | None = None
+    """For NoExecute: how long the pod stays bound after the taint appears (seconds)."""
+
+
+class Training(_Model):
+    """What every learner trains, and how often it talks to the synchronizer."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "has(self.model) != has(self.modelEntry)",
+         "message": "set exactly one of training.model (a preset name) "
+                    "or training.modelEntry (module:function)"},
+        {"rule": "self.innerSteps % self.fragments == 0",
+         "message": "training.innerSteps (H) must be a multiple of training.fragments (P)"},
+        {"rule": "self.overlapSteps < self.innerSteps",
+         "message": "training.overlapSteps (tau) must be less than training.innerSteps (H)"},
+    ]})
+
+    model: str | None = Field(None, max_length=64)
+    """Model preset name, e.g. "tiny" (the CPU debug preset). Exclusive with modelEntry."""
+    model_entry: str | None = Field(None, max_length=256, pattern=r"^[\w.]+:[\w.]+$")
+    """Model factory as "package.module:function". Exclusive with model."""
+    data: str | None = Field(None, min_length=1, max_length=1024)
+    """Training corpus: a text file, folder or uint16 .bin in the image or a mounted volume;
+    unset uses the small corpus every image has (the Python standard library's sources)."""
+    inner_steps: int = Field(24, ge=1, le=100_000)
+    """H: inner steps between two merges of the same fragment."""
+    fragments: int = Field(4, ge=1, le=1024)
+    """P: number of fragments the parameters are split into; must divide H."""
+    overlap_steps: int = Field(2, ge=1, le=100_000)
+    """tau: steps a learner keeps training while a fragment is being merged."""
+    inner_learning_rate: float | None = Field(None, gt=0)
+    """Peak inner optimizer (AdamW) learning rate; unset uses the learner's default."""
+    max_steps: int | None = Field(None, ge=1)
+    """Step budget per learner (inner steps); unset means no step limit."""
+    max_tokens: int | None = Field(None, ge=1)
+    """Token budget per learner; unset means no token limit."""
+    max_seconds: float | None = Field(None, gt=0)
+    """Time budget per learner pod (seconds of training); unset means no time limit."""
+
+
+class Storage(_Model):
+    """The synchronizer's persistent volume (global fragments, outer optimizer state)."""
+
+    size: Quantity = "1Gi"
+    """Requested capacity of the PersistentVolumeClaim."""
+    storage_class_name: str | None = None
+    """StorageClass of the claim; unset uses the cluster default, "" asks for no class."""
+
+
+class Synchronizer(_Model):
+    """The merge service: one pod in this cluster, reached by every learner group."""
+
+    quorum: int = Field(1, ge=1, le=MAX_REPLICAS * MAX_GROUPS)
+    """K: minimum number of learners whose contributions a merge waits for."""
+    grace_gamma: float = Field(0.5, gt=0, lt=1)
+    """gamma: fraction of the measured slack spent waiting for stragglers (0 < gamma < 1)."""
+    grace_cap_steps: float = Field(1.0, ge=0)
+    """Upper bound of the grace window, in inner steps."""
+    merge: Literal["rda", "mean"] = "rda"
+    """How contributions are combined: radial-directional averaging or a plain mean."""
+    outer_learning_rate: float = Field(0.7, gt=0)
+    """eta: outer (Nesterov) learning rate."""
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
+    """mu: outer momentum."""
+    resources: Resources = Resources()
+    """Resources of the synchronizer container."""
+    storage: Storage = Storage()
+    """The synchronizer's state volume."""
+
+
+class SecretKeyRef(_Model):
+    """A key of a Secret in the job's namespace."""
+
+    name: str = Field(min_length=1, max_length=253)
+    """Name of the Secret."""
+    key: str = Field("kubeconfig", min_length=1, max_length=253)
+    """Key in the Secret that holds a kubeconfig file."""
+
+
+class Cluster(_Model):
+    """Where a learner group runs: this cluster, or the one a kubeconfig Secret points at."""
+
+    kubeconfig_secret: SecretKeyRef
+    """Secret (in the job's namespace) with a kubeconfig for the remote cluster or region."""
+    namespace: str | None = Field(None, max_length=63, pattern=DNS_LABEL)
+    """Namespace in the remote cluster; defaults to the job's namespace name."""
+
+
+class LearnerGroup(_Model):
+    """A set of interchangeable learner slots in one cluster (e.g. one region's GPUs)."""
+
+    name: str = Field(min_length=1, max_length=MAX_GROUP_NAME, pattern=DNS_LABEL)
+    """Group name: a DNS label, unique in the job; part of learner ids and pod names."""
+    cluster: Cluster | None = None
+    """Target cluster; unset means the operator's own cluster."""
+    replicas: int = Field(1, ge=0, le=MAX_REPLICAS)
+    """Number of learner slots; changing it adds or removes the highest-numbered slots."""
+    resources: Resources = Resources()
+    """Resources of each learner container, e.g. limits {"nvidia.com/gpu": 1}."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Node labels each learner pod requires."""
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
+    """Taints the learner pods tolerate."""
+    priority_class_name: str | None = Field(None, max_length=253)
+    """PriorityClass of the learner pods (preemptible fleets use a low one)."""
+    sync_url: str | None = Field(None, max_length=1024, pattern=r"^https?://")
+    """Synchronizer URL for this group's pods; defaults to the in-cluster Service URL."""
+
+
+class FailurePolicy(_Model):
+    """How the operator replaces learner pods that were evicted, preempted, failed or deleted."""
+
+    max_replacements_per_slot: int = Field(10, ge=0, le=10_000)
+    """Replacements allowed per learner slot; past it the job reports Degraded."""
+    backoff_seconds: float = Field(1.0, ge=0, le=3600)
+    """Delay before a slot's first replacement; it doubles with each further one."""
+    max_backoff_seconds: float = Field(300.0, ge=0, le=86_400)
+    """Upper bound of the doubling delay."""
+
+
+class JobSpec(_Model):
+    """Desired state of a DecoupledDiLoCoJob."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": "self.synchronizer.quorum <= self.learnerGroups.map(g, g.replicas).sum()",
+         "message": "synchronizer.quorum must not exceed the total replicas of learnerGroups"},
+        {"rule": "has(self.managedBy) == has(oldSelf.managedBy) && "
+                 "(!has(self.managedBy) || self.managedBy == oldSelf.managedBy)",
+         "message": "managedBy is immutable"},
+    ]})
+
+    image: str = Field(min_length=1, max_length=512)
+    """Container image with the `ddiloco` command, for the synchronizer and the learners."""
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    """Pull policy of every container the job creates."""
+    training: Training
+    """Model, data and schedule of every learner."""
+    synchronizer: Synchronizer = Synchronizer()
+    """The merge service."""
+    learner_groups: list[LearnerGroup] = Field(min_length=1, max_length=MAX_GROUPS, json_schema_extra={
+        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
+    """Learner groups, each in one cluster; names are unique."""
+    failure_policy: FailurePolicy = FailurePolicy()
+    """Replacement of failed learner pods."""
+    suspend: bool = False
+    """While true no learner pods run and the synchronizer is scaled to zero (Kueue sets it)."""
+    managed_by: str | None = Field(None, max_length=63)
+    """Controller that reconciles this job; unset or "ddiloco.dev/operator" means this one."""
+
+    def total_replicas(self) -> int:
+        return sum(g.replicas for g in self.learner_groups)
+
+
+class Condition(_Model):
+    """A status condition, as metav1.Condition."""
+
+    type: str
+    """Condition type: Ready, SynchronizerReady, LearnersReady or Degraded."""
+    status: Literal["True", "False", "Unknown"]
+    """Whether the condition holds."""
+    reason: str
+    """CamelCase reason for the last transition."""
+    message: str = ""
+    """One sentence for humans."""
+    last_transition_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
+    """When the status last changed."""
+    observed_generation: int | None = None
+    """metadata.generation the condition was computed from."""
+
+
+class GroupStatus(_Model):
+    """Observed state of one learner group."""
+
+    name: str
+    """Group name."""
+    cluster: str
+    """"local", or the kubeconfig Secret the group's cluster is reached through."""
+    kubeconfig_secret: SecretKeyRef | None = None
+    """The group's kubeconfig Secret, kept so a removed group's pods can still be found."""
+    namespace: str | None = None
+    """Namespace of the group's pods in its cluster."""
+    desired: int = 0
+    """Slots the spec asks for."""
+    ready: int = 0
+    """Learner pods that are Ready."""
+    replaced: int = 0
+    """Replacements made in this group since the job started."""
+
+
+class SlotStatus(_Model):
+    """Bookkeeping for one learner slot; it lets replacement survive an operator restart."""
+
+    id: str
+    """Learner id, "<group>-<index>"."""
+    pod_uid: str | None = None
+    """UID of the slot's current pod, once seen."""
+    failed_uid: str | None = None
+    """UID of a pod whose failure was seen and whose replacement is pending."""
+    replacements: int = 0
+    """Replacement pods created for this slot."""
+    last_failure_reason: str | None = None
+    """Why the last pod went away: Evicted, Preempted, Failed, Deleted, ..."""
+    last_failure_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
+    """When the last failure was seen."""
+
+
+class SynchronizerStatus(_Model):
+    """Where the synchronizer is and whether it answers."""
+
+    endpoint: str | None = None
+    """In-cluster URL of the synchronizer Service."""
+    ready: bool = False
+    """The synchronizer Deployment has an available pod."""
+    reachable: bool = False
+    """The operator's last request to its status endpoint got an answer."""
+
+
+class JobStatus(_Model):
+    """Observed state, written only by the operator."""
+
+    phase: Literal["Pending", "Running", "Degraded", "Suspended", "Succeeded", "Invalid"] | None = None
+    """Summary of the conditions for `kubectl get`; never a trigger."""
+    observed_generation: int | None = None
+    """metadata.generation this status was computed from."""
+    conditions: list[Condition] = Field(default_factory=list, json_schema_extra={
+        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+    """Ready, SynchronizerReady, LearnersReady, Degraded."""
+    desired_learners: int | None = None
+    """Learner slots in all groups."""
+    ready_learners: int | None = None
+    """Learner pods that are Ready, in all groups."""
+    groups: list[GroupStatus] = Field(default_factory=list)
+    """Per-group counts."""
+    slots: list[SlotStatus] = Field(default_factory=list, json_schema_extra={
+        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["id"]})
+    """Per-slot replacement bookkeeping."""
+    synchronizer: SynchronizerStatus | None = None
+    """The synchronizer's endpoint and readiness."""
+    global_version: int | None = None
+    """Merges applied by the synchronizer (its global version), from its status endpoint."""
+    merges: int | None = None
+    """Fragment merges the synchronizer has done."""
+    tokens_merged: int | None = None
+    """Tokens behind all merged contributions."""
+    goodput: float | None = None
+    """Fraction of learner compute that ended up in a merge (0..1), if the synchronizer knows it."""
+
+
+class DecoupledDiLoCoJob(_Model):
+    """One Decoupled DiLoCo training run: a synchronizer here, learner pods in many clusters."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": f"self.metadata.name.size() <= {MAX_JOB_NAME}",
+         "message": f"metadata.name must be at most {MAX_JOB_NAME} characters"},
+        {"rule": "self.metadata.name.matches('^[a-z]')",
+         "message": "metadata.name must start with a letter (it names a Service)"},
+    ]})
+
+    api_version: str = API_VERSION
+    kind: str = KIND
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    spec: JobSpec
+    status: JobStatus = JobStatus()
+
+    @classmethod
+    def from_body(cls, body: Any) -> DecoupledDiLoCoJob:
+        """Parse a job from the API (a dict or kopf's Body); raises pydantic.ValidationError."""
+        raw = dict(body)
+        try:  # a status written by another operator version must not block the job
+            status = JobStatus.model_validate(known_status(dict(raw.get("status") or {})))
+        except ValidationError:
+            status = JobStatus()
+        return cls.model_validate({
+            "apiVersion": raw.get("apiVersion", API_VERSION), "kind": raw.get("kind", KIND),
+            "metadata": dict(raw.get("metadata") or {}), "spec": dict(raw.get("spec") or {}),
+            "status": status,
+        })
+
+    @property
+    def name(self) -> str:
+        return str(self.metadata["name"])
+
+    @property
+    def namespace(self) -> str:
+        return str(self.metadata.get("namespace") or "default")
+
+    @property
+    def uid(self) -> str:
+        return str(self.metadata.get("uid") or "")
+
+    @property
+    def generation(self) -> int:
+        return int(self.metadata.get("generation") or 0)
+
+    def is_ours(self) -> bool:
+        return self.spec.managed_by in (None, MANAGED_BY_US)
+
+
+def known_status(status: dict[str, Any]) -> dict[str, Any]:
+    # The status subresource may hold fields of an older operator version; ignore, don't fail.
+    fields = {f.alias or n for n, f in JobStatus.model_fields.items()}
+    return {k: v for k, v in status.items() if k in fields}
+
+
+def validate(spec: JobSpec) -> list[str]:
+    """The CEL rules again, in Python: problems of a spec the apiserver did not validate."""
+    problems = []
+    if spec.synchronizer.quorum > spec.total_replicas():
+        problems.append(f"synchronizer.quorum ({spec.synchronizer.quorum}) exceeds the total "
+                        f"replicas of learnerGroups ({spec.total_replicas()})")
+    if (spec.training.model is None) == (spec.training.model_entry is None):
+        problems.append("set exactly one of training.model or training.modelEntry")
+    if spec.training.inner_steps % spec.training.fragments:
+        problems.append("training.innerSteps (H) must be a multiple of training.fragments (P)")
+    if spec.training.overlap_steps >= spec.training.inner_steps:
+        problems.append("training.overlapSteps (tau) must be less than training.innerSteps (H)")
+    names = [g.name for g in spec.learner_groups]
+    if len(set(names)) != len(names):
+        problems.append("learnerGroups names must be unique")
+    return problems

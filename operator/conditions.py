@@ -1,0 +1,87 @@
+"""Status conditions of a DecoupledDiLoCoJob: their types, reasons, and how they merge.
+
+    from ddiloco.operator import conditions as c
+    merged = c.merge(old_conditions, [c.make(c.READY, True, c.JOB_READY, "...")], now, generation)
+
+Like cert-manager's Certificate conditions, each type says when it is True:
+
+    Ready               the synchronizer is available, every desired learner pod is Ready and
+                        nothing is Degraded. The summary that `kubectl wait --for=condition=Ready`
+                        and the printed phase use.
+    SynchronizerReady   the synchronizer Deployment has an available pod.
+    LearnersReady       every desired learner slot has a Ready pod (True with zero slots too).
+    Degraded            the operator cannot do what the spec asks: a slot has used up its
+                        replacements, or a learner group's cluster cannot be reached (its
+                        kubeconfig Secret is missing or broken, or the apiserver does not answer).
+                        The message names the slot or the Secret.
+
+Reasons are CamelCase and stable; tests and dashboards match on them. `lastTransitionTime`
+moves only when a condition's status flips, as the Kubernetes API conventions ask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Final, Literal
+
+from ddiloco.operator.api import Condition
+
+READY: Final = "Ready"
+SYNCHRONIZER_READY: Final = "SynchronizerReady"
+LEARNERS_READY: Final = "LearnersReady"
+DEGRADED: Final = "Degraded"
+TYPES: Final = (READY, SYNCHRONIZER_READY, LEARNERS_READY, DEGRADED)
+
+# Ready
+JOB_READY: Final = "JobReady"
+SYNCHRONIZER_NOT_READY: Final = "SynchronizerNotReady"
+LEARNERS_NOT_READY: Final = "LearnersNotReady"
+DEGRADED_REASON: Final = "Degraded"
+SUSPENDED: Final = "Suspended"
+COMPLETED: Final = "Completed"
+INVALID_SPEC: Final = "InvalidSpec"
+# SynchronizerReady
+SYNCHRONIZER_AVAILABLE: Final = "SynchronizerAvailable"
+SYNCHRONIZER_PROGRESSING: Final = "SynchronizerProgressing"
+# LearnersReady
+ALL_LEARNERS_READY: Final = "AllLearnersReady"
+NO_LEARNERS: Final = "NoLearnersDesired"
+LEARNERS_COMPLETED: Final = "LearnersCompleted"
+# Degraded
+AS_EXPECTED: Final = "AsExpected"
+REPLACEMENT_LIMIT_REACHED: Final = "ReplacementLimitReached"
+KUBECONFIG_SECRET_MISSING: Final = "KubeconfigSecretMissing"
+KUBECONFIG_SECRET_INVALID: Final = "KubeconfigSecretInvalid"
+CLUSTER_UNREACHABLE: Final = "ClusterUnreachable"
+
+Status = Literal["True", "False", "Unknown"]
+
+
+def make(type_: str, status: bool | None, reason: str, message: str) -> Condition:
+    """A condition without times; `merge` stamps them."""
+    value: Status = "Unknown" if status is None else ("True" if status else "False")
+    return Condition(type=type_, status=value, reason=reason, message=message)
+
+
+def merge(old: Iterable[Condition], new: Iterable[Condition], now: str,
+          generation: int) -> list[Condition]:
+    """New conditions in TYPES order; keep the old transition time where the status is unchanged.
+
+    Types the operator does not own (another controller's) are kept as they were, after ours.
+    """
+    previous = {c.type: c for c in old}
+    merged: list[Condition] = []
+    fresh = {c.type: c for c in new}
+    for type_ in [*TYPES, *(t for t in fresh if t not in TYPES)]:
+        if type_ not in fresh:
+            continue
+        cond, before = fresh[type_], previous.get(type_)
+        since = before.last_transition_time if before and before.status == cond.status else now
+        merged.append(cond.model_copy(update={"last_transition_time": since,
+                                              "observed_generation": generation}))
+    merged += [c for t, c in previous.items() if t not in fresh and t not in TYPES]
+    return merged
+
+
+def get(conditions: Iterable[Condition], type_: str) -> Condition | None:
+    return next((c for c in conditions if c.type == type_), None)
