@@ -97,8 +97,16 @@ def create_app(settings: SyncSettings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.sync = await asyncio.to_thread(Synchronizer, settings)
+        app.state.sync = sync = await asyncio.to_thread(Synchronizer, settings)
         app.state.token = settings.bearer_token()
+        loop = asyncio.get_running_loop()
+        app.state.changed = asyncio.Event()
+
+        def wake() -> None:  # runs on the loop: wake every waiting long poll, re-arm
+            app.state.changed.set()
+            app.state.changed = asyncio.Event()
+
+        sync.on_change = lambda: loop.call_soon_threadsafe(wake)
         task = asyncio.create_task(merge_loop(app.state.sync))
         try:
             yield
@@ -158,8 +166,17 @@ def create_app(settings: SyncSettings | None = None) -> FastAPI:
         return await asyncio.to_thread(sync.submit, body)
 
     @app.post(f"{API_PREFIX}/heartbeat", dependencies=v1)
-    async def heartbeat(hb: Heartbeat, sync: SyncDep) -> HeartbeatResponse:
-        return await asyncio.to_thread(sync.heartbeat, hb)
+    async def heartbeat(hb: Heartbeat, request: Request, sync: SyncDep) -> HeartbeatResponse:
+        resp = await asyncio.to_thread(sync.heartbeat, hb)
+        deadline = asyncio.get_running_loop().time() + hb.wait_s
+        while not sync.news(hb, resp):
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(request.app.state.changed.wait(), timeout=left)
+            resp = sync.poll(hb.learner_id)
+        return resp
 
     @app.get(f"{API_PREFIX}/status", dependencies=v1)
     async def status(sync: SyncDep) -> Status:

@@ -145,6 +145,13 @@ class Heartbeat(_Msg):
     uptime_seconds: float = Field(0.0, ge=0.0)
     tokens_total: int = Field(0, ge=0)
     loss: float | None = None
+    known_versions: list[int] = []
+    """Fragment versions the learner already knows of (for the long poll)."""
+    known_requested: list[int] = []
+    """Requested fragments the learner already knows of (for the long poll)."""
+    wait_s: float = Field(0.0, ge=0.0, le=5.0)
+    """Long poll: if nothing is new for the learner, answer after at most this long, as soon
+    as a fragment merges or a round it could join opens (no busy polling, ~ms latency)."""
 
 
 class HeartbeatResponse(_Msg):
@@ -180,6 +187,7 @@ class Status(_Msg):
     """Sum of the fragment versions: the number of merges since the run began."""
     merges: int
     tokens_merged: int
+    """Tokens behind merged contributions, averaged over fragments (each sees every token)."""
     contributions_merged: int
     contributions_rejected: int
     mean_contributors: float

@@ -97,6 +97,8 @@ class Synchronizer:
         self.served: list[tuple[int, bytes]] = []
         self.norms: list[deque[float]] = []
         self.learners: dict[str, LearnerRecord] = {}
+        self.on_change: Callable[[], None] = lambda: None
+        """Called (from any thread) when versions or open rounds change: wakes long polls."""
         self.totals = {"bytes_up": 0, "bytes_down": 0, "rejected": 0, "merged_contributors": 0}
         ledger = self.store.load_ledger()
         for rec in ledger.get("learners", []):
@@ -279,6 +281,7 @@ class Synchronizer:
             with self.lock:
                 self.rounds.add(p, meta.learner_id, Pending(meta, delta))
                 self.totals["bytes_up"] += len(payload)
+            self.on_change()
             return UpdateResponse(status="accepted", fragment=p, round_version=fs.version + 1)
 
     def reject(self) -> None:
@@ -296,14 +299,24 @@ class Synchronizer:
                 hb.loss,
             )
             rec.steps = hb.steps
+            return self.poll(hb.learner_id)
+
+    def poll(self, learner_id: str) -> HeartbeatResponse:
+        """What a learner should know now: versions, and rounds it could still join."""
+        with self.lock:
+            steps = self.learners[learner_id].steps
             requested = [
                 p
                 for p in self.rounds.collecting()
-                if hb.learner_id not in self.rounds.rounds[p].contributions
-                and p < len(hb.steps)
-                and hb.steps[p] > 0
+                if learner_id not in self.rounds.rounds[p].contributions
+                and p < len(steps)
+                and steps[p] > 0
             ]
             return HeartbeatResponse(versions=self.versions(), requested=requested)
+
+    @staticmethod
+    def news(hb: Heartbeat, resp: HeartbeatResponse) -> bool:
+        return resp.versions != hb.known_versions or set(resp.requested) != set(hb.known_requested)
 
     # ---- merging -----------------------------------------------------------------
     def due(self) -> list[int]:
@@ -352,6 +365,7 @@ class Synchronizer:
                 self.totals["merged_contributors"] += len(deltas)
                 self._save_ledger()
                 self.rounds.observe_sync(self.clock() - t0)
+            self.on_change()
             log.info(
                 "Merged fragment=%d version=%d contributors=%d tokens=%d",
                 p,
@@ -402,7 +416,9 @@ class Synchronizer:
                 initialized=self.layout is not None,
                 global_version=sum(self.versions()),
                 merges=merges,
-                tokens_merged=sum(fs.tokens_merged for fs in self.fragments),
+                # every fragment sees every token: average over fragments, not a sum
+                tokens_merged=sum(fs.tokens_merged for fs in self.fragments)
+                // max(1, len(self.fragments)),
                 contributions_merged=sum(fs.contributions for fs in self.fragments),
                 contributions_rejected=int(self.totals["rejected"]),
                 mean_contributors=(sum(fs.contributions for fs in self.fragments) / merges)

@@ -1,0 +1,74 @@
+"""`ddiloco learner`: run one learner against a synchronizer.
+
+    DDILOCO_TOKEN=s3cret ddiloco learner --sync-url http://127.0.0.1:8470 \
+        --learner-id l0 --learner-index 0 --num-learners 3 --model tiny --max-steps 1000
+
+Every option also reads from the environment (`DDILOCO_SYNC_URL`, `DDILOCO_LEARNER_ID`,
+`DDILOCO_H`, `DDILOCO_P`, ...; see config.py), which is how the operator configures pods.
+The token comes only from the environment or a file, never from a flag (it would show in
+`ps`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from ddiloco.learner.config import LearnerConfig
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="ddiloco learner", description="Run one Decoupled DiLoCo learner."
+    )
+    # --- identity ---
+    ap.add_argument("--sync-url", help="synchronizer base URL (h2c)")
+    ap.add_argument("--learner-id", help="stable id of this learner slot")
+    ap.add_argument("--learner-index", type=int, help="index of this learner's data shard")
+    ap.add_argument("--num-learners", type=int, help="M, number of learner slots (data shards)")
+    ap.add_argument("--token-file", help="file holding the job token (else env DDILOCO_TOKEN)")
+    # --- model and data ---
+    ap.add_argument("--model", help="model preset: tiny, small, base, gpt2")
+    ap.add_argument("--model-entry", help="module:function returning a Task (your model and data)")
+    ap.add_argument(
+        "--data", help="text file, folder, or uint16 .bin (default: Python stdlib sources)"
+    )
+    ap.add_argument("--batch-size", type=int)
+    ap.add_argument("--seed", type=int)
+    # --- optimization and schedule ---
+    ap.add_argument("--inner-lr", type=float, help="inner AdamW learning rate")
+    ap.add_argument(
+        "-H", "--h", type=int, dest="h", help="H, inner steps between hand-overs of a fragment"
+    )
+    ap.add_argument(
+        "-P", "--fragments", type=int, dest="num_fragments", help="P, number of fragments"
+    )
+    ap.add_argument("--tau", type=int, help="tau, overlap steps")
+    # --- budget and runtime ---
+    ap.add_argument("--max-steps", type=int)
+    ap.add_argument("--max-seconds", type=float)
+    ap.add_argument("--device", help="auto, cpu, cuda, cuda:1 ...")
+    ap.add_argument("--threads", type=int, help="torch CPU threads")
+    ap.add_argument(
+        "--slow-factor", type=float, help="chaos: make every step this many times slower"
+    )
+    ap.add_argument("--log-path", help="append JSON lines of steps and events here")
+    ap.add_argument("--log-every", type=int, help="print a step line every N steps")
+    ap.add_argument("--log-level", default=os.environ.get("DDILOCO_LOG_LEVEL", "INFO"))
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    from ddiloco.learner.train import init_logging, train  # torch is imported only here
+
+    overrides = {k: v for k, v in vars(args).items() if k not in ("token_file", "log_level")}
+    if args.token_file:
+        overrides["token"] = Path(args.token_file).read_text().strip()
+    cfg = LearnerConfig.from_env(**overrides)
+    if not cfg.token:
+        raise SystemExit("ddiloco learner: no token: set DDILOCO_TOKEN or pass --token-file")
+    init_logging(args.log_level, cfg.learner_id)
+    train(cfg)
+    return 0

@@ -1,0 +1,163 @@
+"""Decoupled DiLoCo around an ordinary training loop (algorithm.md §4), like torchft's DiLoCo.
+
+    with DecoupledDiLoCo(model, cfg, embedding=task.embedding_params) as diloco:
+        for step in ...:
+            loss.backward(); opt.step(); opt.zero_grad()
+            diloco.after_step(tokens)          # never blocks on the network
+
+State: the layout and schedule, for each fragment the global copy last adopted (the base
+of the next delta), its version, and the counters c_steps / c_tokens since it was last
+received. After each inner step it hands due (or requested) fragments to the uploader as
+delta = theta_local - Theta_base, copied first, and folds in every merged fragment that
+has arrived: theta_p <- Theta_p (or mixed with alpha), counters of p reset. The inner
+optimizer state is left alone. A refused or lost upload costs that fragment's unmerged
+work only; training goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddiloco.learner.config import LearnerConfig
+from ddiloco.learner.fragments import Schedule, partition
+from ddiloco.learner.streaming import Streamer
+from ddiloco.synchronizer.codec import WIRE_DTYPES
+from ddiloco.synchronizer.protocol import Heartbeat, UpdateMeta
+
+log = logging.getLogger(__name__)
+
+
+class DecoupledDiLoCo:
+    """Wraps a model's training loop with fragment streaming to the synchronizer."""
+
+    def __init__(
+        self, model: nn.Module, cfg: LearnerConfig, *, embedding: set[str] | None = None
+    ) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.params = dict(model.named_parameters())
+        self.layout = partition(self.params.items(), cfg.num_fragments, embedding)
+        self.schedule = Schedule(cfg.h, len(self.layout.fragments))
+        self.names = [[t.name for t in f.tensors] for f in self.layout.fragments]
+        n = len(self.layout.fragments)
+        self.base: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
+        self.base_version = [0] * n
+        self.c_steps = [0] * n
+        self.c_tokens = [0] * n
+        self.in_flight: set[int] = set()
+        self.step = 0
+        self.tokens_total = 0
+        self.compute_seconds = 0.0
+        self.step_ema: float | None = None
+        self.started = time.monotonic()
+        self.loss: float | None = None
+        self.stats = {"handovers": 0, "adopted": 0, "refused": 0}
+        self.streamer = Streamer(cfg, self.layout, self._initial)
+        self.events: list[dict[str, Any]] = []
+
+    def _initial(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().float().cpu() for k, v in self.params.items()}
+
+    def __enter__(self) -> DecoupledDiLoCo:
+        for p, version, tensors in self.streamer.fetch_all():
+            self._adopt(p, version, tensors)
+        self.streamer.start()
+        log.info(
+            "Joined with fragment versions %s (P=%d, H=%d)",
+            self.base_version,
+            len(self.base),
+            self.cfg.h,
+        )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.streamer.close()
+
+    @torch.no_grad()
+    def _adopt(self, p: int, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        a = self.cfg.mix_alpha
+        for name in self.names[p]:
+            local = self.params[name]
+            glob = tensors[name].to(device=local.device, dtype=local.dtype)
+            if a > 0:
+                local.mul_(a).add_(glob, alpha=1 - a)
+            else:
+                local.copy_(glob)
+            self.base[p][name] = glob.clone()
+        self.base_version[p] = version
+        self.c_steps[p] = self.c_tokens[p] = 0
+        self.in_flight.discard(p)
+        self.stats["adopted"] += 1
+        self.events.append({"event": "adopt", "fragment": p, "version": version, "step": self.step})
+
+    @torch.no_grad()
+    def _hand_over(self, p: int) -> None:
+        dtype = WIRE_DTYPES[self.cfg.wire_dtype]
+        delta = {
+            n: (self.params[n].detach() - self.base[p][n]).to(dtype).cpu() for n in self.names[p]
+        }
+        meta = UpdateMeta(
+            learner_id=self.cfg.learner_id,
+            fragment=p,
+            base_version=self.base_version[p],
+            steps=self.c_steps[p],
+            tokens=self.c_tokens[p],
+            learner_step=self.step,
+        )
+        self.streamer.send(meta, delta)
+        self.in_flight.add(p)
+        self.stats["handovers"] += 1
+        self.events.append(
+            {
+                "event": "handover",
+                "fragment": p,
+                "base": self.base_version[p],
+                "steps": self.c_steps[p],
+                "step": self.step,
+            }
+        )
+
+    def after_step(self, tokens: int, seconds: float, loss: float | None = None) -> None:
+        """Account one inner step, hand over due fragments, fold in arrived ones."""
+        self.step += 1
+        self.tokens_total += tokens
+        self.compute_seconds += seconds
+        self.loss = loss
+        self.step_ema = seconds if self.step_ema is None else 0.9 * self.step_ema + 0.1 * seconds
+        for p in range(len(self.base)):
+            self.c_steps[p] += 1
+            self.c_tokens[p] += tokens
+        for p, _, status in self.streamer.results():
+            if status not in ("accepted", "duplicate"):
+                self.in_flight.discard(p)
+                self.stats["refused"] += 1
+        due = set(self.schedule.due(self.step)) | (self.streamer.requested - self.in_flight)
+        for p in sorted(due):
+            if self.c_steps[p] > 0:
+                self._hand_over(p)
+        for p, version, tensors in self.streamer.arrivals():
+            if version > self.base_version[p]:
+                self._adopt(p, version, tensors)
+        self.streamer.report(
+            Heartbeat(
+                learner_id=self.cfg.learner_id,
+                step=self.step,
+                steps=list(self.c_steps),
+                tokens=list(self.c_tokens),
+                base_versions=list(self.base_version),
+                step_seconds=self.step_ema or 0.0,
+                compute_seconds=self.compute_seconds,
+                uptime_seconds=time.monotonic() - self.started,
+                tokens_total=self.tokens_total,
+                loss=loss,
+            )
+        )
+
+    def drain_events(self) -> list[dict[str, Any]]:
+        out, self.events = self.events, []
+        return out

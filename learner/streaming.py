@@ -1,0 +1,234 @@
+"""The learner's network side: heartbeats, fragment downloads and uploads, in threads.
+
+    streamer = Streamer(cfg, layout, initial_params)
+    streamer.start()                   # joins (and initializes the job) with backoff
+    streamer.report(snapshot)          # never blocks
+    streamer.send(meta, delta)         # queued, uploaded in the background
+    for p, version, tensors in streamer.arrivals(): ...
+
+The training loop never waits on the network (algorithm.md §4): everything here runs in
+two daemon threads with their own HTTP/2 connections. When the synchronizer is away they
+retry with capped exponential backoff; when it comes back (or forgets this learner) they
+re-join. Refused uploads (stale base, bad payload) are logged and dropped, never retried
+as is: the next hand-over of that fragment carries newer work.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ddiloco.learner.config import LearnerConfig
+from ddiloco.synchronizer import codec
+from ddiloco.synchronizer.client import SyncClient, SyncRefused, SyncUnavailable
+from ddiloco.synchronizer.protocol import LAYOUT_KEY, Heartbeat, JoinRequest, Layout, UpdateMeta
+
+log = logging.getLogger(__name__)
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass
+class Backoff:
+    base: float = 0.05
+    cap: float = 2.0
+    current: float = 0.0
+
+    def fail(self) -> float:
+        self.current = min(self.cap, max(self.base, self.current * 2))
+        return self.current
+
+    def ok(self) -> None:
+        self.current = 0.0
+
+
+class Streamer:
+    """Owns the learner's connections. State: latest heartbeat snapshot, known global
+    versions, fragments being fetched, the upload queue, arrived fragments, byte counts."""
+
+    def __init__(self, cfg: LearnerConfig, layout: Layout, initial: Callable[[], Tensors]) -> None:
+        self.cfg = cfg
+        self.layout = layout
+        self.initial = initial
+        self.stop_event = threading.Event()
+        self.snapshot: Heartbeat | None = None
+        self.requested: set[int] = set()
+        self.versions: list[int] = [0] * len(layout.fragments)
+        self.uploads: queue.Queue[tuple[UpdateMeta, Tensors]] = queue.Queue()
+        self.arrived: queue.Queue[tuple[int, int, Tensors]] = queue.Queue()
+        self.upload_results: queue.Queue[tuple[int, int, str]] = queue.Queue()
+        self.lock = threading.Lock()
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.incarnation = 0
+        self.threads: list[threading.Thread] = []
+
+    def _client(self) -> SyncClient:
+        return SyncClient(self.cfg.sync_url, self.cfg.token)
+
+    # ---- startup -----------------------------------------------------------------
+    def join(self, client: SyncClient) -> list[int]:
+        """Join the job, initializing it with our parameters if nobody has; returns versions."""
+        req = JoinRequest(
+            learner_id=self.cfg.learner_id,
+            layout_digest=self.layout.digest(),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+        )
+        resp = client.join(req)
+        self.incarnation = resp.incarnation
+        if not resp.initialized:
+            payload = codec.encode(self.initial(), {LAYOUT_KEY: self.layout.model_dump_json()})
+            init = client.init(payload)
+            log.info(
+                "Initialized the global model (created=%s digest=%s)",
+                init.created,
+                init.layout_digest,
+            )
+            return init.versions
+        return resp.versions
+
+    def fetch_all(self) -> list[tuple[int, int, Tensors]]:
+        """Block until the synchronizer answers; return every global fragment. Startup only."""
+        client, backoff = self._client(), Backoff(cap=1.0)
+        while not self.stop_event.is_set():
+            try:
+                self.join(client)
+                out = []
+                for spec in self.layout.fragments:
+                    version, tensors = client.fragment(spec.index)
+                    out.append((spec.index, version, tensors))
+                self.versions = [v for _, v, _ in out]
+                self._count(client)
+                return out
+            except SyncUnavailable as e:
+                wait = backoff.fail()
+                log.info("Synchronizer not reachable yet (%s); retrying in %.2fs", e, wait)
+                self.stop_event.wait(wait)
+        raise RuntimeError("stopped before the synchronizer answered")
+
+    def start(self) -> None:
+        for target in (self._control_loop, self._upload_loop):
+            t = threading.Thread(target=target, name=f"ddiloco-{target.__name__}", daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def close(self, drain_s: float = 2.0) -> None:
+        """Let queued uploads go out for up to `drain_s`, then stop the threads."""
+        deadline = time.monotonic() + drain_s
+        while not self.uploads.empty() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.stop_event.set()
+        for t in self.threads:
+            t.join(timeout=2.0)
+
+    # ---- loop side API (never blocks) --------------------------------------------
+    def report(self, hb: Heartbeat) -> None:
+        self.snapshot = hb
+
+    def send(self, meta: UpdateMeta, delta: Tensors) -> None:
+        self.uploads.put((meta, delta))
+
+    def arrivals(self) -> list[tuple[int, int, Tensors]]:
+        out = []
+        while True:
+            try:
+                out.append(self.arrived.get_nowait())
+            except queue.Empty:
+                return out
+
+    def results(self) -> list[tuple[int, int, str]]:
+        out = []
+        while True:
+            try:
+                out.append(self.upload_results.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _count(self, client: SyncClient) -> None:
+        with self.lock:
+            self.bytes_up += client.bytes_up
+            self.bytes_down += client.bytes_down
+        client.bytes_up = client.bytes_down = 0
+
+    # ---- threads -----------------------------------------------------------------
+    def _control_loop(self) -> None:
+        client, backoff = self._client(), Backoff()
+        have = list(self.versions)
+        while not self.stop_event.is_set():
+            hb = self.snapshot
+            try:
+                if hb is not None:
+                    hb = hb.model_copy(
+                        update={
+                            "known_versions": list(have),
+                            "wait_s": self.cfg.poll_s,
+                            "known_requested": sorted(self.requested),
+                        }
+                    )
+                    resp = client.heartbeat(hb)
+                    self.requested = set(resp.requested)
+                    for p, v in enumerate(resp.versions):
+                        if v > have[p]:
+                            version, tensors = client.fragment(p)
+                            have[p] = version
+                            self.arrived.put((p, version, tensors))
+                    self.versions = resp.versions
+                self._count(client)
+                backoff.ok()
+                if hb is None:
+                    self.stop_event.wait(0.05)
+            except SyncRefused as e:
+                if e.kind == "unknown_learner":
+                    log.warning("Synchronizer does not know this learner; joining again")
+                    self._rejoin(client, backoff)
+                else:
+                    log.warning("Heartbeat refused: %s", e)
+                    self.stop_event.wait(backoff.fail())
+            except SyncUnavailable as e:
+                wait = backoff.fail()
+                if wait >= backoff.cap:
+                    log.warning(
+                        "Synchronizer unreachable (%s); training on, retrying every %.1fs", e, wait
+                    )
+                self.stop_event.wait(wait)
+
+    def _rejoin(self, client: SyncClient, backoff: Backoff) -> None:
+        try:
+            self.join(client)
+        except (SyncRefused, SyncUnavailable) as e:
+            log.warning("Re-join failed: %s", e)
+            self.stop_event.wait(backoff.fail())
+
+    def _upload_loop(self) -> None:
+        client, backoff = self._client(), Backoff()
+        while not self.stop_event.is_set():
+            try:
+                meta, delta = self.uploads.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            while not self.stop_event.is_set():
+                try:
+                    resp = client.upload(meta, delta)
+                    self.upload_results.put((meta.fragment, meta.base_version, resp.status))
+                    backoff.ok()
+                    break
+                except SyncRefused as e:
+                    log.info("Update of fragment %d refused: %s", meta.fragment, e)
+                    self.upload_results.put((meta.fragment, meta.base_version, e.kind))
+                    break
+                except SyncUnavailable:
+                    if any(m.fragment == meta.fragment for m, _ in list(self.uploads.queue)):
+                        # newer work on the same fragment is queued: this one is superseded
+                        self.upload_results.put((meta.fragment, meta.base_version, "superseded"))
+                        break
+                    self.stop_event.wait(backoff.fail())
+            self._count(client)

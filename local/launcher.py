@@ -1,0 +1,318 @@
+"""`ddiloco local`: one synchronizer and M learners as processes on loopback.
+
+    run = LocalRun(LocalConfig(learners=3, max_seconds=60, chaos="kill", seed=1))
+    report = run.run()          # dict, also written to <out>/report.json
+
+It starts the synchronizer, waits for /healthz, starts the learners, applies the chaos
+schedule (kills and restarts, pauses, a slow half, a synchronizer kill), measures the
+global model's eval loss as it goes, stops everything at the budget, and hands the
+timeline to report.py. Nothing here trains: the children do.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddiloco.local.chaos import Schedule, learner_ids, make_schedule
+from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
+from ddiloco.synchronizer.client import SyncClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class LocalConfig:
+    learners: int = 4
+    """M, learner processes."""
+    quorum: int = 1
+    """K, minimum contributors per merge."""
+    grace: bool = True
+    """Adaptive grace window after the quorum."""
+    merge: str = "rda"
+    """rda or mean for non-embedding fragments."""
+    model: str = "tiny"
+    model_entry: str | None = None
+    data: str | None = None
+    max_seconds: float = 0.0
+    """Training wall-clock budget (0: none; 60 s when no step budget either)."""
+    max_steps: int = 0
+    """Inner steps per learner slot (0: none)."""
+    chaos: str = "none"
+    seed: int = 0
+    h: int = 24
+    fragments: int = 4
+    tau: int = 2
+    batch_size: int = 8
+    inner_lr: float = 3e-3
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    eval_every: float = 5.0
+    """Seconds between evaluations of the global model."""
+    out: Path = field(default_factory=lambda: Path("runs") / time.strftime("local-%Y%m%d-%H%M%S"))
+    schedule: Schedule | None = None
+    """A ready chaos schedule; None derives one from `chaos` and `seed`."""
+
+    def __post_init__(self) -> None:
+        if self.learners < 1:
+            raise ValueError(f"learners must be >= 1, got {self.learners}")
+        if not 1 <= self.quorum <= self.learners:
+            raise ValueError(f"quorum must be in 1..learners ({self.learners}), got {self.quorum}")
+        if self.max_seconds <= 0 and self.max_steps <= 0:
+            self.max_seconds = 60.0
+
+
+class LocalRun:
+    """Owns the children and the run's clock. Failure of a child is chaos, not an error:
+    a learner that exits on its own before its budget is logged and restarted."""
+
+    def __init__(self, cfg: LocalConfig, on_tick: Callable[[LocalRun], None] | None = None) -> None:
+        self.cfg = cfg
+        self.out = Path(cfg.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.token = secrets.token_urlsafe(24)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.schedule = cfg.schedule or make_schedule(
+            cfg.chaos, learners=cfg.learners, seconds=cfg.max_seconds or 120.0, seed=cfg.seed
+        )
+        self.on_tick = on_tick
+        self.t_launch = 0.0
+        self.t0 = 0.0
+        """When training began: the first inner step of any learner. Budgets and goodput count
+        from here; the job's first start-up (imports, data) is the same for every method."""
+        self.t_end = 0.0
+        self.sync = self._sync_child()
+        self.learners = [
+            self._learner_child(i, lid) for i, lid in enumerate(learner_ids(cfg.learners))
+        ]
+        self.applied: list[dict[str, Any]] = []
+        self.evaluator: Any = None
+        self.status: Any = None
+
+    def _sync_child(self) -> Child:
+        c = self.cfg
+        argv = ddiloco_command(
+            "synchronizer",
+            "--port",
+            str(self.port),
+            "--state-dir",
+            str(self.out / "state"),
+            "--quorum",
+            str(c.quorum),
+            "--merge",
+            c.merge,
+            "--log-level",
+            "WARNING",
+        )
+        if not c.grace:
+            argv.append("--no-grace")
+        env = env_with(
+            DDILOCO_TOKEN=self.token,
+            DDILOCO_TAU=str(c.tau),
+            DDILOCO_OUTER_LR=str(c.outer_lr),
+            DDILOCO_OUTER_MOMENTUM=str(c.outer_momentum),
+            DDILOCO_COUNTER_CAP_STEPS=str(4 * c.h),
+        )
+        return Child("synchronizer", argv, env, self.out / "logs" / "synchronizer.log")
+
+    def _learner_child(self, index: int, lid: str) -> Child:
+        c = self.cfg
+        argv = ddiloco_command(
+            "learner",
+            "--sync-url",
+            self.url,
+            "--learner-id",
+            lid,
+            "--learner-index",
+            str(index),
+            "--num-learners",
+            str(c.learners),
+            "--batch-size",
+            str(c.batch_size),
+            "--seed",
+            str(c.seed),
+            "--inner-lr",
+            str(c.inner_lr),
+            "-H",
+            str(c.h),
+            "-P",
+            str(c.fragments),
+            "--tau",
+            str(c.tau),
+            "--log-path",
+            str(self.learner_log(lid)),
+            "--log-every",
+            "0",
+            "--threads",
+            "1",
+            "--slow-factor",
+            str(self.schedule.slow_factors.get(lid, 1.0)),
+            "--log-level",
+            "WARNING",
+        )
+        if c.model_entry:
+            argv += ["--model-entry", c.model_entry]
+        else:
+            argv += ["--model", c.model]
+        if c.data:
+            argv += ["--data", c.data]
+        env = env_with(DDILOCO_TOKEN=self.token, OMP_NUM_THREADS="1")
+        return Child(lid, argv, env, self.out / "logs" / f"{lid}.log")
+
+    def learner_log(self, lid: str) -> Path:
+        return self.out / "learners" / f"{lid}.jsonl"
+
+    def steps_done(self, lid: str) -> int:
+        path = self.learner_log(lid)
+        if not path.exists():
+            return 0
+        steps = 0
+        for line in path.read_text().splitlines():
+            if '"step"' in line and '"dt"' in line:
+                steps += 1
+        return steps
+
+    def _start_learner(self, child: Child) -> None:
+        argv = list(child.argv)
+        if self.cfg.max_steps:
+            left = max(1, self.cfg.max_steps - self.steps_done(child.name))
+            argv += ["--max-steps", str(left)]
+        child.start(argv)
+
+    def elapsed(self) -> float:
+        return time.time() - self.t0 if self.t0 else 0.0
+
+    def _first_step_time(self) -> float | None:
+        times = []
+        for child in self.learners:
+            path = self.learner_log(child.name)
+            if path.exists():
+                with open(path) as f:
+                    for line in f:
+                        if '"dt"' in line:
+                            rec = json.loads(line)
+                            times.append(rec["t"] - rec["dt"])
+                            break
+        return min(times) if times else None
+
+    def _wait_healthy(self, timeout: float = 60.0) -> None:
+        client = SyncClient(self.url, self.token)
+        deadline = time.time() + timeout
+        while not client.healthy():
+            if not self.sync.alive():
+                raise RuntimeError(f"synchronizer exited; see {self.sync.log_path}")
+            if time.time() > deadline:
+                raise RuntimeError(
+                    f"synchronizer not healthy after {timeout:.0f}s; see {self.sync.log_path}"
+                )
+            time.sleep(0.05)
+        client.close()
+
+    def _apply_chaos(self, now: float) -> None:
+        by_name = {c.name: c for c in [self.sync, *self.learners]}
+        while self.schedule.events and self.schedule.events[0].at <= now:
+            ev = self.schedule.events.pop(0)
+            child = by_name[ev.target]
+            if child.finished or not child.alive():
+                continue
+            if ev.action in ("kill", "kill_sync"):
+                child.kill()
+                child.restart_at = now + ev.delay
+            elif ev.action == "pause":
+                child.pause()
+                child.resume_at = now + ev.delay
+            self.applied.append({**asdict(ev), "applied_at": round(now, 3)})
+            log.info("Chaos %s %s (back in %.1fs)", ev.action, ev.target, ev.delay)
+        for child in by_name.values():
+            if child.resume_at is not None and now >= child.resume_at:
+                child.resume()
+            if child.restart_at is not None and now >= child.restart_at:
+                if child is self.sync:
+                    child.start()
+                else:
+                    self._start_learner(child)
+
+    def _check_learners(self, now: float) -> None:
+        for child in self.learners:
+            if child.finished or child.restart_at is not None or child.alive():
+                continue
+            code = child.exit_code()
+            if (
+                code == 0
+                and self.cfg.max_steps
+                and self.steps_done(child.name) >= self.cfg.max_steps
+            ):
+                child.finished = True
+            else:
+                log.warning("Learner %s exited with %s; restarting it", child.name, code)
+                child.restart_at = now + 1.0
+
+    def done(self, now: float) -> bool:
+        if self.cfg.max_seconds and now >= self.cfg.max_seconds:
+            return True
+        return all(c.finished for c in self.learners)
+
+    def run(self) -> dict[str, Any]:
+        from ddiloco.local.evaluator import GlobalEvaluator
+        from ddiloco.local.report import build_report
+
+        (self.out / "schedule.json").write_text(self.schedule.to_json())
+        children = [self.sync, *self.learners]
+        try:
+            self.sync.start()
+            self._wait_healthy()
+            self.t_launch = time.time()
+            for child in self.learners:
+                self._start_learner(child)
+            c = self.cfg
+            self.evaluator = GlobalEvaluator(
+                self.url,
+                self.token,
+                preset=c.model,
+                data=c.data,
+                model_entry=c.model_entry,
+                seed=c.seed,
+                every_s=c.eval_every,
+            )
+            self.evaluator.start()
+            while not self.t0:
+                if time.time() - self.t_launch > 300:
+                    raise RuntimeError(
+                        f"no learner took a step within 300 s; see {self.out / 'logs'}"
+                    )
+                for child in self.learners:
+                    if child.exit_code() is not None:
+                        tail = child.log_path.read_text(errors="replace").splitlines()[-15:]
+                        raise RuntimeError(f"{child.name} exited before its first step:\n" + "\n".join(tail))
+                self.t0 = self._first_step_time() or 0.0
+                time.sleep(0.05)
+            while True:
+                now = self.elapsed()
+                if self.done(now):
+                    break
+                self._apply_chaos(now)
+                self._check_learners(now)
+                if self.on_tick:
+                    self.on_tick(self)
+                time.sleep(0.05)
+            self.t_end = time.time()
+            terminate_all(self.learners)
+            self.evaluator.stop()
+            if not self.sync.alive():  # a synchronizer killed near the end: bring it back
+                self.sync.start()
+                self._wait_healthy()
+            time.sleep(0.3)  # last merges of updates the learners flushed on SIGTERM
+            self.evaluator.evaluate()
+            self.status = SyncClient(self.url, self.token).status()
+        finally:
+            terminate_all(children)
+        report = build_report(self)
+        (self.out / "report.json").write_text(json.dumps(report, indent=2))
+        return report
