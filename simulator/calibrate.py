@@ -1,0 +1,247 @@
+"""`ddiloco simulate --calibrate r.json`: replay a `ddiloco local` run in the simulator.
+
+    ddiloco simulate --calibrate /tmp/ddiloco-reports/kill.json [--json]
+    .venv/bin/python bench/sim_calibrate.py /tmp/ddiloco-reports/*.json
+
+From the report it takes the scenario: M learners, the run's wall time, each learner's
+mean step time (a slow learner's is longer), its kill times and restart delays, its
+SIGSTOP pauses, and two overheads measured on the machine: the start-up time before a
+learner's first step, and the time a restarted learner needs before it steps again
+(process start, imports, fetching every fragment). Where the report has no `timeline`, the
+overheads default to 0 (or `--startup-s` / `--restart-s`).
+
+It then replays that scenario on the event loop, step by step: a learner computes steps
+of its mean duration; a kill loses the step in flight; a pause freezes the learner; learners
+never wait for each other or for merges (algorithm.md §4), whatever K is. The predicted
+goodput is what the replay computed over what it held (algorithm.md §9, the same formula
+as the report); it never reads the measured compute seconds. The merged-work ratio is
+predicted from the rounds a down learner misses (`strategies.lost_to_missed_rounds`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ddiloco.simulator.engine import EventLoop
+from ddiloco.simulator.strategies import lost_from_intervals
+
+
+@dataclass(frozen=True)
+class MachineConstants:
+    """Overheads of the machine the run was made on, measured from a report."""
+
+    startup_s: float = 0.0
+    """Launch to first inner step."""
+    restart_s: float = 0.0
+    """Restarted process to its first inner step (imports, fetching every fragment)."""
+    step_gap_s: float = 0.0
+    """Time between two inner steps that is not the step itself (fragment hand-over,
+    metadata, logging)."""
+
+
+def measure_constants(report: dict[str, Any]) -> MachineConstants:
+    """Median start-up, restart and per-step overheads over a report's learners."""
+    wall = float(report["wall_seconds"])
+    startups: list[float] = []
+    restarts: list[float] = []
+    for lr in report["learners"]:
+        spans = (lr.get("timeline") or {}).get("compute") or []
+        if spans:
+            startups.append(min(a for a, _ in spans))
+        for t_kill, delay in zip(lr.get("kill_times", []), lr.get("restart_delays", []),
+                                 strict=False):
+            first = _first_after(spans, t_kill + delay) if spans else None
+            if first is not None:
+                restarts.append(first - (t_kill + delay))
+    startup = statistics.median(startups) if startups else 0.0
+    restart = statistics.median(restarts) if restarts else 0.0
+    gaps = []
+    for lr in report["learners"]:
+        steps = int(lr.get("steps") or 0)
+        if steps <= 0:
+            continue
+        idle = lr.get("wait_seconds")
+        if idle is None:
+            idle = wall - lr.get("compute_seconds", 0.0) - lr.get("dead_seconds", 0.0) \
+                - lr.get("paused_seconds", 0.0)
+        other = startup + len(lr.get("restart_delays", [])) * restart
+        gaps.append(max(0.0, float(idle) - other) / steps)
+    return MachineConstants(startup, restart, statistics.median(gaps) if gaps else 0.0)
+
+
+@dataclass
+class LearnerScenario:
+    """What the replay needs to know of one learner."""
+
+    id: str
+    step_s: float
+    down: list[tuple[float, float, bool]] = field(default_factory=list)
+    """(start, end, killed): stretches without the process computing; a kill loses the
+    step in flight, a pause only freezes it."""
+    startup_s: float = 0.0
+    step_gap_s: float = 0.0
+
+
+@dataclass
+class Scenario:
+    wall_s: float
+    learners: list[LearnerScenario]
+    quorum: int
+    H: int
+    measured_goodput: float | None = None
+    measured_merged: float | None = None
+    name: str = ""
+
+
+def _first_after(spans: list[list[float]], t: float) -> float | None:
+    starts = [a for a, _ in spans if a >= t - 1e-6]
+    return min(starts) if starts else None
+
+
+def scenario_from_report(
+    report: dict[str, Any], constants: MachineConstants | None = None, name: str = ""
+) -> Scenario:
+    """The replayable scenario of a `ddiloco local` report (see the module docstring);
+    the machine's overheads are measured from the same report unless given."""
+    cfg = report["config"]
+    wall = float(report["wall_seconds"])
+    k = constants or measure_constants(report)
+    learners = []
+    for lr in report["learners"]:
+        step = float(lr.get("step_seconds_mean") or 0.0)
+        if step <= 0:
+            step = wall  # never stepped: nothing to replay
+        down: list[tuple[float, float, bool]] = []
+        delays = list(lr.get("restart_delays", []))
+        for i, t_kill in enumerate(lr.get("kill_times", [])):
+            end = t_kill + delays[i] + k.restart_s if i < len(delays) else wall
+            down.append((float(t_kill), min(float(end), wall), True))
+        for a, b in (lr.get("timeline") or {}).get("paused", []):
+            down.append((float(a), float(b), False))
+        down.sort()
+        learners.append(LearnerScenario(id=str(lr["id"]), step_s=step, down=down,
+                                        startup_s=k.startup_s, step_gap_s=k.step_gap_s))
+    return Scenario(
+        wall_s=wall,
+        learners=learners,
+        quorum=int(cfg.get("quorum", 1)),
+        H=int(cfg.get("H", 24)),
+        measured_goodput=report.get("goodput"),
+        measured_merged=report.get("merged_work_ratio"),
+        name=name,
+    )
+
+
+class _Replay:
+    """One learner on the event loop: steps back to back, except while down."""
+
+    def __init__(self, loop: EventLoop, sc: LearnerScenario, wall: float) -> None:
+        self.loop, self.sc, self.wall = loop, sc, wall
+        self.cycle_s = sc.step_s + sc.step_gap_s
+        self.compute_s = 0.0
+        self.intervals: list[tuple[float, float, float]] = []
+        self._seg_start: float | None = None
+        self._step_event: Any = None
+        self._step_started = 0.0
+        self._frozen_s = 0.0
+        for a, b, killed in sc.down:
+            loop.at(max(a, 0.0), self._down, killed)
+            loop.at(max(b, a, 0.0), self._up)
+        loop.at(min(sc.startup_s, wall), self._up)
+        self._downs = 1  # not started yet
+
+    def _down(self, killed: bool) -> None:
+        self._downs += 1
+        if self._downs > 1 or self._step_event is None:
+            return
+        now = self.loop.now
+        EventLoop.cancel(self._step_event)
+        self._step_event = None
+        done = now - self._step_started
+        if killed:
+            self._frozen_s = 0.0  # the step in flight is lost
+        else:
+            self._frozen_s = done  # resumes where it stopped
+        self._close_segment(self._step_started)
+
+    def _up(self) -> None:
+        self._downs = max(0, self._downs - 1)
+        if self._downs == 0 and self._step_event is None:
+            self._seg_start = self.loop.now
+            self._begin_step(self.cycle_s - self._frozen_s)
+            self._frozen_s = 0.0
+
+    def _begin_step(self, duration: float) -> None:
+        # One cycle: the step, then the hand-over gap; credited when the step completes.
+        self._step_started = self.loop.now - (self.cycle_s - duration)
+        self._step_event = self.loop.after(duration, self._step_done)
+
+    def _step_done(self) -> None:
+        self._step_event = None
+        self.compute_s += self.sc.step_s
+        self._begin_step(self.cycle_s)
+
+    def _close_segment(self, end: float) -> None:
+        if self._seg_start is not None and end > self._seg_start:
+            self.intervals.append((self._seg_start, end, 1.0))
+        self._seg_start = None
+
+    def finish(self) -> None:
+        if self._step_event is not None:
+            EventLoop.cancel(self._step_event)
+            self._close_segment(self._step_started)
+
+
+def replay(sc: Scenario) -> dict[str, Any]:
+    """Replay `sc`; predicted goodput, merged-work ratio and per-learner compute seconds."""
+    loop = EventLoop()
+    reps = [_Replay(loop, lr, sc.wall_s) for lr in sc.learners]
+    loop.run(until=sc.wall_s)
+    for r in reps:
+        r.finish()
+    held = sc.wall_s * len(reps)
+    computed = sum(r.compute_s for r in reps)
+    steps = [r.sc.step_s for r in reps]
+    ivs = [np.array(r.intervals, dtype=float).reshape(-1, 3) for r in reps]
+    lost = lost_from_intervals(ivs, steps, sc.quorum, sc.H, grace_s=max(steps))
+    return {
+        "name": sc.name,
+        "goodput": computed / held if held else 0.0,
+        "merged_work_ratio": max(0.0, 1.0 - lost / computed) if computed else 0.0,
+        "measured_goodput": sc.measured_goodput,
+        "measured_merged_work_ratio": sc.measured_merged,
+        "learners": {r.sc.id: round(r.compute_s, 3) for r in reps},
+        "startup_s": sc.learners[0].startup_s if sc.learners else 0.0,
+        "step_gap_s": sc.learners[0].step_gap_s if sc.learners else 0.0,
+    }
+
+
+def calibrate(path: str | Path, constants: MachineConstants | None = None) -> dict[str, Any]:
+    """Replay the report at `path` (overheads measured from `constants`, or from itself)."""
+    report = json.loads(Path(path).read_text())
+    result = replay(scenario_from_report(report, constants, name=Path(path).stem))
+    if result["measured_goodput"] is not None:
+        result["deviation_points"] = abs(result["goodput"] - result["measured_goodput"]) * 100
+    return result
+
+
+def format_calibration(results: list[dict[str, Any]]) -> str:
+    lines = [f"{'report':<24}{'measured':>10}{'simulated':>11}{'deviation':>11}"
+             f"{'merged meas.':>14}{'merged sim.':>13}"]
+    for r in results:
+        meas = r["measured_goodput"]
+        mm = r["measured_merged_work_ratio"]
+        dev = r.get("deviation_points", math.nan)
+        lines.append(
+            f"{r['name']:<24}{(meas if meas is not None else math.nan):>10.1%}"
+            f"{r['goodput']:>11.1%}{dev:>9.1f} pt"
+            f"{(mm if mm is not None else math.nan):>14.1%}{r['merged_work_ratio']:>13.1%}"
+        )
+    return "\n".join(lines)

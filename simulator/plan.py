@@ -1,0 +1,96 @@
+"""`ddiloco simulate --plan`: search M, K, P, H for a fleet and rank the configurations.
+
+    ddiloco simulate --plan --chips 600000 --link-gbps 10 --top 5
+    ddiloco simulate --plan --chips 600000 --link-gbps 10 --json
+
+For each learner count M the fleet's failures are simulated once (learners are elastic
+jobs of N/M chips, `failures.Job`); every (K, H) is then scored on the same runs:
+goodput (a barrier when K = M, none otherwise), merged-work ratio (work lost by learners
+that miss rounds, `strategies.lost_to_missed_rounds`), and per-site traffic for every P
+(`network.decoupled_traffic`). Configurations whose mean traffic or peak (a fragment's
+round trip within tau steps) exceeds the slowest link are dropped. Ranking: effective
+goodput (goodput x merged-work ratio), then lower peak bandwidth. Model quality is not
+simulated: larger H and smaller K trade quality the simulator cannot see (algorithm.md §10).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ddiloco.simulator.config import FailureConfig, NetworkConfig, RunConfig
+from ddiloco.simulator.network import decoupled_traffic
+from ddiloco.simulator.strategies import (
+    barrier_rounds,
+    lost_to_missed_rounds,
+    run_jobs,
+    split_chips,
+)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    learners: int
+    quorum: int
+    fragments: int
+    H: int
+    goodput: float
+    merged_work_ratio: float
+    effective_goodput: float
+    mean_gbps: float
+    peak_gbps: float
+
+
+def search(
+    run: RunConfig,
+    fail: FailureConfig,
+    net: NetworkConfig,
+    *,
+    learners: tuple[int, ...] = (2, 4, 8, 16),
+    fragments: tuple[int, ...] = (4, 12, 24, 48),
+    hs: tuple[int, ...] = (12, 24, 48, 96),
+) -> list[Candidate]:
+    """Every feasible configuration, best first."""
+    out: list[Candidate] = []
+    link = min(net.link_gbps)
+    for m in learners:
+        if m > run.chips:
+            continue
+        jobs, _ = run_jobs(split_chips(run.chips, m), fail, run.horizon_s, run.seed, elastic=True)
+        allocated = run.chips * run.horizon_s
+        free = sum(j.good_chip_s for j in jobs)
+        for k in sorted({1, max(1, m // 2), m}):
+            for h in hs:
+                computed = barrier_rounds(jobs, h, run.horizon_s) if k == m else free
+                lost = 0.0 if k == m else lost_to_missed_rounds(jobs, k, h, fail.step_s)
+                merged = max(0.0, 1.0 - lost / max(computed, 1e-12))
+                for p in fragments:
+                    if p > h:
+                        continue  # at most one fragment due per step
+                    t = decoupled_traffic(net, fail.step_s, p, h, run.tau)
+                    mean = max(t.up_mean_gbps, t.down_mean_gbps)
+                    if mean > link or t.peak_gbps > link:
+                        continue
+                    good = computed / allocated
+                    out.append(Candidate(m, k, p, h, good, merged, good * merged, mean,
+                                         t.peak_gbps))
+    out.sort(key=lambda c: (-round(c.effective_goodput, 3), c.peak_gbps))
+    return out
+
+
+def format_plan(cands: list[Candidate], top: int) -> str:
+    head = f"{'M':>3} {'K':>3} {'P':>3} {'H':>3} {'goodput':>8} {'merged':>7} " \
+           f"{'effective':>9} {'mean Gb/s':>9} {'peak Gb/s':>9}"
+    lines = [head]
+    for c in cands[:top]:
+        lines.append(
+            f"{c.learners:>3} {c.quorum:>3} {c.fragments:>3} {c.H:>3} {c.goodput:>8.1%} "
+            f"{c.merged_work_ratio:>7.1%} {c.effective_goodput:>9.1%} {c.mean_gbps:>9.2f} "
+            f"{c.peak_gbps:>9.2f}"
+        )
+    if not cands:
+        lines.append("no configuration fits the links; raise --link-gbps or lower precision")
+    return "\n".join(lines)
+
+
+def as_json(cands: list[Candidate], top: int) -> list[dict[str, float]]:
+    return [asdict(c) for c in cands[:top]]
