@@ -1,0 +1,317 @@
+"""Helpers and fixtures for the operator's integration tests (tests/integration/test_operator_*.py).
+
+    .venv/bin/pytest tests/integration -m integration -k operator
+
+The operator runs as in production: `python -m ddiloco.cli.main operator -n <namespace>` in a
+subprocess, on the home cluster's kubeconfig; the regions are reached only through kubeconfig
+Secrets made here (certificates inlined, as `kubectl config view --flatten` would). Each test
+gets a fresh namespace in every cluster (conftest's `k8s_namespace`) and its own operator
+watching only that namespace. Waits are deadlines on conditions, never bare sleeps.
+
+Test files load this module by path (pytest runs with --import-mode=importlib, so nothing
+here is importable by name) and import the fixtures they use (`cl`, `operator`,
+`crd_installed`, defined here as *_fixture functions).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import k8senv
+import kubernetes
+import pytest
+import yaml
+from kubernetes.client.exceptions import ApiException
+
+REPO = Path(__file__).resolve().parents[2]
+CRD_FILE = REPO / "deploy" / "crds" / "ddiloco.dev_decoupleddilocojobs.yaml"
+EXAMPLES = REPO / "deploy" / "examples"
+GROUP, VERSION, PLURAL = "ddiloco.dev", "v1alpha1", "decoupleddilocojobs"
+RESYNC_S = "0.5"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --------------------------------------------------------------------------- the operator
+
+
+@dataclass
+class Operator:
+    """One `ddiloco operator` process; restartable, killable."""
+
+    kubeconfig: Path
+    namespace: str
+    log_dir: Path
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+
+    @property
+    def log(self) -> Path:
+        return self.log_dir / f"operator-{self.starts}.log"
+
+    def start(self, timeout: float = 30.0) -> None:
+        self.starts += 1
+        port = free_port()
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig),
+               "DDILOCO_OPERATOR_RESYNC_SECONDS": RESYNC_S,
+               "DDILOCO_OPERATOR_STATUS_POLL_SECONDS": "1",
+               "DDILOCO_OPERATOR_LIVENESS_ENDPOINT": f"http://127.0.0.1:{port}/healthz",
+               "DDILOCO_OPERATOR_CLEANUP_TIMEOUT_SECONDS": "10", **self.env}
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ddiloco.cli.main", "operator", "-n", self.namespace,
+                 "--verbose"], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=self.log_dir)
+
+        def alive() -> bool:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"operator exited with {self.proc.returncode}:\n{self.tail()}")
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                return r.status == 200
+        try:
+            k8senv.wait_until("the operator's liveness endpoint", alive, timeout=timeout)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}\n{self.tail()}") from None
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, as a crashed or OOM-killed operator."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def tail(self, lines: int = 40) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+# --------------------------------------------------------------------------- cluster access
+
+
+class Clusters:
+    """kubernetes API clients per cluster of the control plane, for the test's own checks."""
+
+    def __init__(self, plane: Any, namespace: str) -> None:
+        self.plane, self.ns = plane, namespace
+        self.api = {name: cl.api_client() for name, cl in plane.clusters.items()}
+
+    def core(self, cluster: str = "home") -> kubernetes.client.CoreV1Api:
+        return kubernetes.client.CoreV1Api(self.api[cluster])
+
+    def apps(self, cluster: str = "home") -> kubernetes.client.AppsV1Api:
+        return kubernetes.client.AppsV1Api(self.api[cluster])
+
+    def custom(self) -> kubernetes.client.CustomObjectsApi:
+        return kubernetes.client.CustomObjectsApi(self.api["home"])
+
+    def job(self, name: str) -> dict[str, Any]:
+        return self.custom().get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name)
+
+    def pods(self, cluster: str, job: str) -> list[Any]:
+        return self.core(cluster).list_namespaced_pod(
+            self.ns, label_selector=f"ddiloco.dev/job={job}").items
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True
+                ) -> subprocess.CompletedProcess[str]:
+        return self.plane.kubectl("home", "-n", self.ns, *args, input=input, check=check)
+
+    def close(self) -> None:
+        for client in self.api.values():
+            client.close()
+
+
+def condition(job: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in (job.get("status") or {}).get("conditions") or []
+                 if c["type"] == type_), {})
+
+
+def wait_condition(cl: Clusters, name: str, type_: str, status: str = "True",
+                   reason: str | None = None, timeout: float = 60.0) -> dict[str, Any]:
+    """Wait for a job condition; return the job. The timeout message shows the conditions."""
+    last: dict[str, Any] = {}
+
+    def probe() -> dict[str, Any] | None:
+        nonlocal last
+        last = cl.job(name)
+        c = condition(last, type_)
+        ok = c.get("status") == status and (reason is None or c.get("reason") == reason)
+        return last if ok else None
+    try:
+        return k8senv.wait_until(f"{type_}={status} ({reason}) on {name}", probe, timeout)
+    except TimeoutError as e:
+        conds = (last.get("status") or {}).get("conditions")
+        raise TimeoutError(f"{e}; conditions: {json.dumps(conds, indent=1)}") from None
+
+
+def flat_kubeconfig(cluster: Any) -> str:
+    """The cluster's kubeconfig with the CA inlined: a Secret cannot point at our files."""
+    cfg = json.loads(Path(cluster.kubeconfig).read_text())
+    for entry in cfg["clusters"]:
+        ca = entry["cluster"].pop("certificate-authority", None)
+        if ca:
+            entry["cluster"]["certificate-authority-data"] = \
+                base64.b64encode(Path(ca).read_bytes()).decode()
+    return yaml.safe_dump(cfg)
+
+
+def kubeconfig_secret(cl: Clusters, secret: str, cluster: str | None,
+                      text: str | None = None) -> None:
+    """Create or replace a kubeconfig Secret in the home namespace (for `cluster`, or `text`)."""
+    content = text if text is not None else flat_kubeconfig(cl.plane.clusters[cluster])
+    body = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret},
+            "type": "Opaque", "stringData": {"kubeconfig": content}}
+    core = cl.core()
+    try:
+        core.create_namespaced_secret(cl.ns, body)
+    except ApiException as e:
+        if e.status != 409:
+            raise
+        core.replace_namespaced_secret(secret, cl.ns, body)
+
+
+def state_volume(cl: Clusters, job: str, size: str = "50Gi") -> str:
+    """A PersistentVolume pre-bound to the job's synchronizer claim: the control plane has no
+    storage provisioner, and the synchronizer pod is scheduled only once its claim is bound."""
+    name = f"{cl.ns}-{job}"[:63].rstrip("-")
+    cl.core().create_persistent_volume({
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": name},
+        "spec": {"capacity": {"storage": size}, "accessModes": ["ReadWriteOnce"],
+                 "persistentVolumeReclaimPolicy": "Delete", "storageClassName": "",
+                 "hostPath": {"path": f"/tmp/ddiloco-test/{name}"},
+                 "claimRef": {"namespace": cl.ns, "name": f"{job}-synchronizer-state"}}})
+    return name
+
+
+def job_manifest(name: str, groups: list[dict[str, Any]], **spec: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "DecoupledDiLoCoJob",
+        "metadata": {"name": name},
+        "spec": {"image": "ddiloco:test", "training": {"model": "tiny", "maxSteps": 100},
+                 "synchronizer": {"storage": {"size": "1Gi", "storageClassName": ""}},
+                 "learnerGroups": groups,
+                 "failurePolicy": {"backoffSeconds": 0.5, "maxReplacementsPerSlot": 5}}}
+    body["spec"].update(spec)
+    return body
+
+
+def remote(name: str, replicas: int, secret: str | None = None) -> dict[str, Any]:
+    return {"name": name, "replicas": replicas,
+            "cluster": {"kubeconfigSecret": {"name": secret or f"{name}-kubeconfig"}},
+            "resources": {"limits": {"nvidia.com/gpu": 1}}}
+
+
+def pods_by_slot(cl: Clusters, clusters: list[str], job: str) -> dict[str, list[Any]]:
+    """Pods of the job in the given clusters, by learner id."""
+    out: dict[str, list[Any]] = {}
+    for name in clusters:
+        for p in cl.pods(name, job):
+            out.setdefault(p.metadata.labels["ddiloco.dev/learner-id"], []).append(p)
+    return out
+
+
+def running_uids(cl: Clusters, clusters: list[str], job: str) -> dict[str, str]:
+    """learner id -> uid of its Running, Ready pod; only when every slot has exactly one."""
+    out: dict[str, str] = {}
+    for lid, pods in pods_by_slot(cl, clusters, job).items():
+        live = [p for p in pods if p.status.phase == "Running" and not p.metadata.deletion_timestamp]
+        if len(pods) == 1 and live:
+            out[lid] = live[0].metadata.uid
+    return out
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session", name="crd_installed")
+def crd_fixture(k8s: Any) -> None:
+    k8s.kubectl("home", "apply", "--server-side", "-f", str(CRD_FILE))
+    k8s.kubectl("home", "wait", "--for=condition=Established", "--timeout=60s",
+                f"crd/{PLURAL}.{GROUP}")
+
+
+@pytest.fixture(name="cl")
+def cl_fixture(k8s: Any, k8s_namespace: str, crd_installed: None) -> Iterator[Clusters]:
+    clusters = Clusters(k8s, k8s_namespace)
+    pvs: list[str] = []
+    clusters.pvs = pvs  # type: ignore[attr-defined]
+    yield clusters
+    for pv in pvs:
+        with contextlib.suppress(ApiException):
+            clusters.core().delete_persistent_volume(pv)
+    clusters.close()
+
+
+@pytest.fixture(name="operator")
+def operator_fixture(k8s: Any, cl: Clusters, tmp_path: Path) -> Iterator[Operator]:
+    op = Operator(k8s.home.kubeconfig, cl.ns, tmp_path)
+    op.start()
+    yield op
+    try:
+        delete_jobs(cl, op)
+    finally:
+        op.stop()
+
+
+def delete_jobs(cl: Clusters, op: Operator, timeout: float = 30.0) -> None:
+    """Delete every job of the namespace while the operator runs (it holds finalizers); if it
+    cannot finish, strip the finalizers so the namespace can go."""
+    custom = cl.custom()
+    items = custom.list_namespaced_custom_object(GROUP, VERSION, cl.ns, PLURAL)["items"]
+    for job in items:
+        custom.delete_namespaced_custom_object(GROUP, VERSION, cl.ns, PLURAL,
+                                               job["metadata"]["name"])
+    try:
+        k8senv.wait_until("jobs deleted", lambda: not custom.list_namespaced_custom_object(
+            GROUP, VERSION, cl.ns, PLURAL)["items"], timeout)
+    except TimeoutError:
+        for job in custom.list_namespaced_custom_object(GROUP, VERSION, cl.ns, PLURAL)["items"]:
+            custom.patch_namespaced_custom_object(GROUP, VERSION, cl.ns, PLURAL,
+                                                  job["metadata"]["name"],
+                                                  {"metadata": {"finalizers": None}})
+        if op.running():
+            raise
+
+
+def create_job(cl: Clusters, body: dict[str, Any], volume: bool = True) -> str:
+    name = body["metadata"]["name"]
+    if volume:
+        cl.pvs.append(state_volume(cl, name))  # type: ignore[attr-defined]
+    cl.custom().create_namespaced_custom_object(GROUP, VERSION, cl.ns, PLURAL, body,
+                                                field_validation="Strict")
+    return name
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.monotonic()
+    out = fn()
+    return out, time.monotonic() - t0
