@@ -1,0 +1,64 @@
+"""`ddiloco simulate` as a user runs it: JSON shapes of every subcommand.
+
+    .venv/bin/pytest tests/unit/test_sim_cli.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ddiloco.simulator.cli import main
+
+REPORT = Path(__file__).parent / "data" / "sim_local_report.json"
+
+
+def run_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> object:
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_paper_table_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(capsys, ["paper-table", "--json", "--horizon-days", "0.02"])
+    assert isinstance(out, dict)
+    assert list(out) == ["dp", "elastic_dp", "m2", "m4", "m8", "m16"]
+    for cols in out.values():
+        assert list(cols) == ["150k", "300k", "600k", "1.2M", "2.4M"]
+        assert all(0.0 <= v <= 1.0 for v in cols.values())
+    assert out["m16"]["2.4M"] > out["dp"]["2.4M"]
+
+
+def test_paper_table_text_and_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    png = tmp_path / "g.png"
+    assert main(["paper-table", "--horizon-days", "0.01", "--plot", str(png)]) == 0
+    assert "max deviation" in capsys.readouterr().out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_run_json_has_every_method(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(capsys, ["run", "--chips", "20000", "--learners", "4", "--horizon-days",
+                            "0.05", "--json"])
+    assert isinstance(out, list)
+    assert [r["strategy"] for r in out] == ["dp", "elastic_dp", "diloco", "decoupled"]
+    assert "peak_gbps_per_site" in out[3] and "wall_days_to_tokens" in out[0]
+
+
+def test_wide_area_json(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(capsys, ["wide-area", "--json"])
+    assert isinstance(out, dict)
+    four = out["four_sites"]
+    assert four["speedup"] > 20  # 12B bf16 over a 2 Gbps ring vs a 5 s step
+    assert four["slowest_link_utilisation"] < 1.0
+    assert out["eight_sites"]["dp_gbps_per_site"] > 10 * out["eight_sites"][
+        "decoupled_gbps_per_site_bf16"]
+
+
+def test_plan_flag_and_calibrate_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    plan = run_json(capsys, ["--plan", "--chips", "50000", "--horizon-days", "0.05",
+                             "--top", "3", "--json"])
+    assert isinstance(plan, list) and 1 <= len(plan) <= 3
+    assert plan[0]["effective_goodput"] >= plan[-1]["effective_goodput"]
+    cal = run_json(capsys, ["--calibrate", str(REPORT), "--json"])
+    assert isinstance(cal, list) and cal[0]["name"] == "sim_local_report"
