@@ -48,9 +48,17 @@ def main(argv: list[str] | None = None) -> int:
         "Starting the operator: namespaces=%s resync=%ss status_url=%s", namespaces or "all",
         cfg.resync_seconds, cfg.status_url_template)
 
+    logging.getLogger("kopf.objects").addFilter(_quiet_timer)
     from ddiloco.operator import handlers  # registers the handlers with kopf
 
     del handlers
     kopf.run(clusterwide=not namespaces, namespaces=namespaces, standalone=cfg.standalone,
              liveness_endpoint=cfg.liveness_endpoint or None)
     return 0
+
+
+def _quiet_timer(record: logging.LogRecord) -> bool:
+    """Drop kopf's "Timer 'reconcile_job' succeeded." line: it would repeat every resync for
+    every job. Failures, and everything the handlers say themselves, still get through."""
+    return not ("reconcile_job" in record.getMessage()
+                and record.getMessage().endswith(("succeeded.", "is invoked.")))

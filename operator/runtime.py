@@ -54,6 +54,7 @@ from ddiloco.operator.reconcile import (
 
 log = logging.getLogger(__name__)
 MAX_PASSES = 3
+WARN_EVERY_S = 60.0
 PostEvent = Callable[[Event], None]
 
 
@@ -116,6 +117,7 @@ class Runtime:
         self.clusters = Clusters(home_client)
         self.status = StatusReader(settings)
         self.timeout = settings.api_timeout_seconds
+        self._warned: dict[str, float] = {}
 
     # -- the kopf timer's work -------------------------------------------------------------
     def reconcile(self, name: str, namespace: str, logger: logging.Logger | logging.LoggerAdapter,
@@ -197,15 +199,25 @@ class Runtime:
             client = self.clusters.client(action.target, secret_namespace)
             send(client, action, self.timeout)
             logger.debug("Done: %s", action.describe())
+            return
         except ClusterProblem as p:
-            logger.warning("Could not %s: %s", action.describe(), p.message)
+            why = p.message
         except ApiException as e:
             if e.status == 409 or (e.status == 404 and action.verb == "delete"):
                 logger.debug("Already done: %s (%s)", action.describe(), api_reason(e))
-            else:
-                logger.warning("Could not %s: %s", action.describe(), api_reason(e))
+                return
+            why = api_reason(e)
         except UNREACHABLE_ERRORS as e:
-            logger.warning("Could not %s: %s", action.describe(), api_reason(e))
+            why = api_reason(e)
+        # The same failure repeats every tick (e.g. a missing namespace in a region): say it
+        # once a minute, not twice a second.
+        key = f"{secret_namespace}|{action.describe()}|{why}"
+        now = time.monotonic()
+        if now - self._warned.get(key, -1e9) >= WARN_EVERY_S:
+            self._warned[key] = now
+            logger.warning("Could not %s: %s", action.describe(), why)
+        else:
+            logger.debug("Could not %s: %s", action.describe(), why)
 
     # -- status ------------------------------------------------------------------------------
     def _read_job(self, name: str, namespace: str) -> dict[str, Any] | None:
