@@ -7,8 +7,10 @@ From the report it takes the scenario: M learners, the run's wall time, each lea
 mean step time (a slow learner's is longer), its kill times and restart delays, its
 SIGSTOP pauses, and two overheads measured on the machine: the start-up time before a
 learner's first step, and the time a restarted learner needs before it steps again
-(process start, imports, fetching every fragment). Where the report has no `timeline`, the
-overheads default to 0 (or `--startup-s` / `--restart-s`).
+(process start, imports, fetching every fragment), and the per-step hand-over gap (the
+time between steps that is not the step). Where the report has no `timeline`, start-up and
+restart overheads read 0; `bench/sim_calibrate.py --constants-from` takes all three from
+another run instead.
 
 It then replays that scenario on the event loop, step by step: a learner computes steps
 of its mean duration; a kill loses the step in flight; a pause freezes the learner; learners

@@ -12,9 +12,10 @@ A `Job` is anything that steps in lock-step: a whole data-parallel run, or one D
 DiLoCo learner (a learner is itself an elastic data-parallel job, algorithm.md §9).
 
 Failure model: each chip in service fails as a Poisson process (rate 1 / chip MTBI). A
-failure takes its slice out; the step in flight is lost (the job notices when the step's
-collective does not complete, at the step boundary), and failures that land before that
-boundary or during the pause that follows are handled by the same reconfiguration.
+failure takes its slice out. The job notices it at the end of the step in flight, which
+completes on the surviving slices (an elastic job loses the failed slice's share of it);
+failures that land before that boundary or during the pause that follows are handled by
+the same reconfiguration.
 - non-elastic (`elastic=False`): the job stops for `restart_s` (swap a spare slice in,
   reload, restart) and resumes at full size.
 - elastic: the job pauses `shrink_s`, resumes without the slice, and the slice returns after
