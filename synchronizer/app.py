@@ -158,12 +158,7 @@ def create_app(settings: SyncSettings | None = None) -> FastAPI:
     @app.post(f"{API_PREFIX}/fragments/{{p}}/updates", dependencies=v1)
     async def update(p: int, request: Request, sync: SyncDep) -> UpdateResponse:
         body = await read_body(request)
-        meta = codec.read_metadata(body)
-        if meta.get("fragment") != str(p):
-            raise codec.PayloadError(
-                f"update says fragment {meta.get('fragment')!r} but was sent to {p}"
-            )
-        return await asyncio.to_thread(sync.submit, body)
+        return await asyncio.to_thread(sync.submit, body, p)
 
     @app.post(f"{API_PREFIX}/heartbeat", dependencies=v1)
     async def heartbeat(hb: Heartbeat, request: Request, sync: SyncDep) -> HeartbeatResponse:

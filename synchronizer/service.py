@@ -136,7 +136,8 @@ class Synchronizer:
         return fs.version, codec.encode({k: v.to(dtype) for k, v in fs.params.items()})
 
     def versions(self) -> list[int]:
-        return [fs.version for fs in self.fragments]
+        """Published versions: durable on disk and served (a merge in progress is not)."""
+        return [version for version, _ in self.served]
 
     def _save_ledger(self) -> None:
         learners = []
@@ -239,11 +240,17 @@ class Synchronizer:
             self.totals["bytes_down"] += len(body)
         return version, body
 
-    def submit(self, payload: bytes) -> UpdateResponse:
+    def submit(self, payload: bytes, path_fragment: int | None = None) -> UpdateResponse:
         try:
             meta = UpdateMeta.from_metadata(codec.read_metadata(payload))
+        except codec.PayloadError:
+            raise
         except ValueError as e:
             raise codec.PayloadError(f"update metadata is invalid: {e}") from None
+        if path_fragment is not None and meta.fragment != path_fragment:
+            raise codec.PayloadError(
+                f"update says fragment {meta.fragment} but was sent to {path_fragment}"
+            )
         if self.layout is None:
             raise SyncError("not_initialized", "no global model yet: nothing to update")
         if meta.fragment >= len(self.fragments):
@@ -260,11 +267,17 @@ class Synchronizer:
             pending = self.rounds.rounds[p].contributions.get(meta.learner_id)
             if pending is not None and pending.meta.update_id() == uid:
                 return UpdateResponse(status="duplicate", fragment=p, round_version=fs.version + 1)
-            if meta.base_version != fs.version:
+            if meta.base_version > fs.version:
                 raise SyncError(
                     "stale",
-                    f"update of fragment {p} is based on version {meta.base_version}, "
-                    f"the global fragment is at {fs.version}: fetch it and send again",
+                    f"update of fragment {p} is based on version {meta.base_version}, which this "
+                    f"synchronizer never published (it is at {fs.version}): unknown base",
+                )
+            if meta.base_version < fs.version:
+                raise SyncError(
+                    "stale",
+                    f"update of fragment {p} is based on version {meta.base_version}, the global "
+                    f"fragment is at {fs.version}: its round already merged; adopt the new version",
                 )
             delta = codec.decode(payload)
             codec.check_fragment(delta, self.layout.fragments[p])
