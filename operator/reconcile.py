@@ -274,6 +274,8 @@ def _slot(job: DecoupledDiLoCoJob, group: LearnerGroup, index: int, tgt: Target,
             job, group.name, index), builders.build_learner_pod(
             job, group, index, tgt.namespace, owned=tgt.secret is None)))
         return rec, counted
+    if pod.terminating and rec.pod_uid is None and rec.failed_uid is None:
+        return rec, counted  # never seen alive: e.g. deleted by a suspend; just let it go
     if pod.terminating or pod.phase == "Failed":
         if pod.uid != rec.failed_uid:
             rec = failed(pod.uid, pod.reason or ("Deleted" if pod.terminating else "Failed"))

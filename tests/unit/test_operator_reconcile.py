@@ -36,37 +36,73 @@ REMOTE = Target(SecretKeyRef(name="region-a-kubeconfig"), "ns")
 def make_job(**spec: Any) -> DecoupledDiLoCoJob:
     body: dict[str, Any] = {
         "metadata": {"name": "tiny", "namespace": "ns", "uid": "job-1", "generation": 3},
-        "spec": {"image": "ddiloco:dev", "training": {"model": "tiny"},
-                 "learnerGroups": [
-                     {"name": "home", "replicas": 2},
-                     {"name": "ra", "replicas": 1,
-                      "cluster": {"kubeconfigSecret": {"name": "region-a-kubeconfig"}}}],
-                 "failurePolicy": {"maxReplacementsPerSlot": 2, "backoffSeconds": 1}},
+        "spec": {
+            "image": "ddiloco:dev",
+            "training": {"model": "tiny"},
+            "learnerGroups": [
+                {"name": "home", "replicas": 2},
+                {
+                    "name": "ra",
+                    "replicas": 1,
+                    "cluster": {"kubeconfigSecret": {"name": "region-a-kubeconfig"}},
+                },
+            ],
+            "failurePolicy": {"maxReplacementsPerSlot": 2, "backoffSeconds": 1},
+        },
     }
     body["spec"].update(spec)
     return DecoupledDiLoCoJob.from_body(body)
 
 
-def pod(group: str, index: int, uid: str, phase: str = "Running", ready: bool = True,
-        terminating: bool = False, reason: str | None = None, job_uid: str = "job-1") -> PodView:
-    return PodView(name=f"tiny-{group}-{index}", uid=uid, job_uid=job_uid, group=group,
-                   index=index, phase=phase, ready=ready, terminating=terminating, reason=reason)
+def pod(
+    group: str,
+    index: int,
+    uid: str,
+    phase: str = "Running",
+    ready: bool = True,
+    terminating: bool = False,
+    reason: str | None = None,
+    job_uid: str = "job-1",
+) -> PodView:
+    return PodView(
+        name=f"tiny-{group}-{index}",
+        uid=uid,
+        job_uid=job_uid,
+        group=group,
+        index=index,
+        phase=phase,
+        ready=ready,
+        terminating=terminating,
+        reason=reason,
+    )
 
 
 def healthy_pods() -> tuple[tuple[PodView, ...], tuple[PodView, ...]]:
     return (pod("home", 0, "h0"), pod("home", 1, "h1")), (pod("ra", 0, "r0"),)
 
 
-def observe(job: DecoupledDiLoCoJob, home_pods: tuple[PodView, ...] = (),
-            remote_pods: tuple[PodView, ...] = (), now: datetime = T0,
-            remote: ClusterView | None = None, available: bool = True,
-            sync: dict[str, Any] | None = None) -> Observed:
+def observe(
+    job: DecoupledDiLoCoJob,
+    home_pods: tuple[PodView, ...] = (),
+    remote_pods: tuple[PodView, ...] = (),
+    now: datetime = T0,
+    remote: ClusterView | None = None,
+    available: bool = True,
+    sync: dict[str, Any] | None = None,
+) -> Observed:
     deployment = builders.build_synchronizer_deployment(job)
     deployment["status"] = {"availableReplicas": 1 if available else 0}
-    return Observed(now=now, clusters={
-        home(job): ClusterView(pods=home_pods, token=TOKEN),
-        REMOTE: remote or ClusterView(pods=remote_pods, token=TOKEN)},
-        deployment=deployment, service=True, claim=True, sync_status=sync)
+    return Observed(
+        now=now,
+        clusters={
+            home(job): ClusterView(pods=home_pods, token=TOKEN),
+            REMOTE: remote or ClusterView(pods=remote_pods, token=TOKEN),
+        },
+        deployment=deployment,
+        service=True,
+        claim=True,
+        sync_status=sync,
+    )
 
 
 def step(job: DecoupledDiLoCoJob, obs: Observed) -> tuple[DecoupledDiLoCoJob, Plan]:
@@ -92,12 +128,20 @@ def test_a_new_job_creates_everything_everywhere() -> None:
     job, plan = step(job, obs)
     got = verbs(plan)
     assert ("create", "Secret", "tiny-token") in got
-    assert {("create", k, n) for k, n in [("PersistentVolumeClaim", "tiny-synchronizer-state"),
-                                          ("Service", "tiny-synchronizer"),
-                                          ("Deployment", "tiny-synchronizer")]} <= set(got)
+    assert {
+        ("create", k, n)
+        for k, n in [
+            ("PersistentVolumeClaim", "tiny-synchronizer-state"),
+            ("Service", "tiny-synchronizer"),
+            ("Deployment", "tiny-synchronizer"),
+        ]
+    } <= set(got)
     pods = [a for a in plan.actions if a.kind == "Pod"]
     assert sorted((a.name, a.target.label) for a in pods) == [
-        ("tiny-home-0", "local"), ("tiny-home-1", "local"), ("tiny-ra-0", "region-a-kubeconfig")]
+        ("tiny-home-0", "local"),
+        ("tiny-home-1", "local"),
+        ("tiny-ra-0", "region-a-kubeconfig"),
+    ]
     remote_secret = [a for a in plan.actions if a.kind == "Secret" and a.target == REMOTE]
     assert builders.secret_token(remote_secret[0].body) == "fresh"  # the same token as home's
     assert job.status.phase == "Pending" and job.status.observed_generation == 3
@@ -107,14 +151,30 @@ def test_a_new_job_creates_everything_everywhere() -> None:
 
 def test_ready_when_synchronizer_and_every_learner_are() -> None:
     job = make_job()
-    job, plan = step(job, observe(job, *healthy_pods(), sync={
-        "global_version": 7, "merges": 12, "tokens_merged": 4096, "goodput": 0.9, "learners": []}))
+    job, plan = step(
+        job,
+        observe(
+            job,
+            *healthy_pods(),
+            sync={
+                "global_version": 7,
+                "merges": 12,
+                "tokens_merged": 4096,
+                "goodput": 0.9,
+                "learners": [],
+            },
+        ),
+    )
     assert plan.actions == []
     assert cond(job, c.READY) == ("True", c.JOB_READY)
     assert cond(job, c.DEGRADED) == ("False", c.AS_EXPECTED)
     assert job.status.phase == "Running"
     assert (job.status.ready_learners, job.status.desired_learners) == (3, 3)
-    assert (job.status.global_version, job.status.tokens_merged, job.status.goodput) == (7, 4096, 0.9)
+    assert (job.status.global_version, job.status.tokens_merged, job.status.goodput) == (
+        7,
+        4096,
+        0.9,
+    )
     # the synchronizer going quiet keeps the last numbers
     job, _ = step(job, observe(job, *healthy_pods(), sync=None))
     assert job.status.global_version == 7 and job.status.synchronizer is not None
@@ -128,7 +188,9 @@ def test_transition_time_moves_only_when_status_flips() -> None:
     job = make_job()
     job, _ = step(job, observe(job, *healthy_pods(), available=False))
     first = c.get(job.status.conditions, c.READY)
-    job, _ = step(job, observe(job, *healthy_pods(), available=False, now=T0 + timedelta(seconds=5)))
+    job, _ = step(
+        job, observe(job, *healthy_pods(), available=False, now=T0 + timedelta(seconds=5))
+    )
     assert c.get(job.status.conditions, c.READY) == first
     job, _ = step(job, observe(job, *healthy_pods(), now=T0 + timedelta(seconds=9)))
     after = c.get(job.status.conditions, c.READY)
@@ -174,8 +236,10 @@ def test_eviction_api_terminating_pod_waits_then_is_replaced() -> None:
     evicting = (pod("ra", 0, "r0", terminating=True, reason="EvictionByEvictionAPI"),)
     job, plan = step(job, observe(job, home_pods, evicting))
     assert plan.actions == []  # the kubelet finishes it; we never force a running pod
-    assert next(s for s in job.status.slots if s.id == "ra-0").last_failure_reason == \
-        "EvictionByEvictionAPI"
+    assert (
+        next(s for s in job.status.slots if s.id == "ra-0").last_failure_reason
+        == "EvictionByEvictionAPI"
+    )
     job, plan = step(job, observe(job, home_pods, ()))
     assert verbs(plan) == [("create", "Pod", "tiny-ra-0")] and plan.actions[0].target == REMOTE
     assert "ownerReferences" not in plan.actions[0].body["metadata"]  # cannot cross clusters
@@ -217,7 +281,9 @@ def test_a_crash_between_create_and_status_still_counts_once() -> None:
     job = make_job(failurePolicy={"backoffSeconds": 0})
     home_pods, remote_pods = healthy_pods()
     job, _ = step(job, observe(job, home_pods, remote_pods))
-    job, _ = step(job, observe(job, (pod("home", 0, "h0", phase="Failed"), home_pods[1]), remote_pods))
+    job, _ = step(
+        job, observe(job, (pod("home", 0, "h0", phase="Failed"), home_pods[1]), remote_pods)
+    )
     # the operator created the replacement and died before writing status: replay both passes
     replay = observe(job, (pod("home", 0, "h0-new"), home_pods[1]), remote_pods)
     first, plan1 = step(job, replay)
@@ -230,8 +296,9 @@ def test_a_crash_between_create_and_status_still_counts_once() -> None:
 def test_unreachable_cluster_degrades_and_names_the_secret() -> None:
     job = make_job()
     home_pods, _ = healthy_pods()
-    broken = ClusterView(problem=(c.KUBECONFIG_SECRET_MISSING,
-                                  "Secret ns/region-a-kubeconfig was not found"))
+    broken = ClusterView(
+        problem=(c.KUBECONFIG_SECRET_MISSING, "Secret ns/region-a-kubeconfig was not found")
+    )
     job, plan = step(job, observe(job, home_pods, remote=broken))
     assert all(a.target != REMOTE for a in plan.actions)
     assert cond(job, c.DEGRADED) == ("True", c.KUBECONFIG_SECRET_MISSING)
@@ -249,17 +316,31 @@ def test_scaling_adds_and_removes_the_highest_slots() -> None:
     job = make_job()
     home_pods, remote_pods = healthy_pods()
     job, _ = step(job, observe(job, home_pods, remote_pods))
-    up = make_job(learnerGroups=[{"name": "home", "replicas": 3},
-                                 {"name": "ra", "replicas": 1, "cluster": {
-                                     "kubeconfigSecret": {"name": "region-a-kubeconfig"}}}])
+    up = make_job(
+        learnerGroups=[
+            {"name": "home", "replicas": 3},
+            {
+                "name": "ra",
+                "replicas": 1,
+                "cluster": {"kubeconfigSecret": {"name": "region-a-kubeconfig"}},
+            },
+        ]
+    )
     up = up.model_copy(update={"status": job.status})
     _, plan = step(up, observe(up, home_pods, remote_pods))
     assert verbs(plan) == [("create", "Pod", "tiny-home-2")]
     env = {e["name"]: e.get("value") for e in plan.actions[0].body["spec"]["containers"][0]["env"]}
     assert (env["DDILOCO_LEARNER_INDEX"], env["DDILOCO_NUM_LEARNERS"]) == ("2", "4")
-    down = make_job(learnerGroups=[{"name": "home", "replicas": 1},
-                                   {"name": "ra", "replicas": 1, "cluster": {
-                                       "kubeconfigSecret": {"name": "region-a-kubeconfig"}}}])
+    down = make_job(
+        learnerGroups=[
+            {"name": "home", "replicas": 1},
+            {
+                "name": "ra",
+                "replicas": 1,
+                "cluster": {"kubeconfigSecret": {"name": "region-a-kubeconfig"}},
+            },
+        ]
+    )
     down = down.model_copy(update={"status": job.status})
     down, plan = step(down, observe(down, home_pods, remote_pods))
     assert verbs(plan) == [("delete", "Pod", "tiny-home-1")]
@@ -277,9 +358,16 @@ def test_removed_group_is_cleaned_from_its_cluster() -> None:
     job2, plan = step(only_home, observe(only_home, home_pods, remote_pods))
     assert {("delete", "Pod", "tiny-ra-0"), ("delete", "Secret", "tiny-token")} <= set(verbs(plan))
     assert "ra" in [g.name for g in job2.status.groups]  # until its pods are gone
-    job3, _ = step(job2, Observed(now=T0, clusters={
-        home(job2): ClusterView(pods=home_pods, token=TOKEN), REMOTE: ClusterView()},
-        deployment=observe(job2).deployment, service=True, claim=True))
+    job3, _ = step(
+        job2,
+        Observed(
+            now=T0,
+            clusters={home(job2): ClusterView(pods=home_pods, token=TOKEN), REMOTE: ClusterView()},
+            deployment=observe(job2).deployment,
+            service=True,
+            claim=True,
+        ),
+    )
     assert [g.name for g in job3.status.groups] == ["home"]
 
 
@@ -290,13 +378,20 @@ def test_suspend_removes_learners_without_counting_failures() -> None:
     suspended = make_job(suspend=True).model_copy(update={"status": job.status})
     suspended, plan = step(suspended, observe(job, home_pods, remote_pods))  # 1 replica still
     assert sorted(n for v, k, n in verbs(plan) if k == "Pod" and v == "delete") == [
-        "tiny-home-0", "tiny-home-1", "tiny-ra-0"]
+        "tiny-home-0",
+        "tiny-home-1",
+        "tiny-ra-0",
+    ]
     deployment = next(a for a in plan.actions if a.kind == "Deployment")
     assert deployment.verb == "replace" and deployment.body["spec"]["replicas"] == 0
     assert suspended.status.phase == "Suspended" and cond(suspended, c.READY)[1] == c.SUSPENDED
     _, plan = step(suspended, observe(suspended))
     assert not [a for a in plan.actions if a.kind == "Pod"]
     resumed = make_job().model_copy(update={"status": suspended.status})
+    # resumed while the suspended pods are still terminating: they are not failures
+    leaving = tuple(pod(p.group, p.index, p.uid, terminating=True) for p in home_pods)
+    resumed, plan = step(resumed, observe(resumed, leaving, ()))
+    assert not plan.events and all(s.failed_uid is None for s in resumed.status.slots)
     resumed, plan = step(resumed, observe(resumed))
     assert len([a for a in plan.actions if a.kind == "Pod" and a.verb == "create"]) == 3
     assert all(s.replacements == 0 and s.failed_uid is None for s in resumed.status.slots)
@@ -319,7 +414,9 @@ def test_leftovers_of_an_older_job_with_the_same_name_are_deleted() -> None:
 def test_remote_token_copy_is_refreshed() -> None:
     job = make_job()
     home_pods, remote_pods = healthy_pods()
-    _, plan = step(job, observe(job, home_pods, remote=ClusterView(pods=remote_pods, token="other")))
+    _, plan = step(
+        job, observe(job, home_pods, remote=ClusterView(pods=remote_pods, token="other"))
+    )
     assert verbs(plan) == [("replace", "Secret", "tiny-token")]
     assert builders.secret_token(plan.actions[0].body) == TOKEN
 
@@ -331,16 +428,41 @@ def test_invalid_spec_sets_a_condition_and_acts_nowhere() -> None:
     assert cond(job, c.READY) == ("False", c.INVALID_SPEC)
 
 
-@pytest.mark.parametrize(("k8s", "reason"), [
-    ({"status": {"phase": "Failed", "reason": "Evicted"}}, "Evicted"),
-    ({"status": {"phase": "Running", "conditions": [
-        {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}]}},
-     "PreemptionByScheduler"),
-    ({"status": {"phase": "Running"}}, None),
-])
+@pytest.mark.parametrize(
+    ("k8s", "reason"),
+    [
+        ({"status": {"phase": "Failed", "reason": "Evicted"}}, "Evicted"),
+        (
+            {
+                "status": {
+                    "phase": "Running",
+                    "conditions": [
+                        {
+                            "type": "DisruptionTarget",
+                            "status": "True",
+                            "reason": "PreemptionByScheduler",
+                        }
+                    ],
+                }
+            },
+            "PreemptionByScheduler",
+        ),
+        ({"status": {"phase": "Running"}}, None),
+    ],
+)
 def test_pod_view_reads_the_failure_reason(k8s: dict[str, Any], reason: str | None) -> None:
-    body = {"metadata": {"name": "p", "uid": "u", "labels": {
-        builders.LABEL_GROUP: "g", builders.LABEL_SLOT: "0", builders.LABEL_JOB_UID: "j"}}, **k8s}
+    body = {
+        "metadata": {
+            "name": "p",
+            "uid": "u",
+            "labels": {
+                builders.LABEL_GROUP: "g",
+                builders.LABEL_SLOT: "0",
+                builders.LABEL_JOB_UID: "j",
+            },
+        },
+        **k8s,
+    }
     view = PodView.from_k8s(body)
     assert view is not None and view.reason == reason and (view.group, view.index) == ("g", 0)
     assert PodView.from_k8s({"metadata": {"name": "x"}}) is None
