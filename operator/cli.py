@@ -42,8 +42,10 @@ def main(argv: list[str] | None = None) -> int:
 
     kopf.configure(verbose=args.verbose or cfg.log_level.upper() == "DEBUG")
     logging.getLogger("ddiloco").setLevel("DEBUG" if args.verbose else cfg.log_level.upper())
-    # kubernetes' urllib3 logs request URLs at DEBUG; never our tokens, but noisy.
-    logging.getLogger("urllib3").setLevel(logging.WARNING)
+    # The kubernetes client's loggers ("client", urllib3) stay at WARNING even with --verbose:
+    # at DEBUG they describe requests, and some of ours carry Secrets.
+    for name in ("client", "urllib3", "kubernetes"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     logging.getLogger("ddiloco.operator").info(
         "Starting the operator: namespaces=%s resync=%ss status_url=%s", namespaces or "all",
         cfg.resync_seconds, cfg.status_url_template)
