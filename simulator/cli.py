@@ -39,6 +39,8 @@ def _add_fleet(p: argparse.ArgumentParser, *, chips: int = 1_200_000, learners: 
     p.add_argument("--slice-chips", type=int, default=d.slice_chips,
                    help="chips a failure takes out of service")
     p.add_argument("--step-s", type=float, default=d.step_s, help="inner step time, seconds")
+    p.add_argument("--step-cv", type=float, default=d.step_cv,
+                   help="per-slice step-time spread (coefficient of variation)")
     p.add_argument("--restart-s", type=float, default=d.restart_s,
                    help="non-elastic restart time, seconds")
     p.add_argument("--shrink-s", type=float, default=d.shrink_s, help="elastic shrink pause, s")
@@ -56,6 +58,7 @@ def _failure_config(a: argparse.Namespace) -> FailureConfig:
 
     return FailureConfig(
         chip_mtbi_s=a.mtbi_days * 86400, slice_chips=a.slice_chips, step_s=a.step_s,
+        step_cv=a.step_cv,
         restart_s=a.restart_s, shrink_s=a.shrink_s, regrow_s=a.regrow_s,
         repair=RepairConfig(scale_s=a.repair_scale_s),
     )

@@ -71,6 +71,10 @@ class FailureConfig:
     """Time until a failed slice is back in the pool."""
     step_s: float = 5.0
     """Inner step time xi_step of a full-size job, seconds (a step lost per failure)."""
+    step_cv: float = 0.0
+    """Per-slice step-time spread (coefficient of variation). A lock-step job waits for its
+    slowest slice every step: its step lasts about step_s * (1 + step_cv * sqrt(2 ln n))
+    for n slices, and the waiting counts against goodput. 0 in the paper table."""
     restart_s: float = 85.0
     """Non-elastic data-parallel: stop, swap a spare slice in, reload, restart; seconds."""
     shrink_s: float = 21.0
@@ -86,7 +90,7 @@ class FailureConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "chip_mtbi_s", "slice_chips", "step_s")
-        _non_negative(self, "restart_s", "shrink_s", "regrow_s", "replan_s", "regrow_batch_s")
+        _non_negative(self, "step_cv", "restart_s", "shrink_s", "regrow_s", "replan_s", "regrow_batch_s")
 
 
 @dataclass(frozen=True, kw_only=True)

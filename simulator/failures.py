@@ -77,7 +77,12 @@ class Job:
         self.chips = chips
         self.slices = max(1, round(chips / cfg.slice_chips))
         self.slice_chips = chips / self.slices
-        self.step_s = cfg.step_s if step_s is None else step_s
+        base = cfg.step_s if step_s is None else step_s
+        # Lock-step: every step waits for the slowest of `slices` jittery slices.
+        straggle = 1.0 + cfg.step_cv * math.sqrt(2.0 * math.log(self.slices)) \
+            if self.slices > 1 else 1.0
+        self.step_s = base * straggle
+        self.useful = 1.0 / straggle
         self.up, self.ready = self.slices, 0
         self.mode = "running"
         self.run_start = 0.0
@@ -208,15 +213,17 @@ class Job:
         """Book `steps` completed steps since `run_start` as useful work."""
         if steps > 0:
             end = self.run_start + steps * self.step_s
-            self.good_chip_s += steps * self.step_s * self.run_chips
-            self.run_intervals.append((self.run_start, end, self.run_chips))
+            busy = self.run_chips * self.useful  # chips computing, not waiting on stragglers
+            self.good_chip_s += steps * self.step_s * busy
+            self.run_intervals.append((self.run_start, end, busy))
 
     def _void_share(self, now: float) -> None:
         """The failed slice's part of the step in flight is lost (elastic jobs only: a
         non-elastic job's whole step stands, the restart replaces the slice)."""
         if now < self.boundary and self.run_intervals:
-            self.good_chip_s -= self.slice_chips * self.step_s
-            self.lost_share_chip_s += self.slice_chips * self.step_s
+            share = self.slice_chips * self.step_s * self.useful
+            self.good_chip_s -= share
+            self.lost_share_chip_s += share
 
     # -- results -----------------------------------------------------------------------------
 

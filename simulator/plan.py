@@ -9,7 +9,7 @@ goodput (a barrier when K = M, none otherwise), merged-work ratio (work lost by 
 that miss rounds, `strategies.lost_to_missed_rounds`), and per-site traffic for every P
 (`network.decoupled_traffic`). Configurations whose mean traffic or peak (a fragment's
 round trip within tau steps) exceeds the slowest link are dropped. Ranking: effective
-goodput (goodput x merged-work ratio), then lower peak bandwidth. Model quality is not
+goodput (goodput x merged-work ratio), then lower peak bandwidth, smaller H, smaller K. Model quality is not
 simulated: larger H and smaller K trade quality the simulator cannot see (algorithm.md §10).
 """
 
@@ -73,7 +73,9 @@ def search(
                     good = computed / allocated
                     out.append(Candidate(m, k, p, h, good, merged, good * merged, mean,
                                          t.peak_gbps))
-    out.sort(key=lambda c: (-round(c.effective_goodput, 3), c.peak_gbps))
+    # Quality is not simulated: among equals prefer less bandwidth, then fresher merges
+    # (smaller H), then the paper's K = 1.
+    out.sort(key=lambda c: (-round(c.effective_goodput, 3), c.peak_gbps, c.H, c.quorum))
     return out
 
 

@@ -15,15 +15,30 @@ from ddiloco.simulator.config import FailureConfig, RepairConfig, RunConfig
 from ddiloco.simulator.engine import EventLoop
 from ddiloco.simulator.failures import Job, sample_repair
 
-CFG = FailureConfig(slice_chips=10, step_s=10.0, restart_s=30.0, shrink_s=5.0, regrow_s=7.0,
-                    replan_s=2.0, regrow_batch_s=50.0)
+CFG = FailureConfig(
+    slice_chips=10,
+    step_s=10.0,
+    restart_s=30.0,
+    shrink_s=5.0,
+    regrow_s=7.0,
+    replan_s=2.0,
+    regrow_batch_s=50.0,
+)
 
 
-def run(failures: list[float], repairs: list[float], *, elastic: bool, horizon: float,
-        chips: int = 100) -> Job:
+def run(
+    failures: list[float], repairs: list[float], *, elastic: bool, horizon: float, chips: int = 100
+) -> Job:
     loop = EventLoop()
-    job = Job(loop, chips, CFG, np.random.default_rng(0), elastic=elastic,
-              failure_times=failures, repair_times=repairs)
+    job = Job(
+        loop,
+        chips,
+        CFG,
+        np.random.default_rng(0),
+        elastic=elastic,
+        failure_times=failures,
+        repair_times=repairs,
+    )
     job.start()
     loop.run(until=horizon)
     job.finish(horizon)
@@ -82,6 +97,18 @@ def test_a_job_with_no_slice_left_waits_for_the_repair() -> None:
     job = run([25.0], [100.0], elastic=True, horizon=200.0, chips=10)
     assert job.good_chip_s == pytest.approx((300 - 100) + 6 * 10 * 10)
     assert job.goodput() == pytest.approx(0.4)
+
+
+def test_step_spread_makes_a_lock_step_job_wait_for_its_slowest_slice() -> None:
+    loop = EventLoop()
+    cfg = FailureConfig(slice_chips=10, step_s=10.0, step_cv=0.1, chip_mtbi_s=1e15)
+    job = Job(loop, 100, cfg, np.random.default_rng(0), elastic=True)
+    job.start()
+    loop.run(until=1000.0)
+    job.finish(1000.0)
+    straggle = 1 + 0.1 * (2 * np.log(10)) ** 0.5  # expected max of 10 slices' jitter
+    assert job.step_s == pytest.approx(10.0 * straggle)
+    assert job.goodput() == pytest.approx((1000.0 // job.step_s) * 10.0 / 1000.0)
 
 
 def test_poisson_failure_count_matches_the_rate() -> None:
