@@ -17,7 +17,7 @@ of its mean duration; a kill loses the step in flight; a pause freezes the learn
 never wait for each other or for merges (algorithm.md §4), whatever K is. The predicted
 goodput is what the replay computed over what it held (algorithm.md §9, the same formula
 as the report); it never reads the measured compute seconds. The merged-work ratio is
-predicted from the rounds a down learner misses (`strategies.lost_to_missed_rounds`).
+predicted by replaying the round protocol on the replayed step times (`merges.py`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ddiloco.simulator.engine import EventLoop
-from ddiloco.simulator.strategies import lost_from_intervals
+from ddiloco.simulator.merges import merged_work_ratio
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,10 @@ class Scenario:
     learners: list[LearnerScenario]
     quorum: int
     H: int
+    fragments: int = 4
+    tau: int = 2
+    grace: bool = True
+    sync_s: float = 0.0
     measured_goodput: float | None = None
     measured_merged: float | None = None
     name: str = ""
@@ -135,6 +139,10 @@ def scenario_from_report(
         learners=learners,
         quorum=int(cfg.get("quorum", 1)),
         H=int(cfg.get("H", 24)),
+        fragments=int(cfg.get("P", 4)),
+        tau=int(cfg.get("tau", 2)),
+        grace=bool(cfg.get("grace", True)),
+        sync_s=float(report.get("sync_seconds_mean") or 0.0),
         measured_goodput=report.get("goodput"),
         measured_merged=report.get("merged_work_ratio"),
         name=name,
@@ -148,6 +156,7 @@ class _Replay:
         self.loop, self.sc, self.wall = loop, sc, wall
         self.cycle_s = sc.step_s + sc.step_gap_s
         self.compute_s = 0.0
+        self.step_times: list[float] = []
         self.intervals: list[tuple[float, float, float]] = []
         self._seg_start: float | None = None
         self._step_event: Any = None
@@ -188,6 +197,7 @@ class _Replay:
     def _step_done(self) -> None:
         self._step_event = None
         self.compute_s += self.sc.step_s
+        self.step_times.append(self.loop.now)
         self._begin_step(self.cycle_s)
 
     def _close_segment(self, end: float) -> None:
@@ -201,6 +211,15 @@ class _Replay:
             self._close_segment(self._step_started)
 
 
+def grace_window(sc: Scenario, gamma: float = 0.5) -> float:
+    """The synchronizer's grace window (algorithm.md §6.2, K = 1: no time to quorum):
+    gamma of the overlap left after the merge, capped at one step of the slowest learner."""
+    if not sc.grace or not sc.learners:
+        return 0.0
+    slowest = max(lr.step_s + lr.step_gap_s for lr in sc.learners)
+    return min(max(gamma * (sc.tau * slowest - sc.sync_s), 0.0), slowest)
+
+
 def replay(sc: Scenario) -> dict[str, Any]:
     """Replay `sc`; predicted goodput, merged-work ratio and per-learner compute seconds."""
     loop = EventLoop()
@@ -210,13 +229,14 @@ def replay(sc: Scenario) -> dict[str, Any]:
         r.finish()
     held = sc.wall_s * len(reps)
     computed = sum(r.compute_s for r in reps)
-    steps = [r.sc.step_s for r in reps]
-    ivs = [np.array(r.intervals, dtype=float).reshape(-1, 3) for r in reps]
-    lost = lost_from_intervals(ivs, steps, sc.quorum, sc.H, grace_s=max(steps))
+    merged = merged_work_ratio(
+        [np.array(r.step_times) for r in reps], fragments=sc.fragments, H=sc.H,
+        quorum=sc.quorum, grace_s=grace_window(sc), deliver_s=sc.sync_s,
+    )
     return {
         "name": sc.name,
         "goodput": computed / held if held else 0.0,
-        "merged_work_ratio": max(0.0, 1.0 - lost / computed) if computed else 0.0,
+        "merged_work_ratio": merged,
         "measured_goodput": sc.measured_goodput,
         "measured_merged_work_ratio": sc.measured_merged,
         "learners": {r.sc.id: round(r.compute_s, 3) for r in reps},

@@ -1,6 +1,6 @@
 """Replaying a `ddiloco local` report: constants measured from it, a known replay.
 
-    .venv/bin/pytest tests/unit/test_sim_calibrate.py
+.venv/bin/pytest tests/unit/test_sim_calibrate.py
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ddiloco.simulator.calibrate import (
@@ -45,3 +46,14 @@ def test_calibrating_the_fixture_lands_near_its_measured_goodput() -> None:
     assert out["measured_goodput"] == 0.85
     assert out["deviation_points"] < 2.0
     assert out["learners"]["learner-0"] < out["learners"]["learner-1"]
+
+
+def test_merge_replay_counts_the_steps_lost_between_hand_over_and_adoption() -> None:
+    from ddiloco.simulator.merges import merged_work_ratio
+
+    twins = [np.arange(1.0, 11.0), np.arange(1.0, 11.0)]
+    kw = {"fragments": 1, "H": 2, "quorum": 1, "grace_s": 0.0}
+    # adopted at once: every step of both learners reaches a merge
+    assert merged_work_ratio(twins, deliver_s=0.0, **kw) == pytest.approx(1.0)
+    # adopted one step later: merges at 2 (2+2 steps), then 4, 6, 8, 10 carry one step each
+    assert merged_work_ratio(twins, deliver_s=0.5, **kw) == pytest.approx(12 / 20)
