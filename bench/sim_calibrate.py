@@ -8,7 +8,8 @@ slow runs).
 By default each report's own machine overheads (start-up, restart, per-step hand-over gap)
 are measured from it; --constants-from measures them once, on one run, and uses them for
 all (a stricter test: the other runs are then predicted, not replayed with their own
-constants). The replay never reads the measured compute seconds (`simulator/calibrate.py`).
+constants); a source run without restarts cannot tell the restart overhead, which is then
+still measured on each report. The replay never reads the measured compute seconds (`simulator/calibrate.py`).
 """
 
 from __future__ import annotations

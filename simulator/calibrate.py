@@ -46,6 +46,8 @@ class MachineConstants:
     step_gap_s: float = 0.0
     """Time between two inner steps that is not the step itself (fragment hand-over,
     metadata, logging)."""
+    restarts_seen: int = 0
+    """How many restarts `restart_s` was measured on (0: unknown, not measured)."""
 
 
 def measure_constants(report: dict[str, Any]) -> MachineConstants:
@@ -57,11 +59,14 @@ def measure_constants(report: dict[str, Any]) -> MachineConstants:
         spans = (lr.get("timeline") or {}).get("compute") or []
         if spans:
             startups.append(min(a for a, _ in spans))
-        for t_kill, delay in zip(lr.get("kill_times", []), lr.get("restart_delays", []),
-                                 strict=False):
-            first = _first_after(spans, t_kill + delay) if spans else None
-            if first is not None:
-                restarts.append(first - (t_kill + delay))
+        kills = list(lr.get("kill_times", []))
+        for i, (t_kill, delay) in enumerate(zip(kills, lr.get("restart_delays", []),
+                                                strict=False)):
+            back = t_kill + delay
+            first = _first_after(spans, back) if spans else None
+            # A restart killed again before its first step tells only a lower bound: skip it.
+            if first is not None and not (i + 1 < len(kills) and kills[i + 1] < first):
+                restarts.append(first - back)
     startup = statistics.median(startups) if startups else 0.0
     restart = statistics.median(restarts) if restarts else 0.0
     gaps = []
@@ -75,7 +80,8 @@ def measure_constants(report: dict[str, Any]) -> MachineConstants:
                 - lr.get("paused_seconds", 0.0)
         other = startup + len(lr.get("restart_delays", [])) * restart
         gaps.append(max(0.0, float(idle) - other) / steps)
-    return MachineConstants(startup, restart, statistics.median(gaps) if gaps else 0.0)
+    return MachineConstants(startup, restart, statistics.median(gaps) if gaps else 0.0,
+                            len(restarts))
 
 
 @dataclass
@@ -118,7 +124,10 @@ def scenario_from_report(
     the machine's overheads are measured from the same report unless given."""
     cfg = report["config"]
     wall = float(report["wall_seconds"])
-    k = constants or measure_constants(report)
+    own = measure_constants(report)
+    k = constants or own
+    if not k.restarts_seen:  # a run without restarts cannot tell how long one takes
+        k = MachineConstants(k.startup_s, own.restart_s, k.step_gap_s, own.restarts_seen)
     learners = []
     for lr in report["learners"]:
         step = float(lr.get("step_seconds_mean") or 0.0)
