@@ -292,6 +292,7 @@ class Synchronizer:
                 )
             recent.append(n)
             with self.lock:
+                self.rounds.xi_step = self._xi_step(self.live())  # the grace window opens here
                 self.rounds.add(p, meta.learner_id, Pending(meta, delta))
                 self.totals["bytes_up"] += len(payload)
             self.on_change()
@@ -332,13 +333,15 @@ class Synchronizer:
         return resp.versions != hb.known_versions or set(resp.requested) != set(hb.known_requested)
 
     # ---- merging -----------------------------------------------------------------
+    def _xi_step(self, live: set[str]) -> float | None:
+        """Step time of the slowest live learner (algorithm.md §6.2), None before any report."""
+        steps = [self.learners[k].step_seconds for k in live if self.learners[k].step_seconds > 0]
+        return max(steps) if steps else None
+
     def due(self) -> list[int]:
         with self.lock:
             live = self.live()
-            steps = [
-                self.learners[k].step_seconds for k in live if self.learners[k].step_seconds > 0
-            ]
-            return self.rounds.due(live, xi_step=max(steps) if steps else None)
+            return self.rounds.due(live, xi_step=self._xi_step(live))
 
     def merge(self, p: int) -> int | None:
         """Merge the open round of fragment p; returns the new version (None if nothing)."""
@@ -422,9 +425,6 @@ class Synchronizer:
                 )
                 for i, fs in enumerate(self.fragments)
             ]
-            steps = [
-                self.learners[k].step_seconds for k in live if self.learners[k].step_seconds > 0
-            ]
             return Status(
                 initialized=self.layout is not None,
                 global_version=sum(self.versions()),
@@ -444,7 +444,7 @@ class Synchronizer:
                 fragments=frags,
                 learners=learners,
                 xi={
-                    "step": max(steps) if steps else None,
+                    "step": self._xi_step(live),
                     "quorum": self.rounds.xi_quorum.value,
                     "sync": self.rounds.xi_sync.value,
                 },
