@@ -110,9 +110,9 @@ def cmd_run(a: argparse.Namespace) -> int:
     for strategy in a.strategy or STRATEGIES:
         r = simulate(strategy, run, fail)
         extra: dict[str, float] = {
-            "wall_days_to_tokens": r.wall_to_tokens_s(a.tokens, a.tokens_per_chip_s) / 86400,
+            "wall_hours_to_tokens": r.wall_to_tokens_s(a.tokens, a.tokens_per_chip_s) / 3600,
         }
-        if strategy in ("decoupled", "diloco"):
+        if strategy == "decoupled":
             t = decoupled_traffic(net, fail.step_s, run.fragments, run.H, run.tau)
             extra["bytes_up_per_site_per_hour"] = t.bytes_up_per_hour
             extra["bytes_down_per_site_per_hour"] = t.bytes_down_per_hour

@@ -74,6 +74,7 @@ def plot_paper_table(table: Table, path: str | Path) -> Path:
                 label=ROW_LABELS[row])
         ax.plot(x, [PAPER[row][c] * 100 for c in COLUMNS], "--x", color=colour, alpha=0.6)
     ax.set_xscale("log")
+    ax.minorticks_off()
     ax.set_xticks(x, list(COLUMNS))
     ax.set_xlabel("chips (MTBI one year per chip)")
     ax.set_ylabel("goodput %")

@@ -1,6 +1,6 @@
 """`ddiloco simulate` as a user runs it: JSON shapes of every subcommand.
 
-    .venv/bin/pytest tests/unit/test_sim_cli.py
+.venv/bin/pytest tests/unit/test_sim_cli.py
 """
 
 from __future__ import annotations
@@ -38,11 +38,12 @@ def test_paper_table_text_and_plot(capsys: pytest.CaptureFixture[str], tmp_path:
 
 
 def test_run_json_has_every_method(capsys: pytest.CaptureFixture[str]) -> None:
-    out = run_json(capsys, ["run", "--chips", "20000", "--learners", "4", "--horizon-days",
-                            "0.05", "--json"])
+    out = run_json(
+        capsys, ["run", "--chips", "20000", "--learners", "4", "--horizon-days", "0.05", "--json"]
+    )
     assert isinstance(out, list)
     assert [r["strategy"] for r in out] == ["dp", "elastic_dp", "diloco", "decoupled"]
-    assert "peak_gbps_per_site" in out[3] and "wall_days_to_tokens" in out[0]
+    assert "peak_gbps_per_site" in out[3] and "wall_hours_to_tokens" in out[0]
 
 
 def test_wide_area_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -51,13 +52,16 @@ def test_wide_area_json(capsys: pytest.CaptureFixture[str]) -> None:
     four = out["four_sites"]
     assert four["speedup"] > 20  # 12B bf16 over a 2 Gbps ring vs a 5 s step
     assert four["slowest_link_utilisation"] < 1.0
-    assert out["eight_sites"]["dp_gbps_per_site"] > 10 * out["eight_sites"][
-        "decoupled_gbps_per_site_bf16"]
+    assert (
+        out["eight_sites"]["dp_gbps_per_site"]
+        > 10 * out["eight_sites"]["decoupled_gbps_per_site_bf16"]
+    )
 
 
 def test_plan_flag_and_calibrate_flag(capsys: pytest.CaptureFixture[str]) -> None:
-    plan = run_json(capsys, ["--plan", "--chips", "50000", "--horizon-days", "0.05",
-                             "--top", "3", "--json"])
+    plan = run_json(
+        capsys, ["--plan", "--chips", "50000", "--horizon-days", "0.05", "--top", "3", "--json"]
+    )
     assert isinstance(plan, list) and 1 <= len(plan) <= 3
     assert plan[0]["effective_goodput"] >= plan[-1]["effective_goodput"]
     cal = run_json(capsys, ["--calibrate", str(REPORT), "--json"])
