@@ -74,6 +74,8 @@ def _add_network(p: argparse.ArgumentParser) -> None:
     p.add_argument("--params", type=float, default=d.params, help="model parameters")
     p.add_argument("--link-gbps", default=",".join(str(x) for x in d.link_gbps),
                    help="per-site wide-area links, Gbit/s, comma separated")
+    p.add_argument("--latency-ms", type=float, default=d.latency_s * 1000,
+                   help="one-way latency between sites, ms")
     p.add_argument("--up-bits", type=int, default=d.up_bits, help="upload precision, bits")
     p.add_argument("--grad-bits", type=int, default=d.grad_bits, help="DP gradient bits")
 
@@ -81,7 +83,7 @@ def _add_network(p: argparse.ArgumentParser) -> None:
 def _network_config(a: argparse.Namespace) -> NetworkConfig:
     links = tuple(float(x) for x in str(a.link_gbps).split(",") if x.strip())
     return NetworkConfig(params=a.params, link_gbps=links, up_bits=a.up_bits,
-                         grad_bits=a.grad_bits)
+                         grad_bits=a.grad_bits, latency_s=a.latency_ms / 1000)
 
 
 def cmd_paper_table(a: argparse.Namespace) -> int:
@@ -135,7 +137,7 @@ def wide_area_figures(net: NetworkConfig, step_s: float, fragments: int, H: int,
 
     four = wide_area(net, step_s=step_s, fragments=fragments, H=H, tau=tau)
     int4 = NetworkConfig(params=net.params, up_bits=4, down_bits=net.down_bits,
-                         link_gbps=net.link_gbps)
+                         link_gbps=net.link_gbps, latency_s=net.latency_s)
     eight = {
         "dp_gbps_per_site": dp_bandwidth_gbps(net.params, net.grad_bits, 8, step_s),
         "decoupled_gbps_per_site_bf16": decoupled_traffic(net, step_s, fragments, H,
