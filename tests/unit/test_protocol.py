@@ -210,3 +210,21 @@ def test_heartbeat_long_poll_answers_when_a_round_opens(sync_server) -> None:
     timer.join()
     assert resp.requested == [1] or resp.versions[1] == 1  # woke on the round or its merge
     assert waited < 2.5
+
+
+def test_openapi_is_published(sync_server) -> None:
+    _, _, body = sync_server.client().request("GET", "/openapi.json")
+    import json
+
+    paths = json.loads(body)["paths"]
+    for path in (
+        "/v1/join",
+        "/v1/init",
+        "/v1/fragments/{p}",
+        "/v1/fragments/{p}/updates",
+        "/v1/heartbeat",
+        "/v1/status",
+        "/healthz",
+        "/metrics",
+    ):
+        assert path in paths, path
