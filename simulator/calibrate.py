@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from ddiloco.simulator.engine import EventLoop
+from ddiloco.simulator.engine import Event, EventLoop
 from ddiloco.simulator.merges import merged_work_ratio
 
 
@@ -162,13 +162,11 @@ class _Replay:
     """One learner on the event loop: steps back to back, except while down."""
 
     def __init__(self, loop: EventLoop, sc: LearnerScenario, wall: float) -> None:
-        self.loop, self.sc, self.wall = loop, sc, wall
+        self.loop, self.sc = loop, sc
         self.cycle_s = sc.step_s + sc.step_gap_s
         self.compute_s = 0.0
         self.step_times: list[float] = []
-        self.intervals: list[tuple[float, float, float]] = []
-        self._seg_start: float | None = None
-        self._step_event: Any = None
+        self._step_event: Event | None = None
         self._step_started = 0.0
         self._frozen_s = 0.0
         for a, b, killed in sc.down:
@@ -189,12 +187,10 @@ class _Replay:
             self._frozen_s = 0.0  # the step in flight is lost
         else:
             self._frozen_s = done  # resumes where it stopped
-        self._close_segment(self._step_started)
 
     def _up(self) -> None:
         self._downs = max(0, self._downs - 1)
         if self._downs == 0 and self._step_event is None:
-            self._seg_start = self.loop.now
             self._begin_step(self.cycle_s - self._frozen_s)
             self._frozen_s = 0.0
 
@@ -209,15 +205,8 @@ class _Replay:
         self.step_times.append(self.loop.now)
         self._begin_step(self.cycle_s)
 
-    def _close_segment(self, end: float) -> None:
-        if self._seg_start is not None and end > self._seg_start:
-            self.intervals.append((self._seg_start, end, 1.0))
-        self._seg_start = None
-
     def finish(self) -> None:
-        if self._step_event is not None:
-            EventLoop.cancel(self._step_event)
-            self._close_segment(self._step_started)
+        EventLoop.cancel(self._step_event)  # a step still in flight at the end does not count
 
 
 def grace_window(sc: Scenario, gamma: float = 0.5) -> float:
