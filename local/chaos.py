@@ -1,13 +1,25 @@
 """Chaos as data: a seeded, replayable schedule of what to do to which process, and when.
 
-    schedule = make_schedule("kill", learners=3, seconds=60, seed=1)
+    schedule = make_schedule("kill+pause", learners=4, seconds=60, seed=1)
     for event in schedule.events: ...   # ChaosEvent(at=7.3, action="kill", target="learner-1", ...)
+    Schedule.from_json(schedule.to_json()) == schedule
 
-Actions: `kill` (SIGKILL a learner; it is restarted `delay` seconds later), `pause`
-(SIGSTOP, then SIGCONT after `delay`), `kill_sync` (SIGKILL the synchronizer, restarted
-after `delay` on the same state directory). Slow learners are not events: `slow_factors`
-says how much slower each learner runs from the start. The same schedule, given the same
-seed, is identical on every machine, so runs and baselines can be compared.
+Actions (algorithm.md §9, scenarios 1-6):
+
+- `kill`: SIGKILL a learner; its replacement arrives `delay` seconds later (long-tailed).
+- `pause`: SIGSTOP a learner, SIGCONT after `delay`.
+- `partition`: cut a learner off the network for `delay` seconds (its connections are
+  dropped and new ones refused, then restored); the process keeps running.
+- `kill_sync`: SIGKILL the synchronizer, restarted after `delay` on the same state directory.
+- `add` / `remove`: scavenging; a learner slot listed in `absent` joins at `add` and leaves
+  for good (SIGTERM, no replacement) at `remove`.
+
+Slow learners are not events: `slow_factors` says how much slower each learner runs for the
+whole run. Kinds combine with `+` ("kill+pause"); each part draws from its own random stream,
+so adding a part never moves the events of another. The same kind, learners, seconds and
+seed give the same schedule on every machine, so an arm and its baselines meet the same
+chaos. `ddiloco local` applies it (local/launcher.py), the data-parallel baselines apply it
+(local/dp_run.py), and local/k8s_chaos.py turns it into pod deletions and evictions.
 """
 
 from __future__ import annotations
@@ -15,11 +27,24 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Any, Final, Literal
 
-Action = Literal["kill", "pause", "kill_sync"]
-Kind = Literal["none", "kill", "pause", "slow", "sync"]
-KINDS: tuple[str, ...] = ("none", "kill", "pause", "slow", "sync")
+Action = Literal["kill", "pause", "partition", "kill_sync", "add", "remove"]
+ACTIONS: Final[tuple[str, ...]] = ("kill", "pause", "partition", "kill_sync", "add", "remove")
+PARTS: Final[tuple[str, ...]] = (
+    "kill",
+    "pause",
+    "partition",
+    "slow",
+    "straggler",
+    "scavenge",
+    "sync",
+)
+"""Single kinds. `slow`: a fast half and a slow half (2x). `straggler`: one learner
+permanently 1.2-2x slower. `scavenge`: half the slots join mid-run and leave later."""
+KINDS: Final[tuple[str, ...]] = ("none", *PARTS, "kill+pause")
+"""What `ddiloco local --chaos` offers; make_schedule takes any `+` combination of PARTS."""
+SYNCHRONIZER: Final = "synchronizer"
 
 
 @dataclass(frozen=True)
@@ -30,7 +55,8 @@ class ChaosEvent:
     target: str
     """A learner id, or "synchronizer"."""
     delay: float
-    """Seconds until the process is restarted (kill) or resumed (pause)."""
+    """Seconds until the process is restarted (kill), resumed (pause) or reconnected
+    (partition); 0 for add and remove."""
 
 
 @dataclass
@@ -39,9 +65,33 @@ class Schedule:
     seed: int
     events: list[ChaosEvent] = field(default_factory=list)
     slow_factors: dict[str, float] = field(default_factory=dict)
+    absent: list[str] = field(default_factory=list)
+    """Learner slots not started with the run (they join with an `add` event)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Schedule:
+        raw: dict[str, Any] = json.loads(text)
+        events = [ChaosEvent(**e) for e in raw.get("events", [])]
+        bad = [e.action for e in events if e.action not in ACTIONS]
+        if bad:
+            raise ValueError(f"unknown chaos action {bad[0]!r}; allowed: {', '.join(ACTIONS)}")
+        return cls(
+            kind=raw["kind"],
+            seed=int(raw["seed"]),
+            events=events,
+            slow_factors={k: float(v) for k, v in raw.get("slow_factors", {}).items()},
+            absent=list(raw.get("absent", [])),
+        )
+
+    def window(self, action: str, target: str, at: float) -> bool:
+        """Whether `target` is inside an event of `action` at time `at` (e.g. partitioned)."""
+        return any(
+            e.action == action and e.target == target and e.at <= at < e.at + e.delay
+            for e in self.events
+        )
 
 
 def learner_ids(n: int) -> list[str]:
@@ -54,48 +104,79 @@ def long_tailed_delay(rng: random.Random, median: float, cap: float) -> float:
     return round(min(cap, rng.lognormvariate(0.0, 0.8) * median), 3)
 
 
+def _periodic(
+    part: str, rng: random.Random, ids: list[str], seconds: float, every: float, start: float
+) -> list[ChaosEvent]:
+    """One event every ~`every` s (jittered +-30%) on a random learner, from `start`."""
+    events = []
+    t = start + rng.uniform(0, every / 2)
+    while t < seconds - 2.0:
+        target = rng.choice(ids)
+        if part == "kill":
+            delay = long_tailed_delay(rng, median=2.0, cap=10.0)
+        elif part == "pause":
+            delay = round(rng.uniform(1.0, 4.0), 3)
+        else:  # partition
+            delay = round(rng.uniform(3.0, 8.0), 3)
+        events.append(ChaosEvent(at=round(t, 3), action=part, target=target, delay=delay))  # type: ignore[arg-type]
+        t += every * rng.uniform(0.7, 1.3)
+    return events
+
+
+DEFAULT_EVERY: Final[dict[str, float]] = {"kill": 12.0, "pause": 8.0, "partition": 15.0}
+
+
 def make_schedule(
     kind: str,
     *,
     learners: int,
     seconds: float,
     seed: int = 0,
-    every: float | None = None,
+    every: float | dict[str, float] | None = None,
     start: float = 5.0,
 ) -> Schedule:
-    """The schedule of one chaos kind over a run of `seconds` with `learners` learners.
+    """The schedule of one chaos kind (or a `+` combination) over `seconds` with `learners`.
 
     kill: one random learner SIGKILLed every ~`every` s (default 12), back after a
-    long-tailed delay (median 2 s). pause: one learner frozen every ~`every` s (default 8)
-    for 1-4 s. slow: half the learners (rounded down, at least one) twice as slow.
-    sync: the synchronizer killed once, at 40% of the run, back after 2 s.
+    long-tailed delay (median 2 s, capped at 10 s). pause: one learner frozen every ~8 s for
+    1-4 s. partition: one learner cut off every ~15 s for 3-8 s. slow: the upper half of the
+    learners (rounded down, at least one) twice as slow. straggler: one random learner
+    1.2-2x slower. scavenge: the upper half of the slots (at least one) absent at the start,
+    added at 35% of the run and removed at 75%. sync: the synchronizer killed once, at 40% of
+    the run, back after 2 s. `every` may be a number (all periodic parts) or a dict per part.
     """
-    if kind not in KINDS:
-        raise ValueError(f"chaos must be one of {', '.join(KINDS)}, got {kind!r}")
     if learners < 1:
         raise ValueError(f"learners must be >= 1, got {learners}")
-    rng = random.Random(f"{kind}:{seed}")
+    if seconds <= 0:
+        raise ValueError(f"seconds must be > 0, got {seconds}")
+    parts = [] if kind == "none" else kind.split("+")
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown or len(set(parts)) != len(parts):
+        raise ValueError(
+            f"chaos must be none or a '+' combination of distinct {', '.join(PARTS)}; got {kind!r}"
+        )
     ids = learner_ids(learners)
     sched = Schedule(kind=kind, seed=seed)
-    if kind == "slow":
-        n_slow = max(1, learners // 2)
-        for lid in ids[learners - n_slow :]:
-            sched.slow_factors[lid] = 2.0
-    elif kind == "sync":
-        sched.events.append(
-            ChaosEvent(
-                at=round(0.4 * seconds, 3), action="kill_sync", target="synchronizer", delay=2.0
-            )
-        )
-    elif kind in ("kill", "pause"):
-        period = every or (12.0 if kind == "kill" else 8.0)
-        t = start + rng.uniform(0, period / 2)
-        while t < seconds - 2.0:
-            target = rng.choice(ids)
-            if kind == "kill":
-                delay = long_tailed_delay(rng, median=2.0, cap=10.0)
-            else:
-                delay = round(rng.uniform(1.0, 4.0), 3)
-            sched.events.append(ChaosEvent(at=round(t, 3), action=kind, target=target, delay=delay))  # type: ignore[arg-type]
-            t += period * rng.uniform(0.7, 1.3)
+    for part in parts:
+        # One stream per part, named as before combinations existed: "kill" alone keeps the
+        # exact schedule it always had.
+        rng = random.Random(f"{part}:{seed}")
+        if part in DEFAULT_EVERY:
+            period = every.get(part) if isinstance(every, dict) else every
+            sched.events += _periodic(part, rng, ids, seconds, period or DEFAULT_EVERY[part], start)
+        elif part == "slow":
+            n_slow = max(1, learners // 2)
+            for lid in ids[learners - n_slow :]:
+                sched.slow_factors[lid] = 2.0
+        elif part == "straggler":
+            sched.slow_factors[rng.choice(ids)] = round(rng.uniform(1.2, 2.0), 3)
+        elif part == "scavenge":
+            extra = ids[learners - max(1, learners // 2) :] if learners > 1 else []
+            sched.absent = list(extra)
+            for lid in extra:
+                sched.events.append(ChaosEvent(round(0.35 * seconds, 3), "add", lid, 0.0))
+                sched.events.append(ChaosEvent(round(0.75 * seconds, 3), "remove", lid, 0.0))
+        elif part == "sync":
+            sched.events.append(ChaosEvent(round(0.4 * seconds, 3), "kill_sync", SYNCHRONIZER, 2.0))
+    sched.events.sort(key=lambda e: (e.at, e.target, e.action))
     return sched

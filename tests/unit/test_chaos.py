@@ -1,0 +1,125 @@
+"""Chaos schedules are data: seeded, deterministic, combinable, and round-trip through JSON.
+
+pytest tests/unit/test_chaos.py
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ddiloco.local.chaos import (
+    ACTIONS,
+    KINDS,
+    PARTS,
+    SYNCHRONIZER,
+    ChaosEvent,
+    Schedule,
+    learner_ids,
+    make_schedule,
+)
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "kill+pause+partition+sync", "scavenge+kill"])
+def test_same_seed_same_schedule_and_json_round_trip(kind: str) -> None:
+    a = make_schedule(kind, learners=6, seconds=90, seed=3)
+    b = make_schedule(kind, learners=6, seconds=90, seed=3)
+    assert a == b
+    assert Schedule.from_json(a.to_json()) == a
+    assert a.to_json() == b.to_json()
+
+
+def test_different_seeds_differ() -> None:
+    a = make_schedule("kill+pause", learners=4, seconds=120, seed=1)
+    b = make_schedule("kill+pause", learners=4, seconds=120, seed=2)
+    assert a.events != b.events
+
+
+def test_kill_schedule_is_pinned() -> None:
+    """Golden values: a change in how 'kill' draws its events would silently change every
+    recorded bench figure."""
+    s = make_schedule("kill", learners=4, seconds=60, seed=1)
+    assert [(e.at, e.target, e.delay) for e in s.events] == [
+        (6.676, "learner-2", 1.922),
+        (21.588, "learner-2", 3.02),
+        (30.692, "learner-3", 1.346),
+        (45.799, "learner-0", 1.098),
+        (56.687, "learner-0", 1.283),
+    ]
+    assert all(5.0 <= e.at < 58.0 for e in s.events)
+    assert all(0 < e.delay <= 10.0 for e in s.events)
+
+
+def test_adding_a_part_does_not_move_the_others() -> None:
+    kill = make_schedule("kill", learners=4, seconds=100, seed=7)
+    both = make_schedule("kill+pause", learners=4, seconds=100, seed=7)
+    assert [e for e in both.events if e.action == "kill"] == kill.events
+    assert {e.action for e in both.events} == {"kill", "pause"}
+
+
+def test_events_sorted_and_targets_valid() -> None:
+    s = make_schedule("kill+pause+partition+sync", learners=5, seconds=200, seed=0)
+    times = [e.at for e in s.events]
+    assert times == sorted(times)
+    ids = set(learner_ids(5)) | {SYNCHRONIZER}
+    assert all(e.target in ids and e.action in ACTIONS for e in s.events)
+    assert [e.target for e in s.events if e.action == "kill_sync"] == [SYNCHRONIZER]
+
+
+def test_pause_and_partition_durations() -> None:
+    s = make_schedule("pause+partition", learners=3, seconds=300, seed=4)
+    pauses = [e.delay for e in s.events if e.action == "pause"]
+    cuts = [e.delay for e in s.events if e.action == "partition"]
+    assert pauses and all(1.0 <= d <= 4.0 for d in pauses)
+    assert cuts and all(3.0 <= d <= 8.0 for d in cuts)
+    first = next(e for e in s.events if e.action == "partition")
+    assert s.window("partition", first.target, first.at + first.delay / 2)
+    assert not s.window("partition", first.target, first.at + first.delay + 0.01)
+
+
+def test_every_per_part() -> None:
+    dense = make_schedule("kill+pause", learners=4, seconds=200, seed=1, every={"kill": 5.0})
+    sparse = make_schedule("kill+pause", learners=4, seconds=200, seed=1, every={"kill": 40.0})
+    n = lambda s, a: sum(e.action == a for e in s.events)  # noqa: E731
+    assert n(dense, "kill") > 3 * n(sparse, "kill")
+    assert n(dense, "pause") == n(sparse, "pause")
+
+
+def test_slow_half_and_straggler() -> None:
+    s = make_schedule("slow", learners=8, seconds=60, seed=0)
+    assert s.slow_factors == {f"learner-{i}": 2.0 for i in range(4, 8)}
+    assert s.events == []
+    t = make_schedule("straggler", learners=8, seconds=60, seed=2)
+    assert len(t.slow_factors) == 1
+    assert all(1.2 <= f <= 2.0 for f in t.slow_factors.values())
+
+
+def test_scavenge_adds_then_removes_the_absent_half() -> None:
+    s = make_schedule("scavenge", learners=8, seconds=100, seed=0)
+    assert s.absent == [f"learner-{i}" for i in range(4, 8)]
+    for lid in s.absent:
+        mine = [e for e in s.events if e.target == lid]
+        assert [(e.action, e.at) for e in mine] == [("add", 35.0), ("remove", 75.0)]
+    assert not any(e.target in learner_ids(4) for e in s.events)
+
+
+@pytest.mark.parametrize(
+    "kind", ["bogus", "kill+kill", "kill+", "none+kill", "slow+nonsense", "kill+pause "]
+)
+def test_bad_kinds_are_refused(kind: str) -> None:
+    with pytest.raises(ValueError, match="chaos must be"):
+        make_schedule(kind, learners=2, seconds=10)
+
+
+def test_bad_sizes_and_actions_are_refused() -> None:
+    with pytest.raises(ValueError, match="learners"):
+        make_schedule("kill", learners=0, seconds=10)
+    with pytest.raises(ValueError, match="seconds"):
+        make_schedule("kill", learners=2, seconds=0)
+    bad = Schedule(kind="x", seed=0, events=[ChaosEvent(1.0, "kill", "learner-0", 1.0)])
+    text = bad.to_json().replace('"kill"', '"explode"')
+    with pytest.raises(ValueError, match="unknown chaos action"):
+        Schedule.from_json(text)
+
+
+def test_every_part_is_offered() -> None:
+    assert set(PARTS) <= set(KINDS)
