@@ -19,12 +19,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
-from ddiloco.synchronizer import codec
+from ddiloco.synchronizer import codec, ledger
 from ddiloco.synchronizer.config import SyncSettings
+from ddiloco.synchronizer.ledger import LearnerRecord
 from ddiloco.synchronizer.merge import (
     OuterNesterov,
     cap_counters,
@@ -38,7 +39,6 @@ from ddiloco.synchronizer.protocol import (
     InitResponse,
     JoinRequest,
     JoinResponse,
-    LearnerStatus,
     Status,
     UpdateMeta,
     UpdateResponse,
@@ -55,23 +55,6 @@ class SyncError(Exception):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind  # unknown_learner | not_initialized | stale | conflict | invalid
-
-
-@dataclass
-class LearnerRecord:
-    learner_id: str
-    incarnation: int = 0
-    contributions: int = 0
-    step: int = 0
-    tokens_total: int = 0
-    step_seconds: float = 0.0
-    compute_seconds: float = 0.0
-    uptime_seconds: float = 0.0
-    past_compute_seconds: float = 0.0
-    past_uptime_seconds: float = 0.0
-    loss: float | None = None
-    last_seen: float = field(default=-1e18, repr=False)
-    steps: list[int] = field(default_factory=list, repr=False)
 
 
 @dataclass
@@ -396,31 +379,12 @@ class Synchronizer:
         with self.lock:
             now, live = self.clock(), self.live()
             merges = sum(fs.merges for fs in self.fragments)
-            compute = sum(
-                r.past_compute_seconds + r.compute_seconds for r in self.learners.values()
-            )
-            uptime = sum(r.past_uptime_seconds + r.uptime_seconds for r in self.learners.values())
-            learners = [
-                LearnerStatus(
-                    learner_id=r.learner_id,
-                    alive=r.learner_id in live,
-                    incarnation=r.incarnation,
-                    step=r.step,
-                    tokens_total=r.tokens_total,
-                    step_seconds=r.step_seconds,
-                    compute_seconds=r.past_compute_seconds + r.compute_seconds,
-                    uptime_seconds=r.past_uptime_seconds + r.uptime_seconds,
-                    contributions=r.contributions,
-                    loss=r.loss,
-                    last_seen_s=max(0.0, now - r.last_seen) if r.last_seen > -1e17 else -1.0,
-                )
-                for r in sorted(self.learners.values(), key=lambda r: r.learner_id)
-            ]
+            learners = ledger.learner_statuses(self.learners, live, now)
             frags = [
                 FragmentStatus(
                     index=i,
                     merge=self.layout.fragments[i].merge if self.layout else "rda",
-                    version=fs.version,
+                    version=self.served[i][0],
                     contributors_pending=self.rounds.pending(i),
                 )
                 for i, fs in enumerate(self.fragments)
@@ -440,7 +404,7 @@ class Synchronizer:
                 mean_staleness=0.0,
                 bytes_up=int(self.totals["bytes_up"]),
                 bytes_down=int(self.totals["bytes_down"]),
-                goodput=(compute / uptime) if uptime > 0 else None,
+                goodput=ledger.goodput(self.learners),
                 fragments=frags,
                 learners=learners,
                 xi={
