@@ -28,6 +28,8 @@ def _add_fleet(p: argparse.ArgumentParser, *, chips: int = 1_200_000, learners: 
     # -- the fleet and how it is split
     p.add_argument("--chips", type=int, default=chips, help="accelerators in the fleet, N")
     p.add_argument("--learners", "-M", type=int, default=learners, help="learner slots M")
+    p.add_argument("--chips-per-learner", type=int,
+                   help="instead of -M: M = chips / chips-per-learner")
     p.add_argument("--quorum", "-K", type=int, default=1, help="minimum quorum K (K = M: sync)")
     p.add_argument("--fragments", "-P", type=int, default=24, help="fragments P")
     p.add_argument("-H", type=int, default=24, help="inner steps between merges of a fragment")
@@ -65,6 +67,8 @@ def _failure_config(a: argparse.Namespace) -> FailureConfig:
 
 
 def _run_config(a: argparse.Namespace) -> RunConfig:
+    if a.chips_per_learner:
+        a.learners = max(1, a.chips // a.chips_per_learner)
     return RunConfig(chips=a.chips, learners=a.learners, quorum=a.quorum, fragments=a.fragments,
                      H=a.H, tau=a.tau, horizon_s=a.horizon_days * 86400, seed=a.seed)
 
