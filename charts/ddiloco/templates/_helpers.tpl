@@ -45,6 +45,13 @@ chart's name ("ddiloco" -> "ddiloco"), else "<release>-<name>".
 {{- end -}}
 {{- end -}}
 
+{{/* The operator's ServiceAccount as an RBAC subject (a list item). */}}
+{{- define "ddiloco.operatorSubject" -}}
+- kind: ServiceAccount
+  name: {{ include "ddiloco.serviceAccountName" . }}
+  namespace: {{ .Release.Namespace }}
+{{- end -}}
+
 {{/* Labels that select a component's pods; pass (dict "ctx" $ "component" "operator"). */}}
 {{- define "ddiloco.selectorLabels" -}}
 app.kubernetes.io/name: {{ include "ddiloco.name" .ctx }}

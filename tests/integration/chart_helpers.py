@@ -1,0 +1,104 @@
+"""Helpers for the chart's tests (tests/integration/test_chart_*.py): run helm, parse renders.
+
+helm is the test control plane's (`python tests/integration/k8senv.py build`), found through
+the `k8s_bindir` fixture; $HELM overrides it. Every helm call gets its own config, cache and
+data directories, so a developer's repositories and plugins never leak into a test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "ddiloco"
+CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
+RBAC = REPO / "deploy" / "rbac"
+# The k8senv helm lacks helm's Kubernetes version stamp (see charts/hack/generate.py).
+KUBE_VERSION = ("--kube-version", "v1.37.2")
+
+
+def load_generator() -> Any:
+    """charts/hack/generate.py, loaded by path (it is a script)."""
+    if "chart_generate" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "chart_generate", REPO / "charts" / "hack" / "generate.py"
+        )
+        assert spec is not None and spec.loader is not None
+        sys.modules["chart_generate"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["chart_generate"])
+    return sys.modules["chart_generate"]
+
+
+@dataclass(frozen=True)
+class Helm:
+    binary: Path
+    home: Path
+
+    def run(
+        self, *args: str, check: bool = True, timeout: float = 120.0, **env: str
+    ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [str(self.binary), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={
+                **os.environ,
+                "HELM_CONFIG_HOME": str(self.home / "config"),
+                "HELM_CACHE_HOME": str(self.home / "cache"),
+                "HELM_DATA_HOME": str(self.home / "data"),
+                **env,
+            },
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"helm {' '.join(args)} exited {proc.returncode}:\n{proc.stderr}")
+        return proc
+
+    def template(self, *args: str, release: str = "ddiloco") -> list[dict[str, Any]]:
+        """Render the chart; the documents, without empty ones."""
+        out = self.run("template", release, str(CHART), *KUBE_VERSION, *args).stdout
+        return [d for d in yaml.safe_load_all(out) if d]
+
+
+@pytest.fixture(scope="session", name="helm")
+def helm_fixture(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Helm:
+    """$HELM, else the k8senv build's helm (skips, or fails in CI, when it is not built)."""
+    explicit = os.environ.get("HELM")
+    binary = Path(explicit or request.getfixturevalue("k8s_bindir") / "helm")
+    assert binary.is_file(), f"no helm at {binary}"
+    return Helm(binary, tmp_path_factory.mktemp("helm"))
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = by_kind(docs, kind)
+    assert len(found) == 1, f"expected one {kind}, got {[d['metadata']['name'] for d in found]}"
+    return found[0]
+
+
+def rule_triples(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    """RBAC rules as (apiGroup, resource, verb) triples, to compare rule sets however grouped."""
+    return {
+        (group, resource, verb)
+        for rule in rules
+        for group in rule.get("apiGroups", [])
+        for resource in rule.get("resources", [])
+        for verb in rule.get("verbs", [])
+    }
+
+
+def documented_rules(file: str, kind: str) -> set[tuple[str, str, str]]:
+    docs = [d for d in yaml.safe_load_all((RBAC / file).read_text()) if d]
+    return rule_triples(one(docs, kind)["rules"])
