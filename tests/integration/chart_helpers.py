@@ -7,6 +7,7 @@ data directories, so a developer's repositories and plugins never leak into a te
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import os
 import subprocess
@@ -102,3 +103,35 @@ def rule_triples(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
 def documented_rules(file: str, kind: str) -> set[tuple[str, str, str]]:
     docs = [d for d in yaml.safe_load_all((RBAC / file).read_text()) if d]
     return rule_triples(one(docs, kind)["rules"])
+
+
+def token_kubeconfig(cluster: Any, token: str, namespace: str) -> str:
+    """A kubeconfig that authenticates with a ServiceAccount token (the CA inlined)."""
+    ca = base64.b64encode(Path(cluster.ca_file).read_bytes()).decode()
+    return yaml.safe_dump(
+        {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {
+                    "name": cluster.name,
+                    "cluster": {"server": cluster.server, "certificate-authority-data": ca},
+                }
+            ],
+            "users": [{"name": "sa", "user": {"token": token}}],
+            "contexts": [
+                {
+                    "name": "sa",
+                    "context": {"cluster": cluster.name, "user": "sa", "namespace": namespace},
+                }
+            ],
+            "current-context": "sa",
+        }
+    )
+
+
+def notes_block(notes: str, name: str) -> str:
+    """The shell lines between '# --- <name> (begin)' and '# --- <name> (end)' in NOTES."""
+    begin, end = f"# --- {name} (begin)", f"# --- {name} (end)"
+    assert begin in notes and end in notes, f"NOTES lost its {name!r} block:\n{notes}"
+    return notes.split(begin, 1)[1].split(end, 1)[0]
