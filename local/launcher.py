@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.local.chaos import Schedule, learner_ids, make_schedule
+from ddiloco.local.netcut import CutProxy
 from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
 from ddiloco.synchronizer.client import SyncClient
 
@@ -58,6 +59,9 @@ class LocalConfig:
     out: Path = field(default_factory=lambda: Path("runs") / time.strftime("local-%Y%m%d-%H%M%S"))
     schedule: Schedule | None = None
     """A ready chaos schedule; None derives one from `chaos` and `seed`."""
+    warm_spares: int = 0
+    """Pre-warmed spare learner processes standing by to replace killed ones (local/spare.py);
+    0 restarts a killed learner as a fresh process."""
 
     def __post_init__(self) -> None:
         if self.learners < 1:
@@ -82,6 +86,15 @@ class LocalRun:
         self.schedule = cfg.schedule or make_schedule(
             cfg.chaos, learners=cfg.learners, seconds=cfg.max_seconds or 120.0, seed=cfg.seed
         )
+        # A learner the schedule partitions talks to the synchronizer through a relay we can cut.
+        self.proxies = {
+            e.target: CutProxy(self.port) for e in self.schedule.events if e.action == "partition"
+        }
+        self.reconnect_at: dict[str, float] = {}
+        self.added: dict[str, float] = {}
+        self.removed: dict[str, float] = {}
+        """Scavenging: when an absent slot joined and when a slot left for good (time.time())."""
+        self.spares: Any = None
         self.on_tick = on_tick
         self.t_launch = 0.0
         self.t0 = 0.0
@@ -127,7 +140,7 @@ class LocalRun:
         argv = ddiloco_command(
             "learner",
             "--sync-url",
-            self.url,
+            self.proxies[lid].url if lid in self.proxies else self.url,
             "--learner-id",
             lid,
             "--learner-index",
@@ -184,7 +197,11 @@ class LocalRun:
         if self.cfg.max_steps:
             left = max(1, self.cfg.max_steps - self.steps_done(child.name))
             argv += ["--max-steps", str(left)]
-        child.start(argv)
+        proc = self.spares.take(argv, child.log_path) if self.spares and child.starts else None
+        if proc is not None:
+            child.adopt(proc)
+        else:
+            child.start(argv)
 
     def elapsed(self) -> float:
         return time.time() - self.t0 if self.t0 else 0.0
@@ -220,9 +237,21 @@ class LocalRun:
         while self.schedule.events and self.schedule.events[0].at <= now:
             ev = self.schedule.events.pop(0)
             child = by_name[ev.target]
+            if ev.action == "add":
+                if child.proc is None:
+                    self._start_learner(child)
+                    self.added[child.name] = time.time()
+                continue
             if child.finished or not child.alive():
                 continue
-            if ev.action in ("kill", "kill_sync"):
+            if ev.action == "remove":
+                child.stop()
+                child.finished = True
+                self.removed[child.name] = time.time()
+            elif ev.action == "partition":
+                self.proxies[child.name].cut()
+                self.reconnect_at[child.name] = now + ev.delay
+            elif ev.action in ("kill", "kill_sync"):
                 child.kill()
                 child.restart_at = now + ev.delay
             elif ev.action == "pause":
@@ -230,6 +259,10 @@ class LocalRun:
                 child.resume_at = now + ev.delay
             self.applied.append({**asdict(ev), "applied_at": round(now, 3)})
             log.info("Chaos %s %s (back in %.1fs)", ev.action, ev.target, ev.delay)
+        for lid, at in list(self.reconnect_at.items()):
+            if now >= at:
+                self.proxies[lid].restore()
+                del self.reconnect_at[lid]
         for child in by_name.values():
             if child.resume_at is not None and now >= child.resume_at:
                 child.resume()
@@ -241,7 +274,9 @@ class LocalRun:
 
     def _check_learners(self, now: float) -> None:
         for child in self.learners:
-            if child.finished or child.restart_at is not None or child.alive():
+            if child.proc is None or child.finished or child.restart_at is not None:
+                continue  # not added yet (scavenging), done, or waiting for its replacement
+            if child.alive():
                 continue
             code = child.exit_code()
             if (
@@ -268,9 +303,22 @@ class LocalRun:
         try:
             self.sync.start()
             self._wait_healthy()
+            for proxy in self.proxies.values():
+                proxy.start()
+            if self.cfg.warm_spares:
+                from ddiloco.local.spare import SparePool
+
+                self.spares = SparePool(
+                    "ddiloco.learner.train",
+                    self.learners[0].env,
+                    self.out / "logs" / "spares",
+                    size=self.cfg.warm_spares,
+                )
+                self.spares.fill()
             self.t_launch = time.time()
             for child in self.learners:
-                self._start_learner(child)
+                if child.name not in self.schedule.absent:
+                    self._start_learner(child)
             c = self.cfg
             self.evaluator = GlobalEvaluator(
                 self.url,
@@ -313,6 +361,10 @@ class LocalRun:
             self.status = SyncClient(self.url, self.token).status()
         finally:
             terminate_all(children)
+            for proxy in self.proxies.values():
+                proxy.close()
+            if self.spares is not None:
+                self.spares.close()
         report = build_report(self)
         (self.out / "report.json").write_text(json.dumps(report, indent=2))
         return report

@@ -64,6 +64,13 @@ class Child:
         self.starts.append(time.time())
         self.restart_at = None
 
+    def adopt(self, proc: subprocess.Popen[bytes]) -> None:
+        """Take over a process started elsewhere (a warm spare, local/spare.py) as this
+        slot's next start."""
+        self.proc = proc
+        self.starts.append(time.time())
+        self.restart_at = None
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
