@@ -17,6 +17,8 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ddiloco.local.goodput import busy_seconds, new_step_spans
+
 if TYPE_CHECKING:
     from ddiloco.local.launcher import LocalRun
 
@@ -67,7 +69,14 @@ def build_report(run: LocalRun) -> dict[str, Any]:
             if r.get("event") == "adopt" and r.get("version", 0) > 0:
                 key = (r["fragment"], r["version"])
                 merge_times[key] = min(merge_times.get(key, r["t"]), r["t"])
-        compute = sum(min(r["dt"], max(0.0, r["t"] - t0)) for r in steps if r["t"] >= t0)
+        # A scavenged slot is held only between its add and its remove (algorithm.md §9).
+        held_from = max(t0, run.added.get(child.name, t0))
+        held_to = min(t1, run.removed.get(child.name, t1))
+        if child.name in run.schedule.absent and child.name not in run.added:
+            held_to = held_from  # never joined
+        held = max(0.0, held_to - held_from)
+        # Busy time excludes SIGSTOPped time: a pause lands inside a step and stretches its dt.
+        compute = busy_seconds(new_step_spans(records), (held_from, held_to), child.pauses)
         dead = 0.0
         for k, t_kill in enumerate(child.kills):
             back = child.starts[k + 1] if k + 1 < len(child.starts) else t1
@@ -87,8 +96,8 @@ def build_report(run: LocalRun) -> dict[str, Any]:
                 "compute_seconds": round(compute, 3),
                 "dead_seconds": round(dead, 3),
                 "paused_seconds": round(paused, 3),
-                "wait_seconds": round(max(0.0, wall - compute - dead - paused), 3),
-                "held_seconds": round(wall, 3),
+                "wait_seconds": round(max(0.0, held - compute - dead - paused), 3),
+                "held_seconds": round(held, 3),
                 "restarts": max(0, len(child.starts) - 1),
                 "kill_times": [round(t - t0, 3) for t in child.kills],
                 "restart_delays": [
@@ -98,7 +107,7 @@ def build_report(run: LocalRun) -> dict[str, Any]:
                 ],
                 "slow_factor": run.schedule.slow_factors.get(child.name, 1.0),
                 "contributions": contributions,
-                "goodput": round(compute / wall, 4) if wall > 0 else 0.0,
+                "goodput": round(compute / held, 4) if held > 0 else 0.0,
                 "timeline": {
                     "compute": [
                         (round(a - t0, 3), round(b - t0, 3)) for a, b in compute_intervals(steps)
@@ -124,8 +133,11 @@ def build_report(run: LocalRun) -> dict[str, Any]:
     initial = run.evaluator.initial_loss if run.evaluator else None
     final = history[-1][1] if history else None
     return {
-        "goodput": round(sum(x["compute_seconds"] for x in learners) / (wall * len(learners)), 4)
-        if wall
+        "goodput": round(
+            sum(x["compute_seconds"] for x in learners) / sum(x["held_seconds"] for x in learners),
+            4,
+        )
+        if wall and any(x["held_seconds"] for x in learners)
         else 0.0,
         "merged_work_ratio": round(status.tokens_merged / tokens_computed, 4)
         if tokens_computed
@@ -149,6 +161,13 @@ def build_report(run: LocalRun) -> dict[str, Any]:
         ),
         "eval_history": [(round(t - t0, 3), round(loss, 5), v) for t, loss, v in history],
         "chaos_applied": run.applied,
+        "spares": {
+            "taken": run.spares.taken,
+            "started": run.spares.started,
+            "standby_seconds": round(run.spares.standby_seconds, 3),
+        }
+        if run.spares is not None
+        else None,
         "config": {
             "learners": cfg.learners,
             "quorum": cfg.quorum,
@@ -164,6 +183,7 @@ def build_report(run: LocalRun) -> dict[str, Any]:
             "seed": cfg.seed,
             "max_seconds": cfg.max_seconds,
             "max_steps": cfg.max_steps,
+            "warm_spares": cfg.warm_spares,
             "batch_size": cfg.batch_size,
             "block_size": _tokens_per_batch(run) // cfg.batch_size,
             "inner_lr": cfg.inner_lr,
