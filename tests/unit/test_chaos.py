@@ -123,3 +123,20 @@ def test_bad_sizes_and_actions_are_refused() -> None:
 
 def test_every_part_is_offered() -> None:
     assert set(PARTS) <= set(KINDS)
+
+
+def test_kubernetes_plan_maps_every_action() -> None:
+    from ddiloco.local.k8s_chaos import plan, selector
+
+    s = make_schedule("kill+partition+pause+scavenge+sync", learners=4, seconds=60, seed=5)
+    actions = plan(s, job="j")
+    assert [a.at for a in actions] == sorted(a.at for a in actions)
+    verbs = {a.verb for a in actions}
+    assert verbs == {"delete", "evict", "isolate", "heal", "skip"}
+    cuts = [e for e in s.events if e.action == "partition"]
+    assert sum(a.verb == "isolate" for a in actions) == len(cuts)
+    assert sum(a.verb == "heal" for a in actions) == len(cuts)
+    assert sum(a.verb == "evict" for a in actions) == sum(e.action == "remove" for e in s.events)
+    assert selector("learner-3", "j") == "ddiloco.dev/learner-id=learner-3,ddiloco.dev/job=j"
+    assert selector(SYNCHRONIZER) == "app.kubernetes.io/component=synchronizer"
+    assert plan(s, job="j") == actions
