@@ -16,8 +16,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class OperatorSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="DDILOCO_OPERATOR_", extra="ignore",
-                                      use_attribute_docstrings=True)
+    model_config = SettingsConfigDict(
+        env_prefix="DDILOCO_OPERATOR_", extra="ignore", use_attribute_docstrings=True
+    )
 
     namespaces: str = ""
     """Comma-separated namespaces to watch; empty watches every namespace."""
@@ -45,8 +46,9 @@ class OperatorSettings(BaseSettings):
     # Watch timeouts, so that the operator never goes silently blind: a watch stream that a
     # load balancer or apiserver drops without a FIN would otherwise hang forever
     # (nolar/kopf#585, the reason dask-kubernetes sets these too).
-    watch_server_timeout: float = Field(300.0, gt=0)
-    """Ask the apiserver to end each watch after this many seconds (kopf reconnects)."""
+    watch_server_timeout: int = Field(300, gt=0)
+    """Ask the apiserver to end each watch after this many seconds (kopf reconnects). An
+    integer: kopf sends it as `timeoutSeconds`, and the apiserver refuses "300.0" with a 400."""
     watch_client_timeout: float = Field(330.0, gt=0)
     """Give up on a watch request after this many seconds, should the server not end it."""
     watch_connect_timeout: float = Field(30.0, gt=0)
