@@ -1,0 +1,356 @@
+"""The data-parallel baselines, run like `ddiloco local`: M rank processes, one chaos schedule.
+
+    run = DPRun(DPConfig(learners=4, elastic=False, max_seconds=60, schedule=schedule))
+    report = run.run()          # dict with the keys of a `ddiloco local` report
+
+Ranks are local/dp.py processes, one per learner slot, started with the same task, seed and
+batch size as the learners. The launcher owns membership (the generation file) and applies
+the schedule with the semantics of a synchronous job:
+
+- synchronous (`elastic=False`): a killed rank stops the group; the survivors wait (their
+  processes stay warm) until the replacement arrives after the event's delay, then all of
+  them restart from the last checkpoint. A partition breaks the collective like a kill and
+  heals when the link comes back. Scavenged slots cannot join a fixed-size job.
+- elastic (`elastic=True`): a kill reforms the group without the dead rank at once (the
+  reconfiguration pause is the rendezvous, checkpoint reload and lost steps), and again with
+  it when the replacement arrives. Scavenged slots join and leave the same way.
+- both: a SIGSTOPped rank stalls every all-reduce until it is resumed (a frozen rank looks
+  like a slow one until a timeout far longer than our pauses). A synchronizer kill does not
+  apply (there is none).
+
+Goodput is algorithm.md §9's, counted by local/goodput.py exactly as for the learners: each
+slot holds its allocation for the whole run, busy time is forward, backward and optimizer
+time of steps that were not rolled back, outside SIGSTOPs. The global model's eval loss is
+measured on the checkpoint file as it is written, by a thread like local/evaluator.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddiloco.local.chaos import Schedule, learner_ids, make_schedule
+from ddiloco.local.goodput import busy_seconds, new_step_spans
+from ddiloco.local.processes import Child, env_with, free_port, terminate_all
+from ddiloco.local.report import read_jsonl
+from ddiloco.local.spare import SparePool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class DPConfig:
+    learners: int = 4
+    """M, rank processes (one per learner slot)."""
+    elastic: bool = False
+    """Shrink on a failure and regrow when the replacement arrives."""
+    model: str = "tiny"
+    data: str | None = None
+    seed: int = 0
+    batch_size: int = 8
+    """Sequences per rank and step, as per learner step."""
+    inner_lr: float = 3e-3
+    max_seconds: float = 60.0
+    chaos: str = "none"
+    schedule: Schedule | None = None
+    ckpt_every: int = 10
+    """Steps between checkpoints (work since the last one is lost on a failure)."""
+    warm_spares: int = 0
+    """Pre-warmed processes standing by to replace a killed rank (local/spare.py)."""
+    eval_every: float = 5.0
+    out: Path = field(default_factory=lambda: Path("runs") / time.strftime("dp-%Y%m%d-%H%M%S"))
+
+    def __post_init__(self) -> None:
+        if self.learners < 1:
+            raise ValueError(f"learners must be >= 1, got {self.learners}")
+        if self.max_seconds <= 0:
+            raise ValueError(f"max_seconds must be > 0, got {self.max_seconds}")
+        if self.ckpt_every < 1:
+            raise ValueError(f"ckpt_every must be >= 1, got {self.ckpt_every}")
+
+
+class CheckpointEvaluator:
+    """Eval loss of the checkpoint file over time. History: [(t, loss, step, tokens)]."""
+
+    def __init__(self, cfg: DPConfig, ckpt: Path) -> None:
+        import torch
+
+        from ddiloco.learner.task import build_task
+
+        torch.set_num_threads(1)
+        self.torch = torch
+        self.task = build_task(preset=cfg.model, data=cfg.data, seed=cfg.seed)
+        self.ckpt = ckpt
+        self.every_s = cfg.eval_every
+        self.initial_loss = float(self.task.eval_loss(self.task.model))
+        self.history: list[tuple[float, float, int, int]] = []
+        self.seen: tuple[float, int] | None = None
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="dp-eval", daemon=True)
+
+    def evaluate(self) -> None:
+        try:
+            st = self.ckpt.stat()
+            if self.seen == (st.st_mtime, st.st_size):
+                return
+            state = self.torch.load(self.ckpt, map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, EOFError):  # not written yet, or replaced under us
+            return
+        self.seen = (st.st_mtime, st.st_size)
+        self.task.model.load_state_dict(state["model"])
+        with self.torch.no_grad():
+            loss = float(self.task.eval_loss(self.task.model))
+        self.history.append((time.time(), loss, int(state["step"]), int(state["tokens"])))
+
+    def _loop(self) -> None:
+        while not self.stop_event.wait(self.every_s):
+            self.evaluate()
+
+
+class DPRun:
+    """Owns the rank processes, the generation file and the run's clock."""
+
+    def __init__(self, cfg: DPConfig) -> None:
+        self.cfg = cfg
+        self.out = Path(cfg.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.gen_file = self.out / "gen.json"
+        self.ckpt = self.out / "ckpt.pt"
+        self.schedule = cfg.schedule or make_schedule(
+            cfg.chaos, learners=cfg.learners, seconds=cfg.max_seconds, seed=cfg.seed
+        )
+        self.ids = learner_ids(cfg.learners)
+        env = env_with(OMP_NUM_THREADS="1")
+        self.ranks = [
+            Child(lid, self._argv(i, lid), env, self.out / "logs" / f"{lid}.log")
+            for i, lid in enumerate(self.ids)
+        ]
+        self.spares = (
+            SparePool("ddiloco.local.dp", env, self.out / "logs" / "spares", cfg.warm_spares)
+            if cfg.warm_spares
+            else None
+        )
+        self.members = [i for i, lid in enumerate(self.ids) if lid not in self.schedule.absent]
+        self.down: dict[int, float] = {}
+        """Slot -> when its replacement (or reconnection) arrives."""
+        self.gen = -1
+        self.regroup_at: float | None = None
+        self.applied: list[dict[str, Any]] = []
+        self.t0 = self.t_end = 0.0
+        self.evaluator: CheckpointEvaluator | None = None
+
+    def _argv(self, slot: int, lid: str) -> list[str]:
+        c = self.cfg
+        argv = [
+            *["--slot", str(slot), "--slots", str(c.learners)],
+            *["--gen-file", str(self.gen_file), "--ckpt", str(self.ckpt)],
+            *["--ckpt-every", str(c.ckpt_every), "--model", c.model, "--seed", str(c.seed)],
+            *["--batch-size", str(c.batch_size), "--inner-lr", str(c.inner_lr)],
+            *["--slow-factor", str(self.schedule.slow_factors.get(lid, 1.0))],
+            *["--log-path", str(self.out / "learners" / f"{lid}.jsonl")],
+        ]
+        if c.data:
+            argv += ["--data", c.data]
+        return [sys.executable, "-P", "-m", "ddiloco.local.dp", *argv]
+
+    def learner_log(self, lid: str) -> Path:
+        return self.out / "learners" / f"{lid}.jsonl"
+
+    def _start(self, child: Child) -> None:
+        proc = self.spares.take(child.argv, child.log_path) if self.spares else None
+        if proc is not None:
+            child.adopt(proc)
+        else:
+            child.start()
+
+    def _publish(self) -> None:
+        from ddiloco.local.dp import write_generation
+
+        up = [s for s in self.members if s not in self.down]
+        self.gen += 1
+        write_generation(self.gen_file, self.gen, free_port(), up)
+        log.info("Generation %d: members %s", self.gen, up)
+
+    def elapsed(self) -> float:
+        return time.time() - self.t0 if self.t0 else 0.0
+
+    def _fail(self, slot: int, now: float, back_in: float, kill: bool) -> None:
+        child = self.ranks[slot]
+        if kill:
+            child.kill()
+        self.down[slot] = max(self.down.get(slot, 0.0), now + back_in)
+        if self.cfg.elastic:
+            self._publish()  # reform at once without it
+
+    def _apply_chaos(self, now: float) -> None:
+        while self.schedule.events and self.schedule.events[0].at <= now:
+            ev = self.schedule.events.pop(0)
+            applied = True
+            slot = self.ids.index(ev.target) if ev.target in self.ids else -1
+            child = self.ranks[slot] if slot >= 0 else None
+            if ev.action == "kill_sync" or child is None:
+                applied = False  # no synchronizer in data-parallel training
+            elif ev.action == "add":
+                if self.cfg.elastic and slot not in self.members:
+                    self.members.append(slot)
+                    self.members.sort()
+                    self._start(child)
+                    self._publish()
+                else:
+                    applied = False  # a fixed-size job cannot use a scavenged slot
+            elif slot not in self.members or slot in self.down:
+                applied = False
+            elif ev.action == "remove":
+                self.members.remove(slot)
+                child.kill()
+                if self.cfg.elastic:
+                    self._publish()
+            elif ev.action == "kill":
+                self._fail(slot, now, ev.delay, kill=True)
+            elif ev.action == "partition":
+                # gloo's full mesh breaks; the rank is replaced when its link is back
+                self._fail(slot, now, ev.delay, kill=True)
+            elif ev.action == "pause":
+                child.pause()
+                child.resume_at = now + ev.delay
+            if applied:
+                self.applied.append({**asdict(ev), "applied_at": round(now, 3)})
+                log.info("Chaos %s %s (%.1fs)", ev.action, ev.target, ev.delay)
+        for child in self.ranks:
+            if child.resume_at is not None and now >= child.resume_at:
+                child.resume()
+        back = [s for s, at in self.down.items() if now >= at]
+        for slot in back:
+            del self.down[slot]
+            if slot in self.members:
+                self._start(self.ranks[slot])
+        if back:
+            self._publish()
+
+    def _check_ranks(self, now: float) -> None:
+        for slot in self.members:
+            child = self.ranks[slot]
+            if slot in self.down or child.alive():
+                continue
+            log.warning("Rank %s exited with %s; replacing it", child.name, child.exit_code())
+            self._fail(slot, now, 1.0, kill=False)
+
+    def _first_step_time(self) -> float | None:
+        times = [
+            r["t"] - r["dt"]
+            for c in self.ranks
+            for r in read_jsonl(self.learner_log(c.name))[:50]
+            if "dt" in r
+        ]
+        return min(times) if times else None
+
+    def run(self) -> dict[str, Any]:
+        (self.out / "schedule.json").write_text(self.schedule.to_json())
+        try:
+            if self.spares:
+                self.spares.fill()
+            self._publish()
+            for slot in self.members:
+                self.ranks[slot].start()
+            self.evaluator = CheckpointEvaluator(self.cfg, self.ckpt)
+            self.evaluator.thread.start()
+            launch = time.time()
+            while not self.t0:
+                if time.time() - launch > 300:
+                    raise RuntimeError(f"no rank took a step within 300 s; see {self.out}")
+                self.t0 = self._first_step_time() or 0.0
+                time.sleep(0.05)
+            while (now := self.elapsed()) < self.cfg.max_seconds:
+                self._apply_chaos(now)
+                self._check_ranks(now)
+                time.sleep(0.05)
+            self.t_end = time.time()
+            terminate_all(self.ranks)
+            self.evaluator.stop_event.set()
+            self.evaluator.thread.join(timeout=30)
+            self.evaluator.evaluate()
+        finally:
+            terminate_all(self.ranks)
+            if self.spares:
+                self.spares.close()
+        report = build_dp_report(self)
+        (self.out / "report.json").write_text(json.dumps(report, indent=2))
+        return report
+
+
+def build_dp_report(run: DPRun) -> dict[str, Any]:
+    """The report of a data-parallel run, with the keys of local/report.py's that apply."""
+    cfg, t0, t1 = run.cfg, run.t0, run.t_end
+    wall = t1 - t0
+    tpb = run.evaluator.task.tokens_per_batch if run.evaluator else 0
+    slots = []
+    all_steps = kept_steps = 0
+    bytes_total = 0
+    worlds: list[int] = []
+    comm: list[float] = []
+    for child in run.ranks:
+        records = [r for r in read_jsonl(run.learner_log(child.name)) if r.get("t", 0) <= t1 + 1]
+        steps = [r for r in records if "dt" in r and "step" in r and r["t"] >= t0]
+        kept = new_step_spans(records)
+        busy = busy_seconds(kept, (t0, t1), child.pauses)
+        paused = sum(min(b, t1) - a for a, b in child.pauses if a < t1)
+        all_steps += len(steps)
+        n_kept = sum(1 for a, b in kept if b >= t0)
+        kept_steps += n_kept
+        bytes_total += sum(int(r.get("bytes", 0)) for r in steps)
+        worlds += [int(r.get("world", 1)) for r in steps]
+        comm += [float(r.get("comm", 0.0)) for r in steps]
+        slots.append(
+            {
+                "id": child.name,
+                "steps": len(steps),
+                "steps_kept": n_kept,
+                "tokens": n_kept * tpb,
+                "compute_seconds": round(busy, 3),
+                "paused_seconds": round(paused, 3),
+                "held_seconds": round(wall, 3),
+                "restarts": max(0, len(child.starts) - 1),
+                "goodput": round(busy / wall, 4) if wall > 0 else 0.0,
+            }
+        )
+    history = run.evaluator.history if run.evaluator else []
+    return {
+        "method": "elastic_dp" if cfg.elastic else "sync_dp",
+        "goodput": round(sum(s["compute_seconds"] for s in slots) / (wall * len(slots)), 4)
+        if wall
+        else 0.0,
+        "merged_work_ratio": round(kept_steps / all_steps, 4) if all_steps else 0.0,
+        "eval_loss_initial": run.evaluator.initial_loss if run.evaluator else None,
+        "eval_loss_final": history[-1][1] if history else None,
+        "tokens_computed": kept_steps * tpb,
+        "tokens_all": all_steps * tpb,
+        "bytes_up": bytes_total,
+        "bytes_down": 0,
+        # each byte a rank sends is received by one peer: bytes_up is the wire total
+        "wall_seconds": round(wall, 3),
+        "mean_contributors": round(statistics.fmean(worlds), 3) if worlds else 0.0,
+        "mean_staleness": 0.0,
+        "comm_seconds_mean": round(statistics.fmean(comm), 5) if comm else 0.0,
+        "generations": run.gen + 1,
+        "learner_restarts": sum(s["restarts"] for s in slots),
+        "eval_history": [
+            (round(t - t0, 3), round(loss, 5), step, tok) for t, loss, step, tok in history
+        ],
+        "chaos_applied": run.applied,
+        "spares": {
+            "taken": run.spares.taken,
+            "started": run.spares.started,
+            "standby_seconds": round(run.spares.standby_seconds, 3),
+        }
+        if run.spares
+        else None,
+        "config": {**asdict(cfg), "out": str(cfg.out), "schedule": None},
+        "learners": slots,
+    }
