@@ -137,7 +137,7 @@ def test_helm_install_and_helm_test(
                 runner.kill()
                 runner.wait()
         assert runner.returncode == 0, out
-        assert "Phase:          Succeeded" in out or "Succeeded" in out, out
+        assert f"TEST SUITE:     {rel}" in out and "Phase:          Succeeded" in out, out
     finally:
         helm_in(helm, k8s, "home", "uninstall", rel, "-n", ns, "--wait", check=False)
     gone = k8s.kubectl("home", "get", "clusterrole", operator, check=False)
@@ -252,8 +252,17 @@ def test_operator_with_the_charts_rbac_runs_a_job_across_regions(
         h.delete_jobs(cl, op)
         for cluster in ("home", "region-a"):
             assert cl.pods(cluster, job) == []
+        # Nothing the operator did was refused, except kopf's optional scan of the namespace
+        # list (it watches exact names; without that right it logs a 403 and uses the names).
+        refusals = [
+            line
+            for line in op.log.read_text().splitlines()
+            if ("403" in line or "Forbidden" in line)
+            and 'cannot list resource "namespaces"' not in line
+            and "/api/v1/namespaces " not in line
+        ]
+        assert refusals == [], "\n".join(refusals[:5])
         log = op.log.read_text()
-        assert "403" not in log and "Forbidden" not in log, op.tail()
         assert token not in log
     finally:
         if op is not None:
