@@ -159,21 +159,32 @@ def render_schema() -> str:
 # --------------------------------------------------------------------------- helm
 
 
+def _k8senv() -> Any:
+    """tests/integration/k8senv.py (the test control plane's harness), loaded by path."""
+    if "k8senv" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "k8senv", REPO / "tests" / "integration" / "k8senv.py"
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["k8senv"] = module  # before exec: its dataclasses look themselves up there
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules["k8senv"]
+            raise
+    return sys.modules["k8senv"]
+
+
 def find_helm(explicit: str | None = None) -> str | None:
     if explicit or os.environ.get("HELM"):
         return explicit or os.environ["HELM"]
-    spec = importlib.util.spec_from_file_location(
-        "_k8senv_for_generate", REPO / "tests" / "integration" / "k8senv.py"
-    )
-    if spec is not None and spec.loader is not None:
-        module = importlib.util.module_from_spec(spec)
-        try:
-            spec.loader.exec_module(module)
-            bindir = module.find_built()
-        except Exception:  # a broken or half-written build: fall back to PATH
-            bindir = None
-        if bindir is not None and (Path(bindir) / "helm").is_file():
-            return str(Path(bindir) / "helm")
+    try:
+        bindir = _k8senv().find_built()
+    except Exception:  # a broken or half-written build: fall back to PATH
+        bindir = None
+    if bindir is not None and (Path(bindir) / "helm").is_file():
+        return str(Path(bindir) / "helm")
     return shutil.which("helm")
 
 
