@@ -43,8 +43,13 @@ Quantity = Annotated[int | str, WithJsonSchema({"x-kubernetes-int-or-string": Tr
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid",
-                              use_attribute_docstrings=True, frozen=True)
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+        frozen=True,
+    )
 
 
 class Resources(_Model):
@@ -82,15 +87,25 @@ class Toleration(_Model):
 class Training(_Model):
     """What every learner trains, and how often it talks to the synchronizer."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        {"rule": "has(self.model) != has(self.modelEntry)",
-         "message": "set exactly one of training.model (a preset name) "
-                    "or training.modelEntry (module:function)"},
-        {"rule": "self.innerSteps % self.fragments == 0",
-         "message": "training.innerSteps (H) must be a multiple of training.fragments (P)"},
-        {"rule": "self.overlapSteps < self.innerSteps",
-         "message": "training.overlapSteps (tau) must be less than training.innerSteps (H)"},
-    ]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.model) != has(self.modelEntry)",
+                    "message": "set exactly one of training.model (a preset name) "
+                    "or training.modelEntry (module:function)",
+                },
+                {
+                    "rule": "self.innerSteps % self.fragments == 0",
+                    "message": "training.innerSteps (H) must be a multiple of training.fragments (P)",
+                },
+                {
+                    "rule": "self.overlapSteps < self.innerSteps",
+                    "message": "training.overlapSteps (tau) must be less than training.innerSteps (H)",
+                },
+            ]
+        }
+    )
 
     model: str | None = Field(None, max_length=64)
     """Model preset name, e.g. "tiny" (the CPU debug preset). Exclusive with modelEntry."""
@@ -198,13 +213,21 @@ class FailurePolicy(_Model):
 class JobSpec(_Model):
     """Desired state of a DecoupledDiLoCoJob."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        {"rule": "self.synchronizer.quorum <= self.learnerGroups.map(g, g.replicas).sum()",
-         "message": "synchronizer.quorum must not exceed the total replicas of learnerGroups"},
-        {"rule": "has(self.managedBy) == has(oldSelf.managedBy) && "
-                 "(!has(self.managedBy) || self.managedBy == oldSelf.managedBy)",
-         "message": "managedBy is immutable"},
-    ]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.synchronizer.quorum <= self.learnerGroups.map(g, g.replicas).sum()",
+                    "message": "synchronizer.quorum must not exceed the total replicas of learnerGroups",
+                },
+                {
+                    "rule": "has(self.managedBy) == has(oldSelf.managedBy) && "
+                    "(!has(self.managedBy) || self.managedBy == oldSelf.managedBy)",
+                    "message": "managedBy is immutable",
+                },
+            ]
+        }
+    )
 
     image: str = Field(min_length=1, max_length=512)
     """Container image with the `ddiloco` command, for the synchronizer and the learners."""
@@ -214,8 +237,11 @@ class JobSpec(_Model):
     """Model, data and schedule of every learner."""
     synchronizer: Synchronizer = Synchronizer()
     """The merge service."""
-    learner_groups: list[LearnerGroup] = Field(min_length=1, max_length=MAX_GROUPS, json_schema_extra={
-        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
+    learner_groups: list[LearnerGroup] = Field(
+        min_length=1,
+        max_length=MAX_GROUPS,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
     """Learner groups, each in one cluster; names are unique."""
     failure_policy: FailurePolicy = FailurePolicy()
     """Replacement of failed learner pods."""
@@ -295,12 +321,16 @@ class SynchronizerStatus(_Model):
 class JobStatus(_Model):
     """Observed state, written only by the operator."""
 
-    phase: Literal["Pending", "Running", "Degraded", "Suspended", "Succeeded", "Invalid"] | None = None
+    phase: Literal["Pending", "Running", "Degraded", "Suspended", "Succeeded", "Invalid"] | None = (
+        None
+    )
     """Summary of the conditions for `kubectl get`; never a trigger."""
     observed_generation: int | None = None
     """metadata.generation this status was computed from."""
-    conditions: list[Condition] = Field(default_factory=list, json_schema_extra={
-        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
     """Ready, SynchronizerReady, LearnersReady, Degraded."""
     desired_learners: int | None = None
     """Learner slots in all groups."""
@@ -308,8 +338,10 @@ class JobStatus(_Model):
     """Learner pods that are Ready, in all groups."""
     groups: list[GroupStatus] = Field(default_factory=list)
     """Per-group counts."""
-    slots: list[SlotStatus] = Field(default_factory=list, json_schema_extra={
-        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["id"]})
+    slots: list[SlotStatus] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["id"]},
+    )
     """Per-slot replacement bookkeeping."""
     synchronizer: SynchronizerStatus | None = None
     """The synchronizer's endpoint and readiness."""
@@ -326,12 +358,20 @@ class JobStatus(_Model):
 class DecoupledDiLoCoJob(_Model):
     """One Decoupled DiLoCo training run: a synchronizer here, learner pods in many clusters."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        {"rule": f"self.metadata.name.size() <= {MAX_JOB_NAME}",
-         "message": f"metadata.name must be at most {MAX_JOB_NAME} characters"},
-        {"rule": "self.metadata.name.matches('^[a-z]')",
-         "message": "metadata.name must start with a letter (it names a Service)"},
-    ]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"self.metadata.name.size() <= {MAX_JOB_NAME}",
+                    "message": f"metadata.name must be at most {MAX_JOB_NAME} characters",
+                },
+                {
+                    "rule": "self.metadata.name.matches('^[a-z]')",
+                    "message": "metadata.name must start with a letter (it names a Service)",
+                },
+            ]
+        }
+    )
 
     api_version: str = API_VERSION
     kind: str = KIND
@@ -347,11 +387,15 @@ class DecoupledDiLoCoJob(_Model):
             status = JobStatus.model_validate(known_status(dict(raw.get("status") or {})))
         except ValidationError:
             status = JobStatus()
-        return cls.model_validate({
-            "apiVersion": raw.get("apiVersion", API_VERSION), "kind": raw.get("kind", KIND),
-            "metadata": dict(raw.get("metadata") or {}), "spec": dict(raw.get("spec") or {}),
-            "status": status,
-        })
+        return cls.model_validate(
+            {
+                "apiVersion": raw.get("apiVersion", API_VERSION),
+                "kind": raw.get("kind", KIND),
+                "metadata": dict(raw.get("metadata") or {}),
+                "spec": dict(raw.get("spec") or {}),
+                "status": status,
+            }
+        )
 
     @property
     def name(self) -> str:
@@ -383,8 +427,10 @@ def validate(spec: JobSpec) -> list[str]:
     """The CEL rules again, in Python: problems of a spec the apiserver did not validate."""
     problems = []
     if spec.synchronizer.quorum > spec.total_replicas():
-        problems.append(f"synchronizer.quorum ({spec.synchronizer.quorum}) exceeds the total "
-                        f"replicas of learnerGroups ({spec.total_replicas()})")
+        problems.append(
+            f"synchronizer.quorum ({spec.synchronizer.quorum}) exceeds the total "
+            f"replicas of learnerGroups ({spec.total_replicas()})"
+        )
     if (spec.training.model is None) == (spec.training.model_entry is None):
         problems.append("set exactly one of training.model or training.modelEntry")
     if spec.training.inner_steps % spec.training.fragments:

@@ -19,16 +19,32 @@ from ddiloco.operator.config import get_settings
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ddiloco operator", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="ddiloco operator",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     # -- what to watch
-    parser.add_argument("-n", "--namespace", action="append", default=[],
-                        help="namespace to watch (repeatable); default: DDILOCO_OPERATOR_NAMESPACES")
-    parser.add_argument("-A", "--all-namespaces", action="store_true",
-                        help="watch every namespace (needs the ClusterRole of deploy/rbac/)")
+    parser.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="namespace to watch (repeatable); default: DDILOCO_OPERATOR_NAMESPACES",
+    )
+    parser.add_argument(
+        "-A",
+        "--all-namespaces",
+        action="store_true",
+        help="watch every namespace (needs the ClusterRole of deploy/rbac/)",
+    )
     # -- how to talk
-    parser.add_argument("--liveness", default=None, metavar="URL",
-                        help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz; '' disables")
+    parser.add_argument(
+        "--liveness",
+        default=None,
+        metavar="URL",
+        help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz; '' disables",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
 
@@ -47,20 +63,29 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("client", "urllib3", "kubernetes"):
         logging.getLogger(name).setLevel(logging.WARNING)
     logging.getLogger("ddiloco.operator").info(
-        "Starting the operator: namespaces=%s resync=%ss status_url=%s", namespaces or "all",
-        cfg.resync_seconds, cfg.status_url_template)
+        "Starting the operator: namespaces=%s resync=%ss status_url=%s",
+        namespaces or "all",
+        cfg.resync_seconds,
+        cfg.status_url_template,
+    )
 
     logging.getLogger("kopf.objects").addFilter(_quiet_timer)
     from ddiloco.operator import handlers  # registers the handlers with kopf
 
     del handlers
-    kopf.run(clusterwide=not namespaces, namespaces=namespaces, standalone=cfg.standalone,
-             liveness_endpoint=cfg.liveness_endpoint or None)
+    kopf.run(
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        standalone=cfg.standalone,
+        liveness_endpoint=cfg.liveness_endpoint or None,
+    )
     return 0
 
 
 def _quiet_timer(record: logging.LogRecord) -> bool:
     """Drop kopf's "Timer 'reconcile_job' succeeded." line: it would repeat every resync for
     every job. Failures, and everything the handlers say themselves, still get through."""
-    return not ("reconcile_job" in record.getMessage()
-                and record.getMessage().endswith(("succeeded.", "is invoked.")))
+    return not (
+        "reconcile_job" in record.getMessage()
+        and record.getMessage().endswith(("succeeded.", "is invoked."))
+    )

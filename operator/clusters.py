@@ -76,14 +76,17 @@ class Clusters:
         where = f"Secret {secret_namespace}/{ref.name}"
         try:
             secret = kubernetes.client.CoreV1Api(self.home).read_namespaced_secret(
-                ref.name, secret_namespace)
+                ref.name, secret_namespace
+            )
         except ApiException as e:
             if e.status == 404:
                 with self._lock:
                     cached = self._cache.get(key)
                 if allow_stale and cached is not None:
                     return cached.client
-                raise ClusterProblem(c.KUBECONFIG_SECRET_MISSING, f"{where} was not found") from None
+                raise ClusterProblem(
+                    c.KUBECONFIG_SECRET_MISSING, f"{where} was not found"
+                ) from None
             raise
         version = secret.metadata.resource_version or ""
         with self._lock:
@@ -107,29 +110,36 @@ def _client_from_secret(data: dict[str, str], key: str, where: str) -> ApiClient
         config = yaml.safe_load(base64.b64decode(data[key]).decode())
     except (binascii.Error, UnicodeDecodeError, yaml.YAMLError):
         # The parser's message may quote the file; say only where the problem is.
-        raise ClusterProblem(c.KUBECONFIG_SECRET_INVALID,
-                             f"{where} key {key!r} is not a readable kubeconfig") from None
+        raise ClusterProblem(
+            c.KUBECONFIG_SECRET_INVALID, f"{where} key {key!r} is not a readable kubeconfig"
+        ) from None
     if not isinstance(config, dict) or not config.get("clusters"):
-        raise ClusterProblem(c.KUBECONFIG_SECRET_INVALID,
-                             f"{where} key {key!r} is not a kubeconfig (no clusters)")
+        raise ClusterProblem(
+            c.KUBECONFIG_SECRET_INVALID, f"{where} key {key!r} is not a kubeconfig (no clusters)"
+        )
     try:
         return kubernetes.config.new_client_from_config_dict(config)
     except (ConfigException, KeyError, TypeError, ValueError, OSError) as e:
-        raise ClusterProblem(c.KUBECONFIG_SECRET_INVALID,
-                             f"{where} key {key!r} is not a usable kubeconfig "
-                             f"({type(e).__name__})") from None
+        raise ClusterProblem(
+            c.KUBECONFIG_SECRET_INVALID,
+            f"{where} key {key!r} is not a usable kubeconfig ({type(e).__name__})",
+        ) from None
 
 
 def describe_failure(e: BaseException, target: Target, secret_namespace: str) -> ClusterProblem:
     """Turn an API call's failure against a remote target into a ClusterProblem."""
-    where = ("this cluster" if target.secret is None
-             else f"the cluster of Secret {secret_namespace}/{target.secret.name}")
+    where = (
+        "this cluster"
+        if target.secret is None
+        else f"the cluster of Secret {secret_namespace}/{target.secret.name}"
+    )
     if isinstance(e, ApiException) and e.status in (401, 403):
-        return ClusterProblem(c.KUBECONFIG_SECRET_INVALID,
-                              f"{where} refused the credentials (HTTP {e.status} {e.reason})")
+        return ClusterProblem(
+            c.KUBECONFIG_SECRET_INVALID,
+            f"{where} refused the credentials (HTTP {e.status} {e.reason})",
+        )
     if isinstance(e, ApiException) and e.status:
-        return ClusterProblem(c.CLUSTER_UNREACHABLE,
-                              f"{where} answered HTTP {e.status} {e.reason}")
+        return ClusterProblem(c.CLUSTER_UNREACHABLE, f"{where} answered HTTP {e.status} {e.reason}")
     return ClusterProblem(c.CLUSTER_UNREACHABLE, f"{where} did not answer ({type(e).__name__})")
 
 

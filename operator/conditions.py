@@ -63,8 +63,9 @@ def make(type_: str, status: bool | None, reason: str, message: str) -> Conditio
     return Condition(type=type_, status=value, reason=reason, message=message)
 
 
-def merge(old: Iterable[Condition], new: Iterable[Condition], now: str,
-          generation: int) -> list[Condition]:
+def merge(
+    old: Iterable[Condition], new: Iterable[Condition], now: str, generation: int
+) -> list[Condition]:
     """New conditions in TYPES order; keep the old transition time where the status is unchanged.
 
     Types the operator does not own (another controller's) are kept as they were, after ours.
@@ -77,8 +78,11 @@ def merge(old: Iterable[Condition], new: Iterable[Condition], now: str,
             continue
         cond, before = fresh[type_], previous.get(type_)
         since = before.last_transition_time if before and before.status == cond.status else now
-        merged.append(cond.model_copy(update={"last_transition_time": since,
-                                              "observed_generation": generation}))
+        merged.append(
+            cond.model_copy(
+                update={"last_transition_time": since, "observed_generation": generation}
+            )
+        )
     merged += [c for t, c in previous.items() if t not in fresh and t not in TYPES]
     return merged
 

@@ -51,10 +51,17 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.runtime = Runtime(CFG, home_api_client())
 
 
-@kopf.timer(api.GROUP, api.VERSION, api.PLURAL, interval=CFG.resync_seconds,
-            backoff=CFG.resync_seconds, when=is_ours)
-def reconcile_job(name: str, namespace: str, body: kopf.Body, memo: kopf.Memo,
-                  logger: logging.Logger, **_: Any) -> None:
+@kopf.timer(
+    api.GROUP,
+    api.VERSION,
+    api.PLURAL,
+    interval=CFG.resync_seconds,
+    backoff=CFG.resync_seconds,
+    when=is_ours,
+)
+def reconcile_job(
+    name: str, namespace: str, body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any
+) -> None:
     with _lock(memo):
         memo.runtime.reconcile(name, namespace, logger, _poster(body))
 
@@ -65,7 +72,7 @@ def clean_up(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any)
         try:
             memo.runtime.clean_up(dict(body), logger, _poster(body))
         except CleanupPending as e:
-            raise kopf.TemporaryError(str(e), delay=2) from None
+            raise kopf.TemporaryError(str(e), delay=1) from None
 
 
 def _lock(memo: kopf.Memo) -> threading.Lock:
@@ -77,4 +84,5 @@ def _lock(memo: kopf.Memo) -> threading.Lock:
 def _poster(body: kopf.Body) -> Any:
     def post(event: Event) -> None:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+
     return post

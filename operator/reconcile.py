@@ -96,13 +96,20 @@ class PodView:
         # condition (EvictionByEvictionAPI, PreemptionByScheduler, ...); kubelets set
         # status.reason (Evicted, Preempted, OOMKilled ...) on pods they fail.
         disruption = conds.get("DisruptionTarget", {})
-        reason = status.get("reason") or (disruption.get("reason")
-                                          if disruption.get("status") == "True" else None)
-        return cls(name=meta.get("name", ""), uid=meta.get("uid", ""),
-                   job_uid=labels.get(builders.LABEL_JOB_UID, ""), group=group, index=index,
-                   phase=status.get("phase") or "Pending",
-                   ready=conds.get("Ready", {}).get("status") == "True",
-                   terminating=bool(meta.get("deletionTimestamp")), reason=reason)
+        reason = status.get("reason") or (
+            disruption.get("reason") if disruption.get("status") == "True" else None
+        )
+        return cls(
+            name=meta.get("name", ""),
+            uid=meta.get("uid", ""),
+            job_uid=labels.get(builders.LABEL_JOB_UID, ""),
+            group=group,
+            index=index,
+            phase=status.get("phase") or "Pending",
+            ready=conds.get("Ready", {}).get("status") == "True",
+            terminating=bool(meta.get("deletionTimestamp")),
+            reason=reason,
+        )
 
 
 @dataclass(frozen=True)
@@ -169,17 +176,33 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
     now, gen = iso(obs.now), job.generation
     problems = validate(job.spec)
     if problems:
-        status = job.status.model_copy(update={"phase": "Invalid", "observed_generation": gen,
-                                               "conditions": c.merge(job.status.conditions, [
-            c.make(c.READY, False, c.INVALID_SPEC, "; ".join(problems))], now, gen)})
+        status = job.status.model_copy(
+            update={
+                "phase": "Invalid",
+                "observed_generation": gen,
+                "conditions": c.merge(
+                    job.status.conditions,
+                    [c.make(c.READY, False, c.INVALID_SPEC, "; ".join(problems))],
+                    now,
+                    gen,
+                ),
+            }
+        )
         return Plan(status=status)
 
     plan = Plan()
     home_view = obs.clusters.get(home(job), ClusterView())
     token = home_view.token or fresh_token
     if home_view.token is None and home_view.problem is None:
-        plan.actions.append(Action("create", home(job), "Secret", builders.token_secret_name(job),
-                                   builders.build_token_secret(job, token)))
+        plan.actions.append(
+            Action(
+                "create",
+                home(job),
+                "Secret",
+                builders.token_secret_name(job),
+                builders.build_token_secret(job, token),
+            )
+        )
     _synchronizer(job, obs, plan)
 
     slots = {s.id: s for s in job.status.slots}
@@ -194,14 +217,20 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
         tgt = target_of(job, group)
         view = obs.clusters.get(tgt, ClusterView(problem=(c.CLUSTER_UNREACHABLE, "not observed")))
         old = old_groups.get(group.name)
-        gstat = GroupStatus(name=group.name, cluster=tgt.label, kubeconfig_secret=tgt.secret,
-                            namespace=tgt.namespace, desired=group.replicas,
-                            replaced=old.replaced if old else 0)
+        gstat = GroupStatus(
+            name=group.name,
+            cluster=tgt.label,
+            kubeconfig_secret=tgt.secret,
+            namespace=tgt.namespace,
+            desired=group.replicas,
+            replaced=old.replaced if old else 0,
+        )
         ids = [builders.learner_id(group.name, i) for i in range(group.replicas)]
         if view.problem is not None:  # keep the books as they were; act nowhere there
             reason, msg = view.problem
-            degraded.append((reason, f"Could not reach the cluster of learner group "
-                                     f"{group.name}: {msg}"))
+            degraded.append(
+                (reason, f"Could not reach the cluster of learner group {group.name}: {msg}")
+            )
             new_slots += [slots.get(i) or SlotStatus(id=i) for i in ids]
             not_ready += ids
             groups.append(gstat.model_copy(update={"ready": old.ready if old else 0}))
@@ -209,9 +238,15 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
         if tgt.secret is not None and view.token != token and tgt not in copied:
             copied.add(tgt)
             verb = "create" if view.token is None else "replace"
-            plan.actions.append(Action(verb, tgt, "Secret", builders.token_secret_name(job),
-                                       builders.build_token_secret(job, token, tgt.namespace,
-                                                                   owned=False)))
+            plan.actions.append(
+                Action(
+                    verb,
+                    tgt,
+                    "Secret",
+                    builders.token_secret_name(job),
+                    builders.build_token_secret(job, token, tgt.namespace, owned=False),
+                )
+            )
         pods = {(p.group, p.index): p for p in view.pods if p.job_uid == job.uid}
         ready = replaced = 0
         for index, sid in enumerate(ids):
@@ -225,12 +260,23 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
                 ready += 1
             else:
                 not_ready.append(sid)
-            if rec.failed_uid and rec.replacements >= job.spec.failure_policy.max_replacements_per_slot \
-                    and not job.spec.suspend:
-                degraded.append((c.REPLACEMENT_LIMIT_REACHED, (
-                    f"Learner slot {sid} was replaced {rec.replacements} times, the failurePolicy "
-                    f"limit; its last pod ended with {rec.last_failure_reason}")))
-        groups.append(gstat.model_copy(update={"ready": ready, "replaced": gstat.replaced + replaced}))
+            if (
+                rec.failed_uid
+                and rec.replacements >= job.spec.failure_policy.max_replacements_per_slot
+                and not job.spec.suspend
+            ):
+                degraded.append(
+                    (
+                        c.REPLACEMENT_LIMIT_REACHED,
+                        (
+                            f"Learner slot {sid} was replaced {rec.replacements} times, the failurePolicy "
+                            f"limit; its last pod ended with {rec.last_failure_reason}"
+                        ),
+                    )
+                )
+        groups.append(
+            gstat.model_copy(update={"ready": ready, "replaced": gstat.replaced + replaced})
+        )
     _prune(job, obs, plan, groups)
 
     status = _status(job, obs, plan, groups, new_slots, degraded, not_ready, done)
@@ -239,26 +285,48 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
     return plan
 
 
-def _slot(job: DecoupledDiLoCoJob, group: LearnerGroup, index: int, tgt: Target,
-          rec: SlotStatus, pod: PodView | None, now: datetime, plan: Plan) -> tuple[SlotStatus, int]:
+def _slot(
+    job: DecoupledDiLoCoJob,
+    group: LearnerGroup,
+    index: int,
+    tgt: Target,
+    rec: SlotStatus,
+    pod: PodView | None,
+    now: datetime,
+    plan: Plan,
+) -> tuple[SlotStatus, int]:
     """One slot's next step; returns its new record and 1 if a replacement was counted."""
     counted = 0
     if pod is not None and rec.failed_uid is not None and pod.uid != rec.failed_uid:
         counted = 1  # a pod we created after a failure: the replacement happened
         rec = rec.model_copy(update={"replacements": rec.replacements + 1, "failed_uid": None})
-        plan.events.append(Event("Normal", "LearnerReplaced", (
-            f"Replaced learner pod {pod.name} in slot {rec.id} after {rec.last_failure_reason} "
-            f"(replacement {rec.replacements} of {job.spec.failure_policy.max_replacements_per_slot})")))
+        plan.events.append(
+            Event(
+                "Normal",
+                "LearnerReplaced",
+                (
+                    f"Replaced learner pod {pod.name} in slot {rec.id} after {rec.last_failure_reason} "
+                    f"(replacement {rec.replacements} of {job.spec.failure_policy.max_replacements_per_slot})"
+                ),
+            )
+        )
     if job.spec.suspend:  # not a failure: Kueue (or a person) took the resources back
         if pod is not None and not pod.terminating:
             plan.actions.append(Action("delete", tgt, "Pod", pod.name, uid=pod.uid))
         return rec.model_copy(update={"pod_uid": None, "failed_uid": None}), counted
 
     def failed(uid: str, reason: str) -> SlotStatus:
-        plan.events.append(Event("Warning", "LearnerFailed",
-                                 f"Learner pod of slot {rec.id} ended with {reason}"))
-        return rec.model_copy(update={"pod_uid": None, "failed_uid": uid,
-                                      "last_failure_reason": reason, "last_failure_time": iso(now)})
+        plan.events.append(
+            Event("Warning", "LearnerFailed", f"Learner pod of slot {rec.id} ended with {reason}")
+        )
+        return rec.model_copy(
+            update={
+                "pod_uid": None,
+                "failed_uid": uid,
+                "last_failure_reason": reason,
+                "last_failure_time": iso(now),
+            }
+        )
 
     limit = job.spec.failure_policy.max_replacements_per_slot
     if pod is None:
@@ -270,9 +338,17 @@ def _slot(job: DecoupledDiLoCoJob, group: LearnerGroup, index: int, tgt: Target,
             since = datetime.strptime(rec.last_failure_time or iso(now), "%Y-%m-%dT%H:%M:%SZ")
             if now.replace(tzinfo=None) < since + backoff(job, rec.replacements):
                 return rec, counted
-        plan.actions.append(Action("create", tgt, "Pod", builders.learner_pod_name(
-            job, group.name, index), builders.build_learner_pod(
-            job, group, index, tgt.namespace, owned=tgt.secret is None)))
+        plan.actions.append(
+            Action(
+                "create",
+                tgt,
+                "Pod",
+                builders.learner_pod_name(job, group.name, index),
+                builders.build_learner_pod(
+                    job, group, index, tgt.namespace, owned=tgt.secret is None
+                ),
+            )
+        )
         return rec, counted
     if pod.terminating and rec.pod_uid is None and rec.failed_uid is None:
         return rec, counted  # never seen alive: e.g. deleted by a suspend; just let it go
@@ -280,8 +356,9 @@ def _slot(job: DecoupledDiLoCoJob, group: LearnerGroup, index: int, tgt: Target,
         if pod.uid != rec.failed_uid:
             rec = failed(pod.uid, pod.reason or ("Deleted" if pod.terminating else "Failed"))
         if not pod.terminating and rec.replacements < limit:  # its containers have ended
-            plan.actions.append(Action("delete", tgt, "Pod", pod.name, uid=pod.uid,
-                                       grace_seconds=0))
+            plan.actions.append(
+                Action("delete", tgt, "Pod", pod.name, uid=pod.uid, grace_seconds=0)
+            )
         return rec, counted
     return rec.model_copy(update={"pod_uid": pod.uid}), counted
 
@@ -291,20 +368,39 @@ def _synchronizer(job: DecoupledDiLoCoJob, obs: Observed, plan: Plan) -> None:
     if obs.clusters.get(h, ClusterView()).problem is not None:
         return
     if not obs.claim:
-        plan.actions.append(Action("create", h, "PersistentVolumeClaim",
-                                   builders.state_claim_name(job), builders.build_state_claim(job)))
+        plan.actions.append(
+            Action(
+                "create",
+                h,
+                "PersistentVolumeClaim",
+                builders.state_claim_name(job),
+                builders.build_state_claim(job),
+            )
+        )
     if not obs.service:
-        plan.actions.append(Action("create", h, "Service", builders.synchronizer_name(job),
-                                   builders.build_synchronizer_service(job)))
+        plan.actions.append(
+            Action(
+                "create",
+                h,
+                "Service",
+                builders.synchronizer_name(job),
+                builders.build_synchronizer_service(job),
+            )
+        )
     want = builders.build_synchronizer_deployment(job)
     if obs.deployment is None:
-        plan.actions.append(Action("create", h, "Deployment", builders.synchronizer_name(job), want))
+        plan.actions.append(
+            Action("create", h, "Deployment", builders.synchronizer_name(job), want)
+        )
     else:
-        have = ((obs.deployment.get("metadata") or {}).get("annotations") or {})
-        if have.get(builders.ANNOTATION_SPEC_HASH) != want["metadata"]["annotations"][
-                builders.ANNOTATION_SPEC_HASH]:
-            plan.actions.append(Action("replace", h, "Deployment",
-                                       builders.synchronizer_name(job), want))
+        have = (obs.deployment.get("metadata") or {}).get("annotations") or {}
+        if (
+            have.get(builders.ANNOTATION_SPEC_HASH)
+            != want["metadata"]["annotations"][builders.ANNOTATION_SPEC_HASH]
+        ):
+            plan.actions.append(
+                Action("replace", h, "Deployment", builders.synchronizer_name(job), want)
+            )
 
 
 def _prune(job: DecoupledDiLoCoJob, obs: Observed, plan: Plan, groups: list[GroupStatus]) -> None:
@@ -326,8 +422,11 @@ def _prune(job: DecoupledDiLoCoJob, obs: Observed, plan: Plan, groups: list[Grou
             continue
         for pod in view.pods:
             stale = pod.job_uid != job.uid
-            if (stale or (pod.group, pod.index) not in wanted or tgt != target_of_group(job, pod.group)) \
-                    and not pod.terminating:
+            if (
+                stale
+                or (pod.group, pod.index) not in wanted
+                or tgt != target_of_group(job, pod.group)
+            ) and not pod.terminating:
                 plan.actions.append(Action("delete", tgt, "Pod", pod.name, uid=pod.uid))
         if tgt not in used and view.token is not None:
             plan.actions.append(Action("delete", tgt, "Secret", builders.token_secret_name(job)))
@@ -337,9 +436,16 @@ def target_of_group(job: DecoupledDiLoCoJob, name: str) -> Target | None:
     return next((target_of(job, g) for g in job.spec.learner_groups if g.name == name), None)
 
 
-def _status(job: DecoupledDiLoCoJob, obs: Observed, plan: Plan, groups: list[GroupStatus],
-            slots: list[SlotStatus], degraded: list[tuple[str, str]], not_ready: list[str],
-            done: int) -> JobStatus:
+def _status(
+    job: DecoupledDiLoCoJob,
+    obs: Observed,
+    plan: Plan,
+    groups: list[GroupStatus],
+    slots: list[SlotStatus],
+    degraded: list[tuple[str, str]],
+    not_ready: list[str],
+    done: int,
+) -> JobStatus:
     spec, now, gen = job.spec, iso(obs.now), job.generation
     desired = spec.total_replicas()
     ready = sum(g.ready for g in groups if g.name in {x.name for x in spec.learner_groups})
@@ -352,27 +458,51 @@ def _status(job: DecoupledDiLoCoJob, obs: Observed, plan: Plan, groups: list[Gro
         sync_c = c.make(c.SYNCHRONIZER_READY, False, c.SUSPENDED, "The job is suspended")
         learn_c = c.make(c.LEARNERS_READY, False, c.SUSPENDED, "The job is suspended")
     else:
-        sync_c = (c.make(c.SYNCHRONIZER_READY, True, c.SYNCHRONIZER_AVAILABLE,
-                         f"Deployment {dep} has an available pod") if sync_ready else
-                  c.make(c.SYNCHRONIZER_READY, False, c.SYNCHRONIZER_PROGRESSING,
-                         f"Waiting for Deployment {dep} to have an available pod"))
+        sync_c = (
+            c.make(
+                c.SYNCHRONIZER_READY,
+                True,
+                c.SYNCHRONIZER_AVAILABLE,
+                f"Deployment {dep} has an available pod",
+            )
+            if sync_ready
+            else c.make(
+                c.SYNCHRONIZER_READY,
+                False,
+                c.SYNCHRONIZER_PROGRESSING,
+                f"Waiting for Deployment {dep} to have an available pod",
+            )
+        )
         if completed:
-            learn_c = c.make(c.LEARNERS_READY, True, c.LEARNERS_COMPLETED,
-                             f"All {desired} learner pods finished")
+            learn_c = c.make(
+                c.LEARNERS_READY, True, c.LEARNERS_COMPLETED, f"All {desired} learner pods finished"
+            )
         elif desired == 0:
             learn_c = c.make(c.LEARNERS_READY, True, c.NO_LEARNERS, "No learner slots are desired")
         elif not not_ready:
-            learn_c = c.make(c.LEARNERS_READY, True, c.ALL_LEARNERS_READY,
-                             f"All {desired} learner pods are Ready")
+            learn_c = c.make(
+                c.LEARNERS_READY,
+                True,
+                c.ALL_LEARNERS_READY,
+                f"All {desired} learner pods are Ready",
+            )
         else:
             waiting = ", ".join(not_ready[:5]) + (" ..." if len(not_ready) > 5 else "")
-            learn_c = c.make(c.LEARNERS_READY, False, c.LEARNERS_NOT_READY,
-                             f"{ready} of {desired} learner pods are Ready; waiting for {waiting}")
+            learn_c = c.make(
+                c.LEARNERS_READY,
+                False,
+                c.LEARNERS_NOT_READY,
+                f"{ready} of {desired} learner pods are Ready; waiting for {waiting}",
+            )
     if degraded:
         degr_c = c.make(c.DEGRADED, True, degraded[0][0], "; ".join(m for _, m in degraded))
     else:
-        degr_c = c.make(c.DEGRADED, False, c.AS_EXPECTED, "Every learner group is reachable "
-                        "and within its failure policy")
+        degr_c = c.make(
+            c.DEGRADED,
+            False,
+            c.AS_EXPECTED,
+            "Every learner group is reachable and within its failure policy",
+        )
 
     if spec.suspend:
         ready_c, phase = c.make(c.READY, False, c.SUSPENDED, "The job is suspended"), "Suspended"
@@ -385,22 +515,36 @@ def _status(job: DecoupledDiLoCoJob, obs: Observed, plan: Plan, groups: list[Gro
     elif learn_c.status != "True":
         ready_c, phase = c.make(c.READY, False, c.LEARNERS_NOT_READY, learn_c.message), "Pending"
     else:
-        ready_c, phase = c.make(c.READY, True, c.JOB_READY,
-                                "The synchronizer and every learner pod are Ready"), "Running"
+        ready_c, phase = (
+            c.make(c.READY, True, c.JOB_READY, "The synchronizer and every learner pod are Ready"),
+            "Running",
+        )
 
     old = job.status
     numbers: dict[str, Any] = {}
     sync = obs.sync_status or {}
-    for key, attr in (("global_version", "global_version"), ("merges", "merges"),
-                      ("tokens_merged", "tokens_merged"), ("goodput", "goodput")):
+    for key, attr in (
+        ("global_version", "global_version"),
+        ("merges", "merges"),
+        ("tokens_merged", "tokens_merged"),
+        ("goodput", "goodput"),
+    ):
         if key in sync and sync[key] is not None:
             numbers[attr] = sync[key]
-    return old.model_copy(update={
-        "phase": phase, "observed_generation": gen,
-        "conditions": c.merge(old.conditions, [ready_c, sync_c, learn_c, degr_c], now, gen),
-        "desired_learners": desired, "ready_learners": ready, "groups": groups, "slots": slots,
-        "synchronizer": SynchronizerStatus(endpoint=builders.synchronizer_service_url(job),
-                                           ready=sync_ready,
-                                           reachable=obs.sync_status is not None),
-        **numbers,
-    })
+    return old.model_copy(
+        update={
+            "phase": phase,
+            "observed_generation": gen,
+            "conditions": c.merge(old.conditions, [ready_c, sync_c, learn_c, degr_c], now, gen),
+            "desired_learners": desired,
+            "ready_learners": ready,
+            "groups": groups,
+            "slots": slots,
+            "synchronizer": SynchronizerStatus(
+                endpoint=builders.synchronizer_service_url(job),
+                ready=sync_ready,
+                reachable=obs.sync_status is not None,
+            ),
+            **numbers,
+        }
+    )

@@ -90,16 +90,21 @@ class StatusReader:
         except (FutureTimeout, OSError, ValueError) as e:
             answer = None
             if last is not None or at == 0.0:
-                log.info("Synchronizer status of %s/%s is unavailable: %s", job.namespace,
-                         job.name, type(e).__name__)
+                log.info(
+                    "Synchronizer status of %s/%s is unavailable: %s",
+                    job.namespace,
+                    job.name,
+                    type(e).__name__,
+                )
         with self._lock:
             self._last[key] = (time.monotonic(), answer)
         return answer
 
     def _get(self, url: str, token: str) -> dict[str, Any]:
-        req = urllib.request.Request(f"{url.rstrip('/')}/v1/status",
-                                     headers={"Authorization": f"Bearer {token}",
-                                              "Accept": "application/json"})
+        req = urllib.request.Request(
+            f"{url.rstrip('/')}/v1/status",
+            headers={"Authorization": f"Bearer {token}", "Accept": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=self.settings.http_timeout_seconds) as resp:
             body = json.loads(resp.read())
         if not isinstance(body, dict):
@@ -120,8 +125,13 @@ class Runtime:
         self._warned: dict[str, float] = {}
 
     # -- the kopf timer's work -------------------------------------------------------------
-    def reconcile(self, name: str, namespace: str, logger: logging.Logger | logging.LoggerAdapter,
-                  post: PostEvent) -> None:
+    def reconcile(
+        self,
+        name: str,
+        namespace: str,
+        logger: logging.Logger | logging.LoggerAdapter,
+        post: PostEvent,
+    ) -> None:
         body = self._read_job(name, namespace)
         for _ in range(MAX_PASSES):
             if body is None or body.get("metadata", {}).get("deletionTimestamp"):
@@ -151,12 +161,19 @@ class Runtime:
             try:
                 client = self.clusters.client(tgt, job.namespace)
                 core = kubernetes.client.CoreV1Api(client)
-                pods = core.list_namespaced_pod(tgt.namespace, label_selector=builders.job_selector(job),
-                                                _request_timeout=self.timeout)
+                pods = core.list_namespaced_pod(
+                    tgt.namespace,
+                    label_selector=builders.learner_selector(job),
+                    _request_timeout=self.timeout,
+                )
                 views[tgt] = ClusterView(
-                    pods=tuple(v for p in pods.items
-                               if (v := PodView.from_k8s(as_dict(client, p))) is not None),
-                    token=self._token(core, job, tgt))
+                    pods=tuple(
+                        v
+                        for p in pods.items
+                        if (v := PodView.from_k8s(as_dict(client, p))) is not None
+                    ),
+                    token=self._token(core, job, tgt),
+                )
             except ClusterProblem as p:
                 views[tgt] = ClusterView(problem=(p.reason, p.message))
             except (ApiException, *UNREACHABLE_ERRORS) as e:
@@ -165,22 +182,41 @@ class Runtime:
                 p = describe_failure(e, tgt, job.namespace)
                 views[tgt] = ClusterView(problem=(p.reason, p.message))
         h = self.clusters.home
-        deployment = self._get(lambda: kubernetes.client.AppsV1Api(h).read_namespaced_deployment(
-            builders.synchronizer_name(job), job.namespace, _request_timeout=self.timeout))
-        service = self._get(lambda: kubernetes.client.CoreV1Api(h).read_namespaced_service(
-            builders.synchronizer_name(job), job.namespace, _request_timeout=self.timeout))
-        claim = self._get(lambda: kubernetes.client.CoreV1Api(h).read_namespaced_persistent_volume_claim(
-            builders.state_claim_name(job), job.namespace, _request_timeout=self.timeout))
+        deployment = self._get(
+            lambda: kubernetes.client.AppsV1Api(h).read_namespaced_deployment(
+                builders.synchronizer_name(job), job.namespace, _request_timeout=self.timeout
+            )
+        )
+        service = self._get(
+            lambda: kubernetes.client.CoreV1Api(h).read_namespaced_service(
+                builders.synchronizer_name(job), job.namespace, _request_timeout=self.timeout
+            )
+        )
+        claim = self._get(
+            lambda: kubernetes.client.CoreV1Api(h).read_namespaced_persistent_volume_claim(
+                builders.state_claim_name(job), job.namespace, _request_timeout=self.timeout
+            )
+        )
         dep = as_dict(h, deployment) if deployment is not None else None
         available = int(((dep or {}).get("status") or {}).get("availableReplicas") or 0) > 0
         sync = self.status.read(job, views[home(job)].token) if available else None
-        return Observed(now=datetime.now(UTC), clusters=views, deployment=dep,
-                        service=service is not None, claim=claim is not None, sync_status=sync)
+        return Observed(
+            now=datetime.now(UTC),
+            clusters=views,
+            deployment=dep,
+            service=service is not None,
+            claim=claim is not None,
+            sync_status=sync,
+        )
 
-    def _token(self, core: kubernetes.client.CoreV1Api, job: ddapi.DecoupledDiLoCoJob,
-               tgt: Target) -> str | None:
-        secret = self._get(lambda: core.read_namespaced_secret(
-            builders.token_secret_name(job), tgt.namespace, _request_timeout=self.timeout))
+    def _token(
+        self, core: kubernetes.client.CoreV1Api, job: ddapi.DecoupledDiLoCoJob, tgt: Target
+    ) -> str | None:
+        secret = self._get(
+            lambda: core.read_namespaced_secret(
+                builders.token_secret_name(job), tgt.namespace, _request_timeout=self.timeout
+            )
+        )
         return builders.secret_token({"data": secret.data}) if secret is not None else None
 
     @staticmethod
@@ -192,8 +228,9 @@ class Runtime:
                 return None
             raise
 
-    def _apply(self, action: Action, secret_namespace: str,
-               logger: logging.Logger | logging.LoggerAdapter) -> None:
+    def _apply(
+        self, action: Action, secret_namespace: str, logger: logging.Logger | logging.LoggerAdapter
+    ) -> None:
         """Send one action; log and carry on when it fails (the next tick tries again)."""
         try:
             client = self.clusters.client(action.target, secret_namespace)
@@ -221,21 +258,40 @@ class Runtime:
 
     # -- status ------------------------------------------------------------------------------
     def _read_job(self, name: str, namespace: str) -> dict[str, Any] | None:
-        return self._get(lambda: kubernetes.client.CustomObjectsApi(self.clusters.home)
-                         .get_namespaced_custom_object(ddapi.GROUP, ddapi.VERSION, namespace,
-                                                       ddapi.PLURAL, name,
-                                                       _request_timeout=self.timeout))
+        return self._get(
+            lambda: kubernetes.client.CustomObjectsApi(
+                self.clusters.home
+            ).get_namespaced_custom_object(
+                ddapi.GROUP,
+                ddapi.VERSION,
+                namespace,
+                ddapi.PLURAL,
+                name,
+                _request_timeout=self.timeout,
+            )
+        )
 
-    def _write_status(self, body: dict[str, Any], status: ddapi.JobStatus,
-                      logger: logging.Logger | logging.LoggerAdapter) -> dict[str, Any] | None:
+    def _write_status(
+        self,
+        body: dict[str, Any],
+        status: ddapi.JobStatus,
+        logger: logging.Logger | logging.LoggerAdapter,
+    ) -> dict[str, Any] | None:
         """Replace the status subresource, conditional on the resourceVersion we computed from."""
         new = {**body, "status": status.model_dump(by_alias=True, exclude_none=True, mode="json")}
         meta = body["metadata"]
         try:
-            out = kubernetes.client.CustomObjectsApi(self.clusters.home) \
-                .replace_namespaced_custom_object_status(
-                    ddapi.GROUP, ddapi.VERSION, meta["namespace"], ddapi.PLURAL, meta["name"], new,
-                    _request_timeout=self.timeout)
+            out = kubernetes.client.CustomObjectsApi(
+                self.clusters.home
+            ).replace_namespaced_custom_object_status(
+                ddapi.GROUP,
+                ddapi.VERSION,
+                meta["namespace"],
+                ddapi.PLURAL,
+                meta["name"],
+                new,
+                _request_timeout=self.timeout,
+            )
         except ApiException as e:
             if e.status in (404, 409):
                 logger.debug("Status not written (%s); retrying on the next tick", api_reason(e))
@@ -243,8 +299,12 @@ class Runtime:
             raise
         return dict(out)
 
-    def _write_invalid(self, body: dict[str, Any], error: pydantic.ValidationError,
-                       logger: logging.Logger | logging.LoggerAdapter) -> None:
+    def _write_invalid(
+        self,
+        body: dict[str, Any],
+        error: pydantic.ValidationError,
+        logger: logging.Logger | logging.LoggerAdapter,
+    ) -> None:
         # The CRD's schema and CEL rules should refuse such a job; this covers a CRD older
         # than the operator. The timer keeps running, so fixing the spec recovers.
         first = error.errors()[0]
@@ -252,31 +312,53 @@ class Runtime:
         message = f"spec is invalid at {where}: {first['msg']}"
         old = dict(body.get("status") or {})
         conds = [x for x in old.get("conditions") or [] if x.get("type") != "Ready"]
-        ready = {"type": "Ready", "status": "False", "reason": "InvalidSpec", "message": message,
-                 "lastTransitionTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                 "observedGeneration": body["metadata"].get("generation")}
+        ready = {
+            "type": "Ready",
+            "status": "False",
+            "reason": "InvalidSpec",
+            "message": message,
+            "lastTransitionTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "observedGeneration": body["metadata"].get("generation"),
+        }
         before = next((x for x in old.get("conditions") or [] if x.get("type") == "Ready"), {})
         if before.get("reason") == "InvalidSpec" and before.get("message") == message:
             return
         logger.error("Refused DecoupledDiLoCoJob: %s", message)
-        status = {**old, "phase": "Invalid", "conditions": [ready, *conds],
-                  "observedGeneration": body["metadata"].get("generation")}
+        status = {
+            **old,
+            "phase": "Invalid",
+            "conditions": [ready, *conds],
+            "observedGeneration": body["metadata"].get("generation"),
+        }
         try:
-            kubernetes.client.CustomObjectsApi(self.clusters.home).replace_namespaced_custom_object_status(
-                ddapi.GROUP, ddapi.VERSION, body["metadata"]["namespace"], ddapi.PLURAL,
-                body["metadata"]["name"], {**body, "status": status}, _request_timeout=self.timeout)
+            kubernetes.client.CustomObjectsApi(
+                self.clusters.home
+            ).replace_namespaced_custom_object_status(
+                ddapi.GROUP,
+                ddapi.VERSION,
+                body["metadata"]["namespace"],
+                ddapi.PLURAL,
+                body["metadata"]["name"],
+                {**body, "status": status},
+                _request_timeout=self.timeout,
+            )
         except ApiException as e:
             logger.debug("Status not written (%s)", api_reason(e))
 
     # -- the finalizer's work ----------------------------------------------------------------
-    def clean_up(self, body: dict[str, Any], logger: logging.Logger | logging.LoggerAdapter,
-                 post: PostEvent) -> None:
+    def clean_up(
+        self, body: dict[str, Any], logger: logging.Logger | logging.LoggerAdapter, post: PostEvent
+    ) -> None:
         """Delete what the job made in every cluster; raise CleanupPending until pods are gone."""
         job = _job_for_cleanup(body)
         deleted_at = body["metadata"].get("deletionTimestamp") or ""
         waiting: list[str] = []
-        tgts = targets(job) if job.spec is not None else [home(job)] + [
-            Target(g.kubeconfig_secret, g.namespace or job.namespace) for g in job.status.groups]
+        tgts = (
+            targets(job)
+            if job.spec is not None
+            else [home(job)]
+            + [Target(g.kubeconfig_secret, g.namespace or job.namespace) for g in job.status.groups]
+        )
         for tgt in dict.fromkeys(tgts):
             try:
                 client = self.clusters.client(tgt, job.namespace, allow_stale=True)
@@ -288,8 +370,13 @@ class Runtime:
                 if _age(deleted_at) < self.settings.cleanup_timeout_seconds:
                     waiting.append(f"cluster {tgt.label} ({p.message})")
                 else:
-                    post(Event("Warning", "CleanupSkipped",
-                               f"Gave up cleaning the cluster of {tgt.label}: {p.message}"))
+                    post(
+                        Event(
+                            "Warning",
+                            "CleanupSkipped",
+                            f"Gave up cleaning the cluster of {tgt.label}: {p.message}",
+                        )
+                    )
         self.status.forget(job.uid)
         if waiting:
             raise CleanupPending("Waiting for " + ", ".join(waiting))
@@ -301,10 +388,10 @@ def _job_for_cleanup(body: dict[str, Any]) -> ddapi.DecoupledDiLoCoJob:
     try:
         return ddapi.DecoupledDiLoCoJob.from_body(body)
     except pydantic.ValidationError:
-        status = ddapi.JobStatus.model_validate(
-            ddapi.known_status(dict(body.get("status") or {})))
+        status = ddapi.JobStatus.model_validate(ddapi.known_status(dict(body.get("status") or {})))
         return ddapi.DecoupledDiLoCoJob.model_construct(
-            metadata=dict(body["metadata"]), spec=None, status=status)
+            metadata=dict(body["metadata"]), spec=None, status=status
+        )
 
 
 def _age(timestamp: str) -> float:
@@ -315,30 +402,46 @@ def _age(timestamp: str) -> float:
     return (datetime.now(UTC) - t).total_seconds()
 
 
-def delete_job_objects(client: ApiClient, job: ddapi.DecoupledDiLoCoJob, tgt: Target,
-                       timeout: float) -> int:
+def delete_job_objects(
+    client: ApiClient, job: ddapi.DecoupledDiLoCoJob, tgt: Target, timeout: float
+) -> int:
     """Delete the job's objects in one target; return how many of its pods still exist."""
     core, apps = kubernetes.client.CoreV1Api(client), kubernetes.client.AppsV1Api(client)
     ns = tgt.namespace
-    pods = core.list_namespaced_pod(ns, label_selector=builders.job_selector(job),
-                                    _request_timeout=timeout).items
+    pods = core.list_namespaced_pod(
+        ns, label_selector=builders.learner_selector(job), _request_timeout=timeout
+    ).items
     mine = [p for p in pods if (p.metadata.labels or {}).get(builders.LABEL_JOB_UID) == job.uid]
     deletes: list[Callable[[], Any]] = [
-        lambda p=p: core.delete_namespaced_pod(p.metadata.name, ns, _request_timeout=timeout,
-                                               body={"preconditions": {"uid": p.metadata.uid}})
-        for p in mine if not p.metadata.deletion_timestamp]
-    secret = Runtime._get(lambda: core.read_namespaced_secret(
-        builders.token_secret_name(job), ns, _request_timeout=timeout))
+        lambda p=p: core.delete_namespaced_pod(
+            p.metadata.name,
+            ns,
+            _request_timeout=timeout,
+            body={"preconditions": {"uid": p.metadata.uid}},
+        )
+        for p in mine
+        if not p.metadata.deletion_timestamp
+    ]
+    secret = Runtime._get(
+        lambda: core.read_namespaced_secret(
+            builders.token_secret_name(job), ns, _request_timeout=timeout
+        )
+    )
     if secret is not None and (secret.metadata.labels or {}).get(builders.LABEL_JOB_UID) == job.uid:
-        deletes.append(lambda: core.delete_namespaced_secret(
-            builders.token_secret_name(job), ns, _request_timeout=timeout))
+        deletes.append(
+            lambda: core.delete_namespaced_secret(
+                builders.token_secret_name(job), ns, _request_timeout=timeout
+            )
+        )
     if tgt.secret is None:  # the home cluster also holds the synchronizer
         name = builders.synchronizer_name(job)
         deletes += [
             lambda: apps.delete_namespaced_deployment(name, ns, _request_timeout=timeout),
             lambda: core.delete_namespaced_service(name, ns, _request_timeout=timeout),
             lambda: core.delete_namespaced_persistent_volume_claim(
-                builders.state_claim_name(job), ns, _request_timeout=timeout)]
+                builders.state_claim_name(job), ns, _request_timeout=timeout
+            ),
+        ]
     for delete in deletes:
         Runtime._get(delete)
     return len(mine)
@@ -349,12 +452,17 @@ def send(client: ApiClient, action: Action, timeout: float) -> None:
     core, apps = kubernetes.client.CoreV1Api(client), kubernetes.client.AppsV1Api(client)
     ns, name, body = action.target.namespace, action.name, action.body
     kw: dict[str, Any] = {"_request_timeout": timeout}
-    create = {"Pod": core.create_namespaced_pod, "Secret": core.create_namespaced_secret,
-              "Service": core.create_namespaced_service,
-              "PersistentVolumeClaim": core.create_namespaced_persistent_volume_claim,
-              "Deployment": apps.create_namespaced_deployment}
-    replace = {"Secret": core.replace_namespaced_secret,
-               "Deployment": apps.replace_namespaced_deployment}
+    create = {
+        "Pod": core.create_namespaced_pod,
+        "Secret": core.create_namespaced_secret,
+        "Service": core.create_namespaced_service,
+        "PersistentVolumeClaim": core.create_namespaced_persistent_volume_claim,
+        "Deployment": apps.create_namespaced_deployment,
+    }
+    replace = {
+        "Secret": core.replace_namespaced_secret,
+        "Deployment": apps.replace_namespaced_deployment,
+    }
     delete = {"Pod": core.delete_namespaced_pod, "Secret": core.delete_namespaced_secret}
     if action.verb == "create":
         create[action.kind](ns, body, **kw)

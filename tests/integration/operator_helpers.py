@@ -70,15 +70,31 @@ class Operator:
     def start(self, timeout: float = 30.0) -> None:
         self.starts += 1
         port = free_port()
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig),
-               "DDILOCO_OPERATOR_RESYNC_SECONDS": RESYNC_S,
-               "DDILOCO_OPERATOR_STATUS_POLL_SECONDS": "1",
-               "DDILOCO_OPERATOR_LIVENESS_ENDPOINT": f"http://127.0.0.1:{port}/healthz",
-               "DDILOCO_OPERATOR_CLEANUP_TIMEOUT_SECONDS": "10", **self.env}
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "DDILOCO_OPERATOR_RESYNC_SECONDS": RESYNC_S,
+            "DDILOCO_OPERATOR_STATUS_POLL_SECONDS": "1",
+            "DDILOCO_OPERATOR_LIVENESS_ENDPOINT": f"http://127.0.0.1:{port}/healthz",
+            "DDILOCO_OPERATOR_CLEANUP_TIMEOUT_SECONDS": "10",
+            **self.env,
+        }
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ddiloco.cli.main", "operator", "-n", self.namespace,
-                 "--verbose"], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=self.log_dir)
+                [
+                    sys.executable,
+                    "-m",
+                    "ddiloco.cli.main",
+                    "operator",
+                    "-n",
+                    self.namespace,
+                    "--verbose",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.log_dir,
+            )
 
         def alive() -> bool:
             assert self.proc is not None
@@ -86,6 +102,7 @@ class Operator:
                 raise RuntimeError(f"operator exited with {self.proc.returncode}:\n{self.tail()}")
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
                 return r.status == 200
+
         try:
             k8senv.wait_until("the operator's liveness endpoint", alive, timeout=timeout)
         except TimeoutError as e:
@@ -138,11 +155,18 @@ class Clusters:
         return self.custom().get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name)
 
     def pods(self, cluster: str, job: str) -> list[Any]:
-        return self.core(cluster).list_namespaced_pod(
-            self.ns, label_selector=f"ddiloco.dev/job={job}").items
+        """The job's learner pods in one cluster."""
+        return (
+            self.core(cluster)
+            .list_namespaced_pod(
+                self.ns, label_selector=f"ddiloco.dev/job={job},app.kubernetes.io/component=learner"
+            )
+            .items
+        )
 
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True
-                ) -> subprocess.CompletedProcess[str]:
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
         return self.plane.kubectl("home", "-n", self.ns, *args, input=input, check=check)
 
     def close(self) -> None:
@@ -151,12 +175,19 @@ class Clusters:
 
 
 def condition(job: dict[str, Any], type_: str) -> dict[str, Any]:
-    return next((c for c in (job.get("status") or {}).get("conditions") or []
-                 if c["type"] == type_), {})
+    return next(
+        (c for c in (job.get("status") or {}).get("conditions") or [] if c["type"] == type_), {}
+    )
 
 
-def wait_condition(cl: Clusters, name: str, type_: str, status: str = "True",
-                   reason: str | None = None, timeout: float = 60.0) -> dict[str, Any]:
+def wait_condition(
+    cl: Clusters,
+    name: str,
+    type_: str,
+    status: str = "True",
+    reason: str | None = None,
+    timeout: float = 60.0,
+) -> dict[str, Any]:
     """Wait for a job condition; return the job. The timeout message shows the conditions."""
     last: dict[str, Any] = {}
 
@@ -166,6 +197,7 @@ def wait_condition(cl: Clusters, name: str, type_: str, status: str = "True",
         c = condition(last, type_)
         ok = c.get("status") == status and (reason is None or c.get("reason") == reason)
         return last if ok else None
+
     try:
         return k8senv.wait_until(f"{type_}={status} ({reason}) on {name}", probe, timeout)
     except TimeoutError as e:
@@ -179,17 +211,24 @@ def flat_kubeconfig(cluster: Any) -> str:
     for entry in cfg["clusters"]:
         ca = entry["cluster"].pop("certificate-authority", None)
         if ca:
-            entry["cluster"]["certificate-authority-data"] = \
-                base64.b64encode(Path(ca).read_bytes()).decode()
+            entry["cluster"]["certificate-authority-data"] = base64.b64encode(
+                Path(ca).read_bytes()
+            ).decode()
     return yaml.safe_dump(cfg)
 
 
-def kubeconfig_secret(cl: Clusters, secret: str, cluster: str | None,
-                      text: str | None = None) -> None:
+def kubeconfig_secret(
+    cl: Clusters, secret: str, cluster: str | None, text: str | None = None
+) -> None:
     """Create or replace a kubeconfig Secret in the home namespace (for `cluster`, or `text`)."""
     content = text if text is not None else flat_kubeconfig(cl.plane.clusters[cluster])
-    body = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": secret},
-            "type": "Opaque", "stringData": {"kubeconfig": content}}
+    body = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": secret},
+        "type": "Opaque",
+        "stringData": {"kubeconfig": content},
+    }
     core = cl.core()
     try:
         core.create_namespaced_secret(cl.ns, body)
@@ -203,31 +242,48 @@ def state_volume(cl: Clusters, job: str, size: str = "50Gi") -> str:
     """A PersistentVolume pre-bound to the job's synchronizer claim: the control plane has no
     storage provisioner, and the synchronizer pod is scheduled only once its claim is bound."""
     name = f"{cl.ns}-{job}"[:63].rstrip("-")
-    cl.core().create_persistent_volume({
-        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": name},
-        "spec": {"capacity": {"storage": size}, "accessModes": ["ReadWriteOnce"],
-                 "persistentVolumeReclaimPolicy": "Delete", "storageClassName": "",
-                 "hostPath": {"path": f"/tmp/ddiloco-test/{name}"},
-                 "claimRef": {"namespace": cl.ns, "name": f"{job}-synchronizer-state"}}})
+    cl.core().create_persistent_volume(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": name},
+            "spec": {
+                "capacity": {"storage": size},
+                "accessModes": ["ReadWriteOnce"],
+                "persistentVolumeReclaimPolicy": "Delete",
+                "storageClassName": "",
+                "hostPath": {"path": f"/tmp/ddiloco-test/{name}"},
+                "claimRef": {"namespace": cl.ns, "name": f"{job}-synchronizer-state"},
+            },
+        }
+    )
     return name
 
 
 def job_manifest(name: str, groups: list[dict[str, Any]], **spec: Any) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "apiVersion": f"{GROUP}/{VERSION}", "kind": "DecoupledDiLoCoJob",
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "DecoupledDiLoCoJob",
         "metadata": {"name": name},
-        "spec": {"image": "ddiloco:test", "training": {"model": "tiny", "maxSteps": 100},
-                 "synchronizer": {"storage": {"size": "1Gi", "storageClassName": ""}},
-                 "learnerGroups": groups,
-                 "failurePolicy": {"backoffSeconds": 0.5, "maxReplacementsPerSlot": 5}}}
+        "spec": {
+            "image": "ddiloco:test",
+            "training": {"model": "tiny", "maxSteps": 100},
+            "synchronizer": {"storage": {"size": "1Gi", "storageClassName": ""}},
+            "learnerGroups": groups,
+            "failurePolicy": {"backoffSeconds": 0.5, "maxReplacementsPerSlot": 5},
+        },
+    }
     body["spec"].update(spec)
     return body
 
 
 def remote(name: str, replicas: int, secret: str | None = None) -> dict[str, Any]:
-    return {"name": name, "replicas": replicas,
-            "cluster": {"kubeconfigSecret": {"name": secret or f"{name}-kubeconfig"}},
-            "resources": {"limits": {"nvidia.com/gpu": 1}}}
+    return {
+        "name": name,
+        "replicas": replicas,
+        "cluster": {"kubeconfigSecret": {"name": secret or f"{name}-kubeconfig"}},
+        "resources": {"limits": {"nvidia.com/gpu": 1}},
+    }
 
 
 def pods_by_slot(cl: Clusters, clusters: list[str], job: str) -> dict[str, list[Any]]:
@@ -243,7 +299,9 @@ def running_uids(cl: Clusters, clusters: list[str], job: str) -> dict[str, str]:
     """learner id -> uid of its Running, Ready pod; only when every slot has exactly one."""
     out: dict[str, str] = {}
     for lid, pods in pods_by_slot(cl, clusters, job).items():
-        live = [p for p in pods if p.status.phase == "Running" and not p.metadata.deletion_timestamp]
+        live = [
+            p for p in pods if p.status.phase == "Running" and not p.metadata.deletion_timestamp
+        ]
         if len(pods) == 1 and live:
             out[lid] = live[0].metadata.uid
     return out
@@ -255,8 +313,9 @@ def running_uids(cl: Clusters, clusters: list[str], job: str) -> dict[str, str]:
 @pytest.fixture(scope="session", name="crd_installed")
 def crd_fixture(k8s: Any) -> None:
     k8s.kubectl("home", "apply", "--server-side", "-f", str(CRD_FILE))
-    k8s.kubectl("home", "wait", "--for=condition=Established", "--timeout=60s",
-                f"crd/{PLURAL}.{GROUP}")
+    k8s.kubectl(
+        "home", "wait", "--for=condition=Established", "--timeout=60s", f"crd/{PLURAL}.{GROUP}"
+    )
 
 
 @pytest.fixture(name="cl")
@@ -288,16 +347,27 @@ def delete_jobs(cl: Clusters, op: Operator, timeout: float = 30.0) -> None:
     custom = cl.custom()
     items = custom.list_namespaced_custom_object(GROUP, VERSION, cl.ns, PLURAL)["items"]
     for job in items:
-        custom.delete_namespaced_custom_object(GROUP, VERSION, cl.ns, PLURAL,
-                                               job["metadata"]["name"])
+        custom.delete_namespaced_custom_object(
+            GROUP, VERSION, cl.ns, PLURAL, job["metadata"]["name"]
+        )
     try:
-        k8senv.wait_until("jobs deleted", lambda: not custom.list_namespaced_custom_object(
-            GROUP, VERSION, cl.ns, PLURAL)["items"], timeout)
+        k8senv.wait_until(
+            "jobs deleted",
+            lambda: (
+                not custom.list_namespaced_custom_object(GROUP, VERSION, cl.ns, PLURAL)["items"]
+            ),
+            timeout,
+        )
     except TimeoutError:
         for job in custom.list_namespaced_custom_object(GROUP, VERSION, cl.ns, PLURAL)["items"]:
-            custom.patch_namespaced_custom_object(GROUP, VERSION, cl.ns, PLURAL,
-                                                  job["metadata"]["name"],
-                                                  {"metadata": {"finalizers": None}})
+            custom.patch_namespaced_custom_object(
+                GROUP,
+                VERSION,
+                cl.ns,
+                PLURAL,
+                job["metadata"]["name"],
+                {"metadata": {"finalizers": None}},
+            )
         if op.running():
             raise
 
@@ -306,8 +376,9 @@ def create_job(cl: Clusters, body: dict[str, Any], volume: bool = True) -> str:
     name = body["metadata"]["name"]
     if volume:
         cl.pvs.append(state_volume(cl, name))  # type: ignore[attr-defined]
-    cl.custom().create_namespaced_custom_object(GROUP, VERSION, cl.ns, PLURAL, body,
-                                                field_validation="Strict")
+    cl.custom().create_namespaced_custom_object(
+        GROUP, VERSION, cl.ns, PLURAL, body, field_validation="Strict"
+    )
     return name
 
 

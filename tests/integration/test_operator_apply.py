@@ -20,7 +20,8 @@ import yaml
 
 if "operator_helpers" not in sys.modules:  # --import-mode=importlib: load the helpers by path
     _spec = importlib.util.spec_from_file_location(
-        "operator_helpers", Path(__file__).with_name("operator_helpers.py"))
+        "operator_helpers", Path(__file__).with_name("operator_helpers.py")
+    )
     assert _spec is not None and _spec.loader is not None
     sys.modules["operator_helpers"] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(sys.modules["operator_helpers"])
@@ -31,8 +32,9 @@ pytestmark = pytest.mark.integration
 
 
 def env_of(pod: Any) -> dict[str, Any]:
-    return {e.name: e.value if e.value is not None else e.value_from
-            for e in pod.spec.containers[0].env}
+    return {
+        e.name: e.value if e.value is not None else e.value_from for e in pod.spec.containers[0].env
+    }
 
 
 def test_three_cluster_example_becomes_ready(cl: h.Clusters, operator: h.Operator) -> None:
@@ -46,7 +48,9 @@ def test_three_cluster_example_becomes_ready(cl: h.Clusters, operator: h.Operato
     assert status["phase"] == "Running", status
     assert (status["readyLearners"], status["desiredLearners"]) == (4, 4)
     assert {g["name"]: (g["ready"], g["cluster"]) for g in status["groups"]} == {
-        "region-a": (2, "region-a-kubeconfig"), "region-b": (2, "region-b-kubeconfig")}
+        "region-a": (2, "region-a-kubeconfig"),
+        "region-b": (2, "region-b-kubeconfig"),
+    }
     assert status["observedGeneration"] == job["metadata"]["generation"]
     assert h.condition(job, "SynchronizerReady")["reason"] == "SynchronizerAvailable"
     print(f"three-cluster example Ready in {took:.1f}s")
@@ -61,9 +65,11 @@ def test_three_cluster_example_becomes_ready(cl: h.Clusters, operator: h.Operato
     assert env["DDILOCO_TOKEN"].value_from.secret_key_ref.name == "three-regions-token"
     svc = cl.core().read_namespaced_service("three-regions-synchronizer", cl.ns)
     assert [(p.name, p.port, p.app_protocol) for p in svc.spec.ports] == [
-        ("http", 8470, "kubernetes.io/h2c")]
+        ("http", 8470, "kubernetes.io/h2c")
+    ]
     claim = cl.core().read_namespaced_persistent_volume_claim(
-        "three-regions-synchronizer-state", cl.ns)
+        "three-regions-synchronizer-state", cl.ns
+    )
     assert claim.status.phase == "Bound"
     token = cl.core().read_namespaced_secret("three-regions-token", cl.ns).data["token"]
     assert len(base64.b64decode(token)) >= 32
@@ -74,7 +80,9 @@ def test_three_cluster_example_becomes_ready(cl: h.Clusters, operator: h.Operato
     for region in ("region-a", "region-b"):
         pods = cl.pods(region, "three-regions")
         assert sorted(p.metadata.name for p in pods) == [
-            f"three-regions-{region}-0", f"three-regions-{region}-1"]
+            f"three-regions-{region}-0",
+            f"three-regions-{region}-1",
+        ]
         for p in pods:
             env = env_of(p)
             assert p.spec.restart_policy == "Never"
@@ -102,27 +110,39 @@ def test_tiny_cpu_example_runs_at_home(cl: h.Clusters, operator: h.Operator) -> 
     assert {p.metadata.name for p in pods} == {"tiny-cpu-cpu-0", "tiny-cpu-cpu-1"}
     owner = pods[0].metadata.owner_references[0]
     assert (owner.kind, owner.name) == ("DecoupledDiLoCoJob", "tiny-cpu")
-    assert env_of(pods[0])["DDILOCO_SYNC_URL"] == \
-        f"http://tiny-cpu-synchronizer.{cl.ns}.svc:8470"
+    assert env_of(pods[0])["DDILOCO_SYNC_URL"] == f"http://tiny-cpu-synchronizer.{cl.ns}.svc:8470"
 
 
 INVALID = [
-    ("quorum above the replicas", {"synchronizer": {"quorum": 5}},
-     "synchronizer.quorum must not exceed the total replicas of learnerGroups"),
+    (
+        "quorum above the replicas",
+        {"synchronizer": {"quorum": 5}},
+        "synchronizer.quorum must not exceed the total replicas of learnerGroups",
+    ),
     ("no image", {"image": None}, "spec.image: Required value"),
-    ("negative replicas", {"learnerGroups": [{"name": "a", "replicas": -1}]},
-     "should be greater than or equal to 0"),
+    (
+        "negative replicas",
+        {"learnerGroups": [{"name": "a", "replicas": -1}]},
+        "should be greater than or equal to 0",
+    ),
     ("unknown field", {"gpusPlease": 8}, 'unknown field "spec.gpusPlease"'),
-    ("H not divisible by P", {"training": {"model": "tiny", "innerSteps": 10, "fragments": 4}},
-     "training.innerSteps (H) must be a multiple of training.fragments (P)"),
-    ("model and modelEntry", {"training": {"model": "tiny", "modelEntry": "a.b:c"}},
-     "set exactly one of training.model"),
+    (
+        "H not divisible by P",
+        {"training": {"model": "tiny", "innerSteps": 10, "fragments": 4}},
+        "training.innerSteps (H) must be a multiple of training.fragments (P)",
+    ),
+    (
+        "model and modelEntry",
+        {"training": {"model": "tiny", "modelEntry": "a.b:c"}},
+        "set exactly one of training.model",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("what", "spec", "message"), INVALID, ids=[i[0] for i in INVALID])
 def test_invalid_jobs_are_refused_with_the_rules_message(
-        cl: h.Clusters, what: str, spec: dict[str, Any], message: str) -> None:
+    cl: h.Clusters, what: str, spec: dict[str, Any], message: str
+) -> None:
     body = h.job_manifest("bad", [{"name": "a", "replicas": 2}])
     for key, value in spec.items():
         if value is None:
@@ -136,18 +156,32 @@ def test_invalid_jobs_are_refused_with_the_rules_message(
 
 
 def test_managed_by_is_immutable(cl: h.Clusters) -> None:
-    body = h.job_manifest("kueued", [{"name": "a", "replicas": 1}],
-                          managedBy="kueue.x-k8s.io/multikueue")
+    body = h.job_manifest(
+        "kueued", [{"name": "a", "replicas": 1}], managedBy="kueue.x-k8s.io/multikueue"
+    )
     h.create_job(cl, body, volume=False)
-    done = cl.kubectl("patch", "ddj", "kueued", "--type=merge", "-p",
-                      '{"spec": {"managedBy": "ddiloco.dev/operator"}}', check=False)
+    done = cl.kubectl(
+        "patch",
+        "ddj",
+        "kueued",
+        "--type=merge",
+        "-p",
+        '{"spec": {"managedBy": "ddiloco.dev/operator"}}',
+        check=False,
+    )
     assert done.returncode != 0 and "managedBy is immutable" in done.stderr
 
 
 def test_a_job_managed_by_another_controller_is_left_alone(
-        cl: h.Clusters, operator: h.Operator) -> None:
-    h.create_job(cl, h.job_manifest("elsewhere", [{"name": "a", "replicas": 1}],
-                                    managedBy="kueue.x-k8s.io/multikueue"), volume=False)
+    cl: h.Clusters, operator: h.Operator
+) -> None:
+    h.create_job(
+        cl,
+        h.job_manifest(
+            "elsewhere", [{"name": "a", "replicas": 1}], managedBy="kueue.x-k8s.io/multikueue"
+        ),
+        volume=False,
+    )
     h.create_job(cl, h.job_manifest("here", [{"name": "a", "replicas": 1}]))
     h.wait_condition(cl, "here", "Ready")  # the operator is working on this namespace...
     job = cl.job("elsewhere")  # ...and has not touched the other job

@@ -21,7 +21,8 @@ from kubernetes import client
 
 if "operator_helpers" not in sys.modules:  # --import-mode=importlib: load the helpers by path
     _spec = importlib.util.spec_from_file_location(
-        "operator_helpers", Path(__file__).with_name("operator_helpers.py"))
+        "operator_helpers", Path(__file__).with_name("operator_helpers.py")
+    )
     assert _spec is not None and _spec.loader is not None
     sys.modules["operator_helpers"] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(sys.modules["operator_helpers"])
@@ -34,24 +35,36 @@ REGIONS = ["region-a", "region-b"]
 
 
 def evict(cl: h.Clusters, cluster: str, pod: str) -> None:
-    cl.core(cluster).create_namespaced_pod_eviction(pod, cl.ns, client.V1Eviction(
-        metadata=client.V1ObjectMeta(name=pod, namespace=cl.ns)))
+    cl.core(cluster).create_namespaced_pod_eviction(
+        pod, cl.ns, client.V1Eviction(metadata=client.V1ObjectMeta(name=pod, namespace=cl.ns))
+    )
 
 
 def fail(cl: h.Clusters, cluster: str, pod: str, reason: str) -> None:
     """What a kubelet writes when it evicts (node pressure) or preempts a pod."""
-    cl.core(cluster).patch_namespaced_pod_status(pod, cl.ns, {"status": {
-        "phase": "Failed", "reason": reason, "message": f"The pod was {reason.lower()}"}})
+    cl.core(cluster).patch_namespaced_pod_status(
+        pod,
+        cl.ns,
+        {
+            "status": {
+                "phase": "Failed",
+                "reason": reason,
+                "message": f"The pod was {reason.lower()}",
+            }
+        },
+    )
 
 
 def replaced_events(cl: h.Clusters, job: str) -> list[Any]:
-    events = cl.core().list_namespaced_event(
-        cl.ns, field_selector=f"involvedObject.name={job}").items
+    events = (
+        cl.core().list_namespaced_event(cl.ns, field_selector=f"involvedObject.name={job}").items
+    )
     return [e for e in events if e.reason == "LearnerReplaced"]
 
 
 def test_evicted_and_failed_pods_are_replaced_in_their_slots(
-        cl: h.Clusters, operator: h.Operator) -> None:
+    cl: h.Clusters, operator: h.Operator
+) -> None:
     for region in REGIONS:
         h.kubeconfig_secret(cl, f"{region}-kubeconfig", region)
     job = h.create_job(cl, h.job_manifest("repl", [h.remote(r, 2) for r in REGIONS]))
@@ -67,6 +80,7 @@ def test_evicted_and_failed_pods_are_replaced_in_their_slots(
         now = h.running_uids(cl, REGIONS, job)
         done = len(now) == 4 and all(now[i] != before[i] for i in ("region-a-0", "region-b-1"))
         return now if done else None
+
     after = k8senv.wait_until("both slots replaced", replaced, timeout=20)
     took = time.monotonic() - t0
     print(f"evicted + preempted pods replaced in {took:.1f}s")
@@ -80,26 +94,42 @@ def test_evicted_and_failed_pods_are_replaced_in_their_slots(
         status = cl.job(job).get("status") or {}
         groups = {g["name"]: g["replaced"] for g in status.get("groups", [])}
         return status if groups == {"region-a": 1, "region-b": 1} else None
+
     status = k8senv.wait_until("replacement counts", counted, timeout=10)
     slots = {s["id"]: s for s in status["slots"]}
     assert slots["region-b-1"]["lastFailureReason"] == "Preempted"
     assert slots["region-a-0"]["replacements"] == 1 and slots["region-a-1"]["replacements"] == 0
-    events = k8senv.wait_until("two LearnerReplaced events",
-                               lambda: (e := replaced_events(cl, job)) and len(e) >= 2 and e, 10)
+    events = k8senv.wait_until(
+        "two LearnerReplaced events",
+        lambda: (e := replaced_events(cl, job)) and len(e) >= 2 and e,
+        10,
+    )
     assert {e.message.split(" in slot ")[1].split(" ")[0] for e in events} == {
-        "region-a-0", "region-b-1"}
+        "region-a-0",
+        "region-b-1",
+    }
     h.wait_condition(cl, job, "Ready")
 
 
 def test_past_the_failure_limit_the_job_is_degraded(cl: h.Clusters, operator: h.Operator) -> None:
-    job = h.create_job(cl, h.job_manifest(
-        "limit", [{"name": "a", "replicas": 2}],
-        failurePolicy={"maxReplacementsPerSlot": 1, "backoffSeconds": 0}))
+    job = h.create_job(
+        cl,
+        h.job_manifest(
+            "limit",
+            [{"name": "a", "replicas": 2}],
+            failurePolicy={"maxReplacementsPerSlot": 1, "backoffSeconds": 0},
+        ),
+    )
     h.wait_condition(cl, job, "Ready")
     first = h.running_uids(cl, ["home"], job)
     fail(cl, "home", "limit-a-0", "Evicted")
-    second = k8senv.wait_until("a-0 replaced once", lambda: (
-        u := h.running_uids(cl, ["home"], job)).get("a-0", first["a-0"]) != first["a-0"] and u, 20)
+    second = k8senv.wait_until(
+        "a-0 replaced once",
+        lambda: (
+            (u := h.running_uids(cl, ["home"], job)).get("a-0", first["a-0"]) != first["a-0"] and u
+        ),
+        20,
+    )
 
     fail(cl, "home", "limit-a-0", "Evicted")
     done = h.wait_condition(cl, job, "Degraded", reason="ReplacementLimitReached", timeout=20)
@@ -120,9 +150,14 @@ def test_past_the_failure_limit_the_job_is_degraded(cl: h.Clusters, operator: h.
 
 
 def test_missing_or_broken_kubeconfig_secret_degrades_and_recovers(
-        k8s: Any, cl: h.Clusters, operator: h.Operator) -> None:
-    job = h.create_job(cl, h.job_manifest("kc", [{"name": "a", "replicas": 1},
-                                                 h.remote("region-b", 1, "rb-kubeconfig")]))
+    k8s: Any, cl: h.Clusters, operator: h.Operator
+) -> None:
+    job = h.create_job(
+        cl,
+        h.job_manifest(
+            "kc", [{"name": "a", "replicas": 1}, h.remote("region-b", 1, "rb-kubeconfig")]
+        ),
+    )
     missing = h.wait_condition(cl, job, "Degraded", reason="KubeconfigSecretMissing")
     assert "rb-kubeconfig" in h.condition(missing, "Degraded")["message"]
     assert missing["status"]["phase"] == "Degraded"

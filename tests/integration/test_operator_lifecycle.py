@@ -1,7 +1,7 @@
 """A job's life on a real control plane: scaling, suspend, deletion, operator restarts, status.
 
-    python tests/integration/k8senv.py build          # once per machine
-    .venv/bin/pytest tests/integration/test_operator_lifecycle.py
+python tests/integration/k8senv.py build          # once per machine
+.venv/bin/pytest tests/integration/test_operator_lifecycle.py
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from kubernetes.client.exceptions import ApiException
 
 if "operator_helpers" not in sys.modules:  # --import-mode=importlib: load the helpers by path
     _spec = importlib.util.spec_from_file_location(
-        "operator_helpers", Path(__file__).with_name("operator_helpers.py"))
+        "operator_helpers", Path(__file__).with_name("operator_helpers.py")
+    )
     assert _spec is not None and _spec.loader is not None
     sys.modules["operator_helpers"] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(sys.modules["operator_helpers"])
@@ -36,14 +37,18 @@ ALL = ["home", "region-a", "region-b"]
 def three_cluster_job(cl: h.Clusters, name: str, per_group: int, **spec: Any) -> str:
     for region in ("region-a", "region-b"):
         h.kubeconfig_secret(cl, f"{region}-kubeconfig", region)
-    groups = [{"name": "home", "replicas": per_group},
-              h.remote("region-a", per_group), h.remote("region-b", per_group)]
+    groups = [
+        {"name": "home", "replicas": per_group},
+        h.remote("region-a", per_group),
+        h.remote("region-b", per_group),
+    ]
     return h.create_job(cl, h.job_manifest(name, groups, **spec))
 
 
 def patch_spec(cl: h.Clusters, name: str, spec: dict[str, Any]) -> None:
-    cl.custom().patch_namespaced_custom_object(h.GROUP, h.VERSION, cl.ns, h.PLURAL, name,
-                                               {"spec": spec})
+    cl.custom().patch_namespaced_custom_object(
+        h.GROUP, h.VERSION, cl.ns, h.PLURAL, name, {"spec": spec}
+    )
 
 
 def gone(call: Any) -> bool:
@@ -55,12 +60,14 @@ def gone(call: Any) -> bool:
 
 
 def test_deleting_the_job_removes_everything_in_every_cluster(
-        cl: h.Clusters, operator: h.Operator) -> None:
+    cl: h.Clusters, operator: h.Operator
+) -> None:
     job = three_cluster_job(cl, "del", 1)
     h.wait_condition(cl, job, "Ready", timeout=60)
     assert all(cl.pods(c, job) for c in ALL)
-    assert all(not gone(lambda c=c: cl.core(c).read_namespaced_secret(f"{job}-token", cl.ns))
-               for c in ALL)
+    assert all(
+        not gone(lambda c=c: cl.core(c).read_namespaced_secret(f"{job}-token", cl.ns)) for c in ALL
+    )
 
     t0 = time.monotonic()
     cl.custom().delete_namespaced_custom_object(h.GROUP, h.VERSION, cl.ns, h.PLURAL, job)
@@ -72,19 +79,31 @@ def test_deleting_the_job_removes_everything_in_every_cluster(
     name = f"{job}-synchronizer"
     assert gone(lambda: cl.apps().read_namespaced_deployment(name, cl.ns))
     assert gone(lambda: cl.core().read_namespaced_service(name, cl.ns))
-    k8senv.wait_until("the state claim to go", lambda: gone(
-        lambda: cl.core().read_namespaced_persistent_volume_claim(f"{name}-state", cl.ns)), 30)
-    leftovers = cl.core().list_namespaced_pod(cl.ns, label_selector="app.kubernetes.io/instance=del")
+    k8senv.wait_until(
+        "the state claim to go",
+        lambda: gone(
+            lambda: cl.core().read_namespaced_persistent_volume_claim(f"{name}-state", cl.ns)
+        ),
+        30,
+    )
+    leftovers = cl.core().list_namespaced_pod(
+        cl.ns, label_selector="app.kubernetes.io/instance=del"
+    )
     assert leftovers.items == []
 
 
 def test_killing_the_operator_mid_reconcile_leaves_one_pod_per_slot(
-        cl: h.Clusters, operator: h.Operator) -> None:
+    cl: h.Clusters, operator: h.Operator
+) -> None:
     per_group = 12
     job = three_cluster_job(cl, "crash", per_group)
     # SIGKILL the operator as soon as the first learner pods exist, before it made them all
-    seen = k8senv.wait_until("the first learner pods", lambda: sum(
-        len(cl.pods(c, job)) for c in ALL), timeout=30, interval=0.01)
+    seen = k8senv.wait_until(
+        "the first learner pods",
+        lambda: sum(len(cl.pods(c, job)) for c in ALL),
+        timeout=30,
+        interval=0.01,
+    )
     operator.kill()
     at_kill = sum(len(cl.pods(c, job)) for c in ALL)
     assert 0 < seen <= at_kill < 3 * per_group, f"not mid-reconcile: {seen}/{at_kill}"
@@ -105,15 +124,23 @@ def test_scaling_a_group_adds_and_removes_slots(cl: h.Clusters, operator: h.Oper
     before = h.running_uids(cl, ["home"], job)
 
     patch_spec(cl, job, {"learnerGroups": [{"name": "a", "replicas": 4}]})
-    up = k8senv.wait_until("4 learners", lambda: len(u := h.running_uids(cl, ["home"], job)) == 4
-                           and u, timeout=30)
+    up = k8senv.wait_until(
+        "4 learners", lambda: len(u := h.running_uids(cl, ["home"], job)) == 4 and u, timeout=30
+    )
     assert {k: up[k] for k in before} == before  # the first two untouched
     job_up = h.wait_condition(cl, job, "Ready")
     assert (job_up["status"]["desiredLearners"], job_up["status"]["readyLearners"]) == (4, 4)
 
     patch_spec(cl, job, {"learnerGroups": [{"name": "a", "replicas": 1}]})
-    down = k8senv.wait_until("1 learner", lambda: (u := h.running_uids(cl, ["home"], job))
-                             .keys() == {"a-0"} and len(cl.pods("home", job)) == 1 and u, 30)
+    down = k8senv.wait_until(
+        "1 learner",
+        lambda: (
+            (u := h.running_uids(cl, ["home"], job)).keys() == {"a-0"}
+            and len(cl.pods("home", job)) == 1
+            and u
+        ),
+        30,
+    )
     assert down["a-0"] == before["a-0"]
     job_down = h.wait_condition(cl, job, "Ready")
     assert [s["id"] for s in job_down["status"]["slots"]] == ["a-0"]
@@ -121,19 +148,26 @@ def test_scaling_a_group_adds_and_removes_slots(cl: h.Clusters, operator: h.Oper
 
 
 def test_suspend_frees_the_learners_and_resume_brings_them_back(
-        cl: h.Clusters, operator: h.Operator) -> None:
+    cl: h.Clusters, operator: h.Operator
+) -> None:
     h.kubeconfig_secret(cl, "region-a-kubeconfig", "region-a")
-    job = h.create_job(cl, h.job_manifest("susp", [{"name": "a", "replicas": 2},
-                                                   h.remote("region-a", 1)]))
+    job = h.create_job(
+        cl, h.job_manifest("susp", [{"name": "a", "replicas": 2}, h.remote("region-a", 1)])
+    )
     h.wait_condition(cl, job, "Ready")
     patch_spec(cl, job, {"suspend": True})
     suspended = h.wait_condition(cl, job, "Ready", "False", reason="Suspended")
-    k8senv.wait_until("no learner pods", lambda: not any(
-        cl.pods(c, job) for c in ("home", "region-a")), timeout=20)
+    k8senv.wait_until(
+        "no learner pods",
+        lambda: not any(cl.pods(c, job) for c in ("home", "region-a")),
+        timeout=20,
+    )
     dep = cl.apps().read_namespaced_deployment(f"{job}-synchronizer", cl.ns)
     assert dep.spec.replicas == 0
-    assert h.wait_condition(cl, job, "Ready", "False", reason="Suspended")["status"]["phase"] \
-        == "Suspended", suspended
+    assert (
+        h.wait_condition(cl, job, "Ready", "False", reason="Suspended")["status"]["phase"]
+        == "Suspended"
+    ), suspended
     patch_spec(cl, job, {"suspend": False})
     resumed = h.wait_condition(cl, job, "Ready", timeout=30)
     assert resumed["status"]["readyLearners"] == 3
@@ -141,20 +175,36 @@ def test_suspend_frees_the_learners_and_resume_brings_them_back(
 
 
 def _synchronizer(port: int, token: str, state: Path, log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "DDILOCO_TOKEN": token, "DDILOCO_STATE_DIR": str(state),
-           "DDILOCO_PORT": str(port), "DDILOCO_HOST": "127.0.0.1", "DDILOCO_QUORUM": "1"}
+    env = {
+        **os.environ,
+        "DDILOCO_TOKEN": token,
+        "DDILOCO_STATE_DIR": str(state),
+        "DDILOCO_PORT": str(port),
+        "DDILOCO_HOST": "127.0.0.1",
+        "DDILOCO_QUORUM": "1",
+    }
     with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "ddiloco.cli.main", "synchronizer"],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=state.parent)
+        return subprocess.Popen(
+            [sys.executable, "-m", "ddiloco.cli.main", "synchronizer"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=state.parent,
+        )
 
 
 def test_status_numbers_come_from_the_synchronizer(
-        k8s: Any, cl: h.Clusters, tmp_path: Path) -> None:
+    k8s: Any, cl: h.Clusters, tmp_path: Path
+) -> None:
     # The synchronizer pod is fake; run the real `ddiloco synchronizer` here and point the
     # operator's status URL at it. Before it answers the job must be Ready all the same.
     port = h.free_port()
-    op = h.Operator(k8s.home.kubeconfig, cl.ns, tmp_path, env={
-        "DDILOCO_OPERATOR_STATUS_URL_TEMPLATE": f"http://127.0.0.1:{port}"})
+    op = h.Operator(
+        k8s.home.kubeconfig,
+        cl.ns,
+        tmp_path,
+        env={"DDILOCO_OPERATOR_STATUS_URL_TEMPLATE": f"http://127.0.0.1:{port}"},
+    )
     op.start()
     sync = None
     try:
@@ -162,20 +212,32 @@ def test_status_numbers_come_from_the_synchronizer(
         ready = h.wait_condition(cl, job, "Ready")
         assert ready["status"]["synchronizer"]["reachable"] is False
         assert "globalVersion" not in ready["status"]
-        token = base64.b64decode(cl.core().read_namespaced_secret(
-            f"{job}-token", cl.ns).data["token"]).decode()
+        token = base64.b64decode(
+            cl.core().read_namespaced_secret(f"{job}-token", cl.ns).data["token"]
+        ).decode()
         sync = _synchronizer(port, token, tmp_path / "state", tmp_path / "sync.log")
-        k8senv.wait_until("the synchronizer", lambda: urllib.request.urlopen(
-            f"http://127.0.0.1:{port}/healthz", timeout=1).status == 200, timeout=30)
-        status = k8senv.wait_until("status from the synchronizer", lambda: (
-            s := cl.job(job)["status"])["synchronizer"]["reachable"] and s, timeout=20)
+        k8senv.wait_until(
+            "the synchronizer",
+            lambda: (
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1).status == 200
+            ),
+            timeout=30,
+        )
+        status = k8senv.wait_until(
+            "status from the synchronizer",
+            lambda: (s := cl.job(job)["status"])["synchronizer"]["reachable"] and s,
+            timeout=20,
+        )
         assert status["globalVersion"] == 0 and status["merges"] == 0
         assert status["tokensMerged"] == 0
         sync.terminate()
         sync.wait(10)
         # unreachable again: the last numbers stay, the job stays Ready, the operator lives
-        after = k8senv.wait_until("unreachable noticed", lambda: not (
-            s := cl.job(job)["status"])["synchronizer"]["reachable"] and s, timeout=20)
+        after = k8senv.wait_until(
+            "unreachable noticed",
+            lambda: not (s := cl.job(job)["status"])["synchronizer"]["reachable"] and s,
+            timeout=20,
+        )
         assert after["globalVersion"] == 0 and op.running()
         assert h.condition(cl.job(job), "Ready")["status"] == "True"
     finally:

@@ -22,7 +22,8 @@ import yaml
 
 if "operator_helpers" not in sys.modules:  # --import-mode=importlib: load the helpers by path
     _spec = importlib.util.spec_from_file_location(
-        "operator_helpers", Path(__file__).with_name("operator_helpers.py"))
+        "operator_helpers", Path(__file__).with_name("operator_helpers.py")
+    )
     assert _spec is not None and _spec.loader is not None
     sys.modules["operator_helpers"] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(sys.modules["operator_helpers"])
@@ -35,49 +36,93 @@ RBAC = h.REPO / "deploy" / "rbac"
 
 
 def token_kubeconfig(cluster: Any, token: str, namespace: str) -> str:
-    return yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config",
-        "clusters": [{"name": cluster.name, "cluster": {
-            "server": cluster.server,
-            "certificate-authority-data": base64.b64encode(cluster.ca_file.read_bytes()).decode()}}],
-        "users": [{"name": "sa", "user": {"token": token}}],
-        "contexts": [{"name": "sa", "context": {"cluster": cluster.name, "user": "sa",
-                                                "namespace": namespace}}],
-        "current-context": "sa"})
+    return yaml.safe_dump(
+        {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {
+                    "name": cluster.name,
+                    "cluster": {
+                        "server": cluster.server,
+                        "certificate-authority-data": base64.b64encode(
+                            cluster.ca_file.read_bytes()
+                        ).decode(),
+                    },
+                }
+            ],
+            "users": [{"name": "sa", "user": {"token": token}}],
+            "contexts": [
+                {
+                    "name": "sa",
+                    "context": {"cluster": cluster.name, "user": "sa", "namespace": namespace},
+                }
+            ],
+            "current-context": "sa",
+        }
+    )
 
 
 def test_operator_runs_with_the_documented_rbac_only(
-        k8s: Any, cl: h.Clusters, tmp_path: Path) -> None:
+    k8s: Any, cl: h.Clusters, tmp_path: Path
+) -> None:
     k8s.kubectl("home", "apply", "-f", str(RBAC / "operator.yaml"))
-    home_token = k8s.kubectl("home", "-n", "ddiloco-system", "create", "token",
-                             "ddiloco-operator").stdout.strip()
+    home_token = k8s.kubectl(
+        "home", "-n", "ddiloco-system", "create", "token", "ddiloco-operator"
+    ).stdout.strip()
     home_cfg = tmp_path / "operator.kubeconfig"
     home_cfg.write_text(token_kubeconfig(k8s.home, home_token, cl.ns))
     home_cfg.chmod(0o600)
     k8s.kubectl("region-a", "-n", cl.ns, "apply", "-f", str(RBAC / "remote-learners.yaml"))
-    remote_token = k8s.kubectl("region-a", "-n", cl.ns, "create", "token",
-                               "ddiloco-remote").stdout.strip()
-    h.kubeconfig_secret(cl, "region-a-kubeconfig", None,
-                        text=token_kubeconfig(k8s.clusters["region-a"], remote_token, cl.ns))
+    remote_token = k8s.kubectl(
+        "region-a", "-n", cl.ns, "create", "token", "ddiloco-remote"
+    ).stdout.strip()
+    h.kubeconfig_secret(
+        cl,
+        "region-a-kubeconfig",
+        None,
+        text=token_kubeconfig(k8s.clusters["region-a"], remote_token, cl.ns),
+    )
 
     op = h.Operator(home_cfg, cl.ns, tmp_path)
     op.start()
     try:
-        job = h.create_job(cl, h.job_manifest("rbac", [{"name": "a", "replicas": 1},
-                                                       h.remote("region-a", 1)],
-                                              failurePolicy={"backoffSeconds": 0}))
+        job = h.create_job(
+            cl,
+            h.job_manifest(
+                "rbac",
+                [{"name": "a", "replicas": 1}, h.remote("region-a", 1)],
+                failurePolicy={"backoffSeconds": 0},
+            ),
+        )
         h.wait_condition(cl, job, "Ready", timeout=60)
         before = h.running_uids(cl, ["home", "region-a"], job)
         cl.core("region-a").patch_namespaced_pod_status(
-            "rbac-region-a-0", cl.ns, {"status": {"phase": "Failed", "reason": "Evicted"}})
-        k8senv.wait_until("the replacement", lambda: (u := h.running_uids(
-            cl, ["home", "region-a"], job)).get("region-a-0", before["region-a-0"])
-            != before["region-a-0"] and u, timeout=20)
-        cl.custom().patch_namespaced_custom_object(h.GROUP, h.VERSION, cl.ns, h.PLURAL, job,
-                                                   {"spec": {"suspend": True}})
+            "rbac-region-a-0", cl.ns, {"status": {"phase": "Failed", "reason": "Evicted"}}
+        )
+        k8senv.wait_until(
+            "the replacement",
+            lambda: (
+                (u := h.running_uids(cl, ["home", "region-a"], job)).get(
+                    "region-a-0", before["region-a-0"]
+                )
+                != before["region-a-0"]
+                and u
+            ),
+            timeout=20,
+        )
+        cl.custom().patch_namespaced_custom_object(
+            h.GROUP, h.VERSION, cl.ns, h.PLURAL, job, {"spec": {"suspend": True}}
+        )
         h.wait_condition(cl, job, "Ready", "False", reason="Suspended")
-        k8senv.wait_until("the synchronizer scaled to 0", lambda: cl.apps().read_namespaced_deployment(
-            f"{job}-synchronizer", cl.ns).spec.replicas == 0, timeout=20)
+        k8senv.wait_until(
+            "the synchronizer scaled to 0",
+            lambda: (
+                cl.apps().read_namespaced_deployment(f"{job}-synchronizer", cl.ns).spec.replicas
+                == 0
+            ),
+            timeout=20,
+        )
         h.delete_jobs(cl, op)
         for c in ("home", "region-a"):
             assert cl.pods(c, job) == []

@@ -26,12 +26,18 @@ def b64(text: str) -> str:
 
 
 def kubeconfig(server: str = "https://10.1.2.3:6443") -> str:
-    return yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "x",
-        "clusters": [{"name": "x", "cluster": {"server": server,
-                                               "insecure-skip-tls-verify": True}}],
-        "users": [{"name": "x", "user": {"token": SECRET_TEXT}}],
-        "contexts": [{"name": "x", "context": {"cluster": "x", "user": "x"}}]})
+    return yaml.safe_dump(
+        {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "current-context": "x",
+            "clusters": [
+                {"name": "x", "cluster": {"server": server, "insecure-skip-tls-verify": True}}
+            ],
+            "users": [{"name": "x", "user": {"token": SECRET_TEXT}}],
+            "contexts": [{"name": "x", "context": {"cluster": "x", "user": "x"}}],
+        }
+    )
 
 
 def test_a_valid_kubeconfig_becomes_a_client() -> None:
@@ -40,16 +46,31 @@ def test_a_valid_kubeconfig_becomes_a_client() -> None:
     client.close()
 
 
-@pytest.mark.parametrize(("data", "key", "needle"), [
-    ({"other": b64(kubeconfig())}, "kubeconfig", "has no key 'kubeconfig'"),
-    ({"kubeconfig": b64(f"clusters: [{SECRET_TEXT}: oops")}, "kubeconfig", "not a readable kubeconfig"),
-    ({"kubeconfig": "%%%not-base64"}, "kubeconfig", "not a readable kubeconfig"),
-    ({"kubeconfig": b64(f"just: {SECRET_TEXT}")}, "kubeconfig", "not a kubeconfig"),
-    ({"kubeconfig": b64(kubeconfig().replace("current-context: x", "current-context: nope"))},
-     "kubeconfig", "not a usable kubeconfig"),
-])
+@pytest.mark.parametrize(
+    ("data", "key", "needle"),
+    [
+        ({"other": b64(kubeconfig())}, "kubeconfig", "has no key 'kubeconfig'"),
+        (
+            {"kubeconfig": b64(f"clusters: [{SECRET_TEXT}: oops")},
+            "kubeconfig",
+            "not a readable kubeconfig",
+        ),
+        ({"kubeconfig": "%%%not-base64"}, "kubeconfig", "not a readable kubeconfig"),
+        ({"kubeconfig": b64(f"just: {SECRET_TEXT}")}, "kubeconfig", "not a kubeconfig"),
+        (
+            {
+                "kubeconfig": b64(
+                    kubeconfig().replace("current-context: x", "current-context: nope")
+                )
+            },
+            "kubeconfig",
+            "not a usable kubeconfig",
+        ),
+    ],
+)
 def test_broken_secrets_name_the_secret_and_hide_the_content(
-        data: dict[str, str], key: str, needle: str) -> None:
+    data: dict[str, str], key: str, needle: str
+) -> None:
     with pytest.raises(ClusterProblem) as err:
         _client_from_secret(data, key, WHERE)
     assert err.value.reason == c.KUBECONFIG_SECRET_INVALID

@@ -21,17 +21,24 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"
 
 
 def minimal(**spec: Any) -> dict[str, Any]:
-    body = {"apiVersion": api.API_VERSION, "kind": api.KIND,
-            "metadata": {"name": "tiny", "namespace": "default", "uid": "u1", "generation": 1},
-            "spec": {"image": "ddiloco:dev", "training": {"model": "tiny"},
-                     "learnerGroups": [{"name": "a", "replicas": 2}]}}
+    body = {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "metadata": {"name": "tiny", "namespace": "default", "uid": "u1", "generation": 1},
+        "spec": {
+            "image": "ddiloco:dev",
+            "training": {"model": "tiny"},
+            "learnerGroups": [{"name": "a", "replicas": 2}],
+        },
+    }
     body["spec"].update(spec)
     return body
 
 
 def test_committed_crd_matches_the_models() -> None:
-    assert crd.CRD_PATH.read_text() == crd.render(), \
+    assert crd.CRD_PATH.read_text() == crd.render(), (
         "deploy/crds is stale: run `python -m ddiloco.operator.crd` and commit it"
+    )
 
 
 def _walk(node: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:
@@ -68,15 +75,26 @@ def test_crd_has_names_columns_status_and_rules() -> None:
     version = spec["versions"][0]
     assert version["subresources"] == {"status": {}}
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
-        "Phase", "Ready", "Desired", "Version", "Goodput", "Age"]
+        "Phase",
+        "Ready",
+        "Desired",
+        "Version",
+        "Goodput",
+        "Age",
+    ]
     props = version["schema"]["openAPIV3Schema"]["properties"]
     rules = [r["rule"] for r in props["spec"]["x-kubernetes-validations"]]
     assert any("quorum" in r and ".sum()" in r for r in rules)
-    training_rules = [r["rule"] for r in props["spec"]["properties"]["training"]["x-kubernetes-validations"]]
+    training_rules = [
+        r["rule"] for r in props["spec"]["properties"]["training"]["x-kubernetes-validations"]
+    ]
     assert "self.innerSteps % self.fragments == 0" in training_rules
     groups = props["spec"]["properties"]["learnerGroups"]
     assert groups["x-kubernetes-list-type"] == "map" and groups["maxItems"] == api.MAX_GROUPS
-    assert props["spec"]["properties"]["learnerGroups"]["items"]["properties"]["replicas"]["minimum"] == 0
+    assert (
+        props["spec"]["properties"]["learnerGroups"]["items"]["properties"]["replicas"]["minimum"]
+        == 0
+    )
     # optional fields are nullable; required ones are listed
     assert props["spec"]["properties"]["managedBy"]["nullable"] is True
     assert set(props["spec"]["required"]) == {"image", "training", "learnerGroups"}
@@ -87,8 +105,10 @@ def test_defaults_in_schema_match_the_models() -> None:
     sync = props["synchronizer"]["properties"]
     assert sync["quorum"]["default"] == api.Synchronizer().quorum
     assert sync["merge"]["default"] == "rda"
-    assert props["failurePolicy"]["properties"]["maxReplacementsPerSlot"]["default"] == \
-        api.FailurePolicy().max_replacements_per_slot
+    assert (
+        props["failurePolicy"]["properties"]["maxReplacementsPerSlot"]["default"]
+        == api.FailurePolicy().max_replacements_per_slot
+    )
 
 
 def test_minimal_job_parses_with_defaults() -> None:
@@ -98,25 +118,31 @@ def test_minimal_job_parses_with_defaults() -> None:
     assert api.validate(job.spec) == []
 
 
-@pytest.mark.parametrize(("spec", "needle"), [
-    ({"synchronizer": {"quorum": 3}}, "quorum"),
-    ({"training": {"model": "tiny", "innerSteps": 10, "fragments": 4}}, "multiple"),
-    ({"training": {"model": "tiny", "modelEntry": "a.b:c"}}, "exactly one"),
-    ({"training": {}}, "exactly one"),
-])
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        ({"synchronizer": {"quorum": 3}}, "quorum"),
+        ({"training": {"model": "tiny", "innerSteps": 10, "fragments": 4}}, "multiple"),
+        ({"training": {"model": "tiny", "modelEntry": "a.b:c"}}, "exactly one"),
+        ({"training": {}}, "exactly one"),
+    ],
+)
 def test_validate_repeats_the_cel_rules(spec: dict[str, Any], needle: str) -> None:
     job = api.DecoupledDiLoCoJob.from_body(minimal(**spec))
     problems = api.validate(job.spec)
     assert problems and needle in problems[0]
 
 
-@pytest.mark.parametrize("spec", [
-    {"image": ""},
-    {"learnerGroups": [{"name": "a", "replicas": -1}]},
-    {"learnerGroups": [{"name": "A_bad"}]},
-    {"learnerGroups": []},
-    {"bogus": 1},
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"image": ""},
+        {"learnerGroups": [{"name": "a", "replicas": -1}]},
+        {"learnerGroups": [{"name": "A_bad"}]},
+        {"learnerGroups": []},
+        {"bogus": 1},
+    ],
+)
 def test_models_refuse_what_the_schema_refuses(spec: dict[str, Any]) -> None:
     with pytest.raises(pydantic.ValidationError):
         api.DecoupledDiLoCoJob.from_body(minimal(**spec))
