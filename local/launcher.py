@@ -238,13 +238,13 @@ class LocalRun:
             ev = self.schedule.events.pop(0)
             child = by_name[ev.target]
             if ev.action == "add":
-                if child.proc is None:
-                    self._start_learner(child)
-                    self.added[child.name] = time.time()
+                if child.proc is not None:
+                    continue
+                self._start_learner(child)
+                self.added[child.name] = time.time()
+            elif child.finished or not child.alive():
                 continue
-            if child.finished or not child.alive():
-                continue
-            if ev.action == "remove":
+            elif ev.action == "remove":
                 child.stop()
                 child.finished = True
                 self.removed[child.name] = time.time()
