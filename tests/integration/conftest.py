@@ -86,8 +86,11 @@ def k8s_bindir() -> Path:
     """The built binaries' directory; skips (fails in CI) when they are not built."""
     try:
         if (failed := k8senv.failed_build_log()) is not None and k8senv.find_built() is None:
-            pytest.fail(f"k8senv: the last build failed, see {failed}; fix it and run "
-                        f"`{k8senv.BUILD_COMMAND}`", pytrace=False)
+            pytest.fail(
+                f"k8senv: the last build failed, see {failed}; fix it and run "
+                f"`{k8senv.BUILD_COMMAND}`",
+                pytrace=False,
+            )
         bindir = k8senv.find_built()
     except k8senv.BuildFailed as e:
         pytest.fail(f"k8senv: {e}", pytrace=False)
@@ -100,8 +103,9 @@ def k8s_bindir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def k8s(k8s_bindir: Path, tmp_path_factory: pytest.TempPathFactory
-        ) -> Iterator[k8senv.ControlPlane]:
+def k8s(
+    k8s_bindir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[k8senv.ControlPlane]:
     bindir = k8s_bindir
     plane = k8senv.ControlPlane(bindir, tmp_path_factory.mktemp("k8senv"), _cluster_names())
     with pytest.MonkeyPatch.context() as mp:
@@ -136,8 +140,11 @@ def _wait_default_sa(k8s: k8senv.ControlPlane, name: str) -> None:
 def k8s_namespace(k8s: k8senv.ControlPlane, request: pytest.FixtureRequest) -> Iterator[str]:
     base = "".join(c if c.isalnum() else "-" for c in request.node.name.lower())
     name = f"t-{base[:40].strip('-')}-{uuid.uuid4().hex[:6]}"
-    body = {"apiVersion": "v1", "kind": "Namespace",
-            "metadata": {"name": name, "labels": {"ddiloco.test/namespace": "true"}}}
+    body = {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": name, "labels": {"ddiloco.test/namespace": "true"}},
+    }
     for cl in k8s.clusters.values():
         cl.api("POST", "/api/v1/namespaces", body)
     try:

@@ -49,16 +49,28 @@ BUILD_SH: Final = K8SENV_DIR / "build.sh"
 BUILD_COMMAND: Final = "python tests/integration/k8senv.py build"
 MIN_GO: Final = (1, 26, 8)
 DEFAULT_CLUSTERS: Final = ("home", "region-a", "region-b")
-BINARIES: Final = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl",
-                   "etcd", "kwok", "helm")
+BINARIES: Final = (
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kubectl",
+    "etcd",
+    "kwok",
+    "helm",
+)
 START_TIMEOUT_S: Final = 150.0
 STOP_GRACE_S: Final = 10.0
 PRUNE_AFTER_S: Final = 30 * 24 * 3600
 
 # Fake nodes: what kwok pretends each one has. Labels make them look like a GPU pool in a region.
 FAKE_NODE_ANNOTATION: Final = ("kwok.x-k8s.io/node", "fake")
-FAKE_NODE_CAPACITY: Final = {"cpu": "32", "memory": "256Gi", "pods": "110",
-                             "ephemeral-storage": "1Ti", "nvidia.com/gpu": "8"}
+FAKE_NODE_CAPACITY: Final = {
+    "cpu": "32",
+    "memory": "256Gi",
+    "pods": "110",
+    "ephemeral-storage": "1Ti",
+    "nvidia.com/gpu": "8",
+}
 SERVICE_CIDR: Final = "10.96.0.0/16"
 POD_CIDR: Final = "10.244.0.0/16"
 
@@ -87,8 +99,11 @@ class BuildFailed(RuntimeError):
 def version_key() -> str:
     """16 hex digits over the build inputs in tests/k8senv (paths and bytes)."""
     h = hashlib.sha256()
-    files = sorted(p for p in K8SENV_DIR.rglob("*")
-                   if p.is_file() and (p.suffix in {".mod", ".sum", ".sh", ".yaml"}))
+    files = sorted(
+        p
+        for p in K8SENV_DIR.rglob("*")
+        if p.is_file() and (p.suffix in {".mod", ".sum", ".sh", ".yaml"})
+    )
     for p in files:
         h.update(p.relative_to(K8SENV_DIR).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()[:16]
@@ -144,8 +159,10 @@ def missing_message() -> str:
     """What to run to get the binaries: one command, plus why it may not work yet."""
     msg = f"k8senv binaries are not built (key {version_key()}): run `{BUILD_COMMAND}`"
     if problem := go_problem():
-        msg += (f" - it needs Go >= {'.'.join(map(str, MIN_GO))} and the Go module proxy "
-                f"({problem}; https://go.dev/doc/install)")
+        msg += (
+            f" - it needs Go >= {'.'.join(map(str, MIN_GO))} and the Go module proxy "
+            f"({problem}; https://go.dev/doc/install)"
+        )
     else:
         msg += " (cold build: about 40 min on 2 cores, once per machine)"
     return msg
@@ -169,13 +186,20 @@ def build(echo: IO[str] | None = None) -> Path:
         if _is_complete(final):
             return final
         if problem := go_problem():
-            raise ToolchainMissing(f"cannot build k8senv: {problem}; need Go >= "
-                                   f"{'.'.join(map(str, MIN_GO))} and the Go module proxy")
+            raise ToolchainMissing(
+                f"cannot build k8senv: {problem}; need Go >= "
+                f"{'.'.join(map(str, MIN_GO))} and the Go module proxy"
+            )
         shutil.rmtree(tmp, ignore_errors=True)
         t0 = time.monotonic()
         with open(logfile, "w") as out:
-            proc = subprocess.Popen(["bash", str(BUILD_SH), str(tmp)], stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, bufsize=1)
+            proc = subprocess.Popen(
+                ["bash", str(BUILD_SH), str(tmp)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                bufsize=1,
+            )
             assert proc.stdout is not None
             for line in proc.stdout:
                 out.write(line)
@@ -189,9 +213,13 @@ def build(echo: IO[str] | None = None) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise BuildFailed(f"k8senv build failed (rc={rc}) after {seconds:.0f}s; see {logfile}")
         go = subprocess.run(["go", "version"], capture_output=True, text=True).stdout.strip()
-        manifest = {"key": key, "kube_version": KUBE_VERSION, "go": go,
-                    "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "build_seconds": round(seconds)}
+        manifest = {
+            "key": key,
+            "kube_version": KUBE_VERSION,
+            "go": go,
+            "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "build_seconds": round(seconds),
+        }
         (tmp / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
         shutil.rmtree(final, ignore_errors=True)  # an incomplete leftover
         os.rename(tmp, final)
@@ -230,21 +258,30 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
     Linux ties PDEATHSIG to the parent *thread*; spawn from the main thread (pytest fixtures and
     the launcher do). The getppid check covers a parent that died before prctl ran.
     """
+
     def preexec() -> None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent:
             os._exit(1)
+
     return preexec
 
 
-def spawn(argv: Sequence[str | Path], logfile: Path, env: dict[str, str] | None = None
-          ) -> subprocess.Popen[bytes]:
+def spawn(
+    argv: Sequence[str | Path], logfile: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     """Start argv with stdout+stderr appended to logfile, in its own session, dying with us."""
     logfile.parent.mkdir(parents=True, exist_ok=True)
     with open(logfile, "ab") as out:
-        return subprocess.Popen([str(a) for a in argv], stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                preexec_fn=_die_with_parent(os.getpid()))
+        return subprocess.Popen(
+            [str(a) for a in argv],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent(os.getpid()),
+        )
 
 
 @dataclass
@@ -312,10 +349,16 @@ class Cluster:
     def api(self, method: str, path: str, body: Any = None, timeout: float = 10.0) -> Any:
         """One JSON request to the apiserver (stdlib only); raises urllib.error.HTTPError."""
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.server + path, data=data, method=method,
-                                     headers={"Authorization": f"Bearer {self.token}",
-                                              "Content-Type": "application/json",
-                                              "Accept": "application/json"})
+        req = urllib.request.Request(
+            self.server + path,
+            data=data,
+            method=method,
+            headers={
+                "Authorization": f"Bearer {self.token}",
+                "Content-Type": "application/json",
+                "Accept": "application/json",
+            },
+        )
         ctx = ssl.create_default_context(cafile=str(self.ca_file))
         with urllib.request.urlopen(req, context=ctx, timeout=timeout) as resp:
             return json.loads(resp.read() or b"null")
@@ -333,8 +376,9 @@ class Cluster:
         return config.new_client_from_config(config_file=str(self.kubeconfig))
 
 
-def wait_until(what: str, probe: Callable[[], Any], timeout: float = 60.0,
-               interval: float = 0.2) -> Any:
+def wait_until(
+    what: str, probe: Callable[[], Any], timeout: float = 60.0, interval: float = 0.2
+) -> Any:
     """Call probe() until it returns something truthy, and return that; TimeoutError after timeout.
 
     Exceptions from probe() count as "not yet" (the last one is chained to the TimeoutError), so
@@ -358,8 +402,10 @@ def _wait(what: str, ready: Callable[[], bool], procs: Sequence[Proc], deadline:
     while True:
         for p in procs:
             if not p.alive():
-                raise RuntimeError(f"k8senv: {p.name} exited with {p.popen.returncode} while "
-                                   f"waiting for {what}; last lines of {p.logfile}:\n{p.tail()}")
+                raise RuntimeError(
+                    f"k8senv: {p.name} exited with {p.popen.returncode} while "
+                    f"waiting for {what}; last lines of {p.logfile}:\n{p.tail()}"
+                )
         try:
             if ready():
                 return
@@ -379,16 +425,52 @@ def _write_pki(pki: Path) -> None:
     """A CA, one serving cert for every apiserver (127.0.0.1), and a service-account key."""
     pki.mkdir(parents=True, exist_ok=True)
     ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-    _openssl("req", "-x509", *ec, "-days", "3650", "-subj", "/CN=k8senv-ca",
-             "-keyout", pki / "ca.key", "-out", pki / "ca.crt")
-    _openssl("req", *ec, "-subj", "/CN=kube-apiserver",
-             "-keyout", pki / "apiserver.key", "-out", pki / "apiserver.csr")
+    _openssl(
+        "req",
+        "-x509",
+        *ec,
+        "-days",
+        "3650",
+        "-subj",
+        "/CN=k8senv-ca",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+        "-keyout",
+        pki / "ca.key",
+        "-out",
+        pki / "ca.crt",
+    )
+    _openssl(
+        "req",
+        *ec,
+        "-subj",
+        "/CN=kube-apiserver",
+        "-keyout",
+        pki / "apiserver.key",
+        "-out",
+        pki / "apiserver.csr",
+    )
     (pki / "server.ext").write_text(
         "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,"
-        "DNS:kubernetes.default,DNS:kubernetes.default.svc\nextendedKeyUsage=serverAuth\n")
-    _openssl("x509", "-req", "-in", pki / "apiserver.csr", "-CA", pki / "ca.crt",
-             "-CAkey", pki / "ca.key", "-CAcreateserial", "-days", "3650",
-             "-extfile", pki / "server.ext", "-out", pki / "apiserver.crt")
+        "DNS:kubernetes.default,DNS:kubernetes.default.svc\nextendedKeyUsage=serverAuth\n"
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        pki / "apiserver.csr",
+        "-CA",
+        pki / "ca.crt",
+        "-CAkey",
+        pki / "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "3650",
+        "-extfile",
+        pki / "server.ext",
+        "-out",
+        pki / "apiserver.crt",
+    )
     # RSA: the SA signing key (KCM signs service-account tokens with it as well).
     _openssl("genrsa", "-out", pki / "sa.key", "2048")
 
@@ -403,8 +485,14 @@ class ControlPlane:
     Use as a context manager, or call start() and stop().
     """
 
-    def __init__(self, bindir: Path, run_dir: Path, names: Sequence[str] = DEFAULT_CLUSTERS,
-                 *, nodes_per_cluster: int = 2) -> None:
+    def __init__(
+        self,
+        bindir: Path,
+        run_dir: Path,
+        names: Sequence[str] = DEFAULT_CLUSTERS,
+        *,
+        nodes_per_cluster: int = 2,
+    ) -> None:
         if not names or len(set(names)) != len(names):
             raise ValueError(f"names must be distinct and non-empty, got {list(names)}")
         for n in names:
@@ -437,13 +525,23 @@ class ControlPlane:
         """os.environ with the binaries first on PATH (kubectl, helm, ...)."""
         return {**os.environ, "PATH": f"{self.bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
 
-    def kubectl(self, cluster: str, *args: str, input: str | None = None,
-                check: bool = True, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    def kubectl(
+        self,
+        cluster: str,
+        *args: str,
+        input: str | None = None,
+        check: bool = True,
+        timeout: float = 60.0,
+    ) -> subprocess.CompletedProcess[str]:
         """Run our kubectl against one cluster; output captured as text."""
-        argv = [str(self.bin("kubectl")), f"--kubeconfig={self.clusters[cluster].kubeconfig}",
-                *args]
-        return subprocess.run(argv, input=input, capture_output=True, text=True, check=check,
-                              timeout=timeout)
+        argv = [
+            str(self.bin("kubectl")),
+            f"--kubeconfig={self.clusters[cluster].kubeconfig}",
+            *args,
+        ]
+        return subprocess.run(
+            argv, input=input, capture_output=True, text=True, check=check, timeout=timeout
+        )
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
@@ -481,76 +579,135 @@ class ControlPlane:
 
         etcd_url = f"http://127.0.0.1:{etcd_port}"
         peer_url = f"http://127.0.0.1:{peer_port}"
-        etcd = self._spawn("etcd", run / "etcd.log", [
-            self.bin("etcd"), "--name=k8senv", f"--data-dir={run / 'etcd'}",
-            f"--listen-client-urls={etcd_url}", f"--advertise-client-urls={etcd_url}",
-            f"--listen-peer-urls={peer_url}", f"--initial-advertise-peer-urls={peer_url}",
-            f"--initial-cluster=k8senv={peer_url}", "--unsafe-no-fsync=true",
-            "--auto-compaction-retention=1", "--quota-backend-bytes=2147483648",
-            "--log-level=warn"])
+        etcd = self._spawn(
+            "etcd",
+            run / "etcd.log",
+            [
+                self.bin("etcd"),
+                "--name=k8senv",
+                f"--data-dir={run / 'etcd'}",
+                f"--listen-client-urls={etcd_url}",
+                f"--advertise-client-urls={etcd_url}",
+                f"--listen-peer-urls={peer_url}",
+                f"--initial-advertise-peer-urls={peer_url}",
+                f"--initial-cluster=k8senv={peer_url}",
+                "--unsafe-no-fsync=true",
+                "--auto-compaction-retention=1",
+                "--quota-backend-bytes=2147483648",
+                "--log-level=warn",
+            ],
+        )
         _wait("etcd /health", lambda: _get_ok(f"{etcd_url}/health"), [etcd], deadline)
 
         apiservers = []
         for name, port in zip(self.names, api_ports, strict=True):
             server = f"https://127.0.0.1:{port}"
-            self.clusters[name] = Cluster(name, server, run / f"{name}.kubeconfig",
-                                          pki / "ca.crt", self._token)
+            self.clusters[name] = Cluster(
+                name, server, run / f"{name}.kubeconfig", pki / "ca.crt", self._token
+            )
             self._write_kubeconfig(self.clusters[name])
-            apiservers.append(self._spawn("kube-apiserver", run / name / "kube-apiserver.log", [
-                self.bin("kube-apiserver"),
-                f"--etcd-servers={etcd_url}", f"--etcd-prefix=/{name}/registry",
-                "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
-                f"--secure-port={port}", f"--cert-dir={run / name / 'certs'}",
-                f"--tls-cert-file={pki / 'apiserver.crt'}",
-                f"--tls-private-key-file={pki / 'apiserver.key'}",
-                f"--client-ca-file={pki / 'ca.crt'}", f"--token-auth-file={tokens}",
-                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-                f"--service-account-key-file={pki / 'sa.key'}",
-                f"--service-account-signing-key-file={pki / 'sa.key'}",
-                f"--service-cluster-ip-range={SERVICE_CIDR}",
-                "--authorization-mode=Node,RBAC", "--endpoint-reconciler-type=none",
-                "--allow-privileged=true", "--profiling=false",
-                "--default-not-ready-toleration-seconds=10",
-                "--default-unreachable-toleration-seconds=10"]))
+            apiservers.append(
+                self._spawn(
+                    "kube-apiserver",
+                    run / name / "kube-apiserver.log",
+                    [
+                        self.bin("kube-apiserver"),
+                        f"--etcd-servers={etcd_url}",
+                        f"--etcd-prefix=/{name}/registry",
+                        "--bind-address=127.0.0.1",
+                        "--advertise-address=127.0.0.1",
+                        f"--secure-port={port}",
+                        f"--cert-dir={run / name / 'certs'}",
+                        f"--tls-cert-file={pki / 'apiserver.crt'}",
+                        f"--tls-private-key-file={pki / 'apiserver.key'}",
+                        f"--client-ca-file={pki / 'ca.crt'}",
+                        f"--token-auth-file={tokens}",
+                        "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                        f"--service-account-key-file={pki / 'sa.key'}",
+                        f"--service-account-signing-key-file={pki / 'sa.key'}",
+                        f"--service-cluster-ip-range={SERVICE_CIDR}",
+                        "--authorization-mode=Node,RBAC",
+                        "--endpoint-reconciler-type=none",
+                        "--allow-privileged=true",
+                        "--profiling=false",
+                        "--default-not-ready-toleration-seconds=10",
+                        "--default-unreachable-toleration-seconds=10",
+                    ],
+                )
+            )
         for cl, proc in zip(self.clusters.values(), apiservers, strict=True):
-            _wait(f"{cl.name} kube-apiserver /readyz",
-                  cl.ready,
-                  [etcd, proc], deadline)
+            _wait(f"{cl.name} kube-apiserver /readyz", cl.ready, [etcd, proc], deadline)
 
         for cl in self.clusters.values():
             kcfg = f"--kubeconfig={cl.kubeconfig}"
             logs = run / cl.name
-            self._spawn("kube-controller-manager", logs / "kube-controller-manager.log", [
-                self.bin("kube-controller-manager"), kcfg, "--leader-elect=false",
-                f"--service-account-private-key-file={pki / 'sa.key'}",
-                f"--root-ca-file={pki / 'ca.crt'}",
-                f"--cluster-signing-cert-file={pki / 'ca.crt'}",
-                f"--cluster-signing-key-file={pki / 'ca.key'}",
-                "--bind-address=127.0.0.1", "--secure-port=0"])
-            self._spawn("kube-scheduler", logs / "kube-scheduler.log", [
-                self.bin("kube-scheduler"), kcfg, "--leader-elect=false",
-                "--bind-address=127.0.0.1", "--secure-port=0"])
-            self._spawn("kwok", logs / "kwok.log", [
-                self.bin("kwok"), kcfg, f"--config={self.bindir / 'kwok-stages.yaml'}",
-                "--manage-all-nodes=false",
-                "--manage-nodes-with-annotation-selector=" + "=".join(FAKE_NODE_ANNOTATION),
-                "--node-lease-duration-seconds=40", f"--cidr={POD_CIDR}", "--node-ip=10.0.0.1"])
+            self._spawn(
+                "kube-controller-manager",
+                logs / "kube-controller-manager.log",
+                [
+                    self.bin("kube-controller-manager"),
+                    kcfg,
+                    "--leader-elect=false",
+                    f"--service-account-private-key-file={pki / 'sa.key'}",
+                    f"--root-ca-file={pki / 'ca.crt'}",
+                    f"--cluster-signing-cert-file={pki / 'ca.crt'}",
+                    f"--cluster-signing-key-file={pki / 'ca.key'}",
+                    "--bind-address=127.0.0.1",
+                    "--secure-port=0",
+                ],
+            )
+            self._spawn(
+                "kube-scheduler",
+                logs / "kube-scheduler.log",
+                [
+                    self.bin("kube-scheduler"),
+                    kcfg,
+                    "--leader-elect=false",
+                    "--bind-address=127.0.0.1",
+                    "--secure-port=0",
+                ],
+            )
+            self._spawn(
+                "kwok",
+                logs / "kwok.log",
+                [
+                    self.bin("kwok"),
+                    kcfg,
+                    f"--config={self.bindir / 'kwok-stages.yaml'}",
+                    "--manage-all-nodes=false",
+                    "--manage-nodes-with-annotation-selector=" + "=".join(FAKE_NODE_ANNOTATION),
+                    "--node-lease-duration-seconds=40",
+                    f"--cidr={POD_CIDR}",
+                    "--node-ip=10.0.0.1",
+                ],
+            )
             for node in self.node_names(cl.name):
                 cl.api("POST", "/api/v1/nodes", self._node_manifest(cl.name, node))
 
         for cl in self.clusters.values():
-            _wait(f"{cl.name}: {self.nodes_per_cluster} fake node(s) Ready",
-                  lambda cl=cl: self._nodes_ready(cl), self.procs, deadline)
-            _wait(f"{cl.name}: ServiceAccount default/default (kube-controller-manager)",
-                  lambda cl=cl: bool(cl.api(
-                      "GET", "/api/v1/namespaces/default/serviceaccounts/default")),
-                  self.procs, deadline)
+            _wait(
+                f"{cl.name}: {self.nodes_per_cluster} fake node(s) Ready",
+                lambda cl=cl: self._nodes_ready(cl),
+                self.procs,
+                deadline,
+            )
+            _wait(
+                f"{cl.name}: ServiceAccount default/default (kube-controller-manager)",
+                lambda cl=cl: bool(
+                    cl.api("GET", "/api/v1/namespaces/default/serviceaccounts/default")
+                ),
+                self.procs,
+                deadline,
+            )
 
     def stop(self) -> None:
         """Stop everything in reverse order: SIGTERM, then SIGKILL after a grace period."""
         tiers: list[list[Proc]] = [
-            [p for p in self.procs if p.name in ("kwok", "kube-scheduler",
-                                                  "kube-controller-manager")],
+            [
+                p
+                for p in self.procs
+                if p.name in ("kwok", "kube-scheduler", "kube-controller-manager")
+            ],
             [p for p in self.procs if p.name == "kube-apiserver"],
             [p for p in self.procs if p.name == "etcd"],
         ]
@@ -576,12 +733,26 @@ class ControlPlane:
 
     def _write_kubeconfig(self, cl: Cluster) -> None:
         cfg = {
-            "apiVersion": "v1", "kind": "Config", "preferences": {},
-            "clusters": [{"name": cl.name, "cluster": {
-                "server": cl.server, "certificate-authority": str(cl.ca_file)}}],
+            "apiVersion": "v1",
+            "kind": "Config",
+            "preferences": {},
+            "clusters": [
+                {
+                    "name": cl.name,
+                    "cluster": {"server": cl.server, "certificate-authority": str(cl.ca_file)},
+                }
+            ],
             "users": [{"name": f"{cl.name}-admin", "user": {"token": cl.token}}],
-            "contexts": [{"name": cl.name, "context": {
-                "cluster": cl.name, "user": f"{cl.name}-admin", "namespace": "default"}}],
+            "contexts": [
+                {
+                    "name": cl.name,
+                    "context": {
+                        "cluster": cl.name,
+                        "user": f"{cl.name}-admin",
+                        "namespace": "default",
+                    },
+                }
+            ],
             "current-context": cl.name,
         }
         # JSON is YAML; written 0600 because it holds the token.
@@ -591,25 +762,36 @@ class ControlPlane:
 
     def _node_manifest(self, cluster: str, node: str) -> dict[str, Any]:
         return {
-            "apiVersion": "v1", "kind": "Node",
+            "apiVersion": "v1",
+            "kind": "Node",
             "metadata": {
                 "name": node,
-                "annotations": {FAKE_NODE_ANNOTATION[0]: FAKE_NODE_ANNOTATION[1],
-                                "node.alpha.kubernetes.io/ttl": "0"},
-                "labels": {"type": "kwok", "kubernetes.io/hostname": node,
-                           "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64",
-                           "node.kubernetes.io/instance-type": "kwok-gpu-8",
-                           "topology.kubernetes.io/region": cluster,
-                           "topology.kubernetes.io/zone": f"{cluster}-1",
-                           "nvidia.com/gpu.present": "true"},
+                "annotations": {
+                    FAKE_NODE_ANNOTATION[0]: FAKE_NODE_ANNOTATION[1],
+                    "node.alpha.kubernetes.io/ttl": "0",
+                },
+                "labels": {
+                    "type": "kwok",
+                    "kubernetes.io/hostname": node,
+                    "kubernetes.io/os": "linux",
+                    "kubernetes.io/arch": "amd64",
+                    "node.kubernetes.io/instance-type": "kwok-gpu-8",
+                    "topology.kubernetes.io/region": cluster,
+                    "topology.kubernetes.io/zone": f"{cluster}-1",
+                    "nvidia.com/gpu.present": "true",
+                },
             },
             "status": {"capacity": FAKE_NODE_CAPACITY, "allocatable": FAKE_NODE_CAPACITY},
         }
 
     def _nodes_ready(self, cl: Cluster) -> bool:
         nodes = cl.api("GET", "/api/v1/nodes?labelSelector=type%3Dkwok")["items"]
-        ready = [n for n in nodes for c in n.get("status", {}).get("conditions") or []
-                 if c["type"] == "Ready" and c["status"] == "True"]
+        ready = [
+            n
+            for n in nodes
+            for c in n.get("status", {}).get("conditions") or []
+            if c["type"] == "Ready" and c["status"] == "True"
+        ]
         return len(ready) == self.nodes_per_cluster
 
 
@@ -628,10 +810,15 @@ def _cmd_build(_: argparse.Namespace) -> int:
     except (ToolchainMissing, BuildFailed) as e:
         print(f"k8senv: {e}", file=sys.stderr)
         return 1
-    manifest = json.loads((bindir / "MANIFEST.json").read_text()) \
-        if (bindir / "MANIFEST.json").is_file() else {}
-    print(f"k8senv: binaries in {bindir} (this run {time.monotonic() - t0:.0f}s; "
-          f"cold build took {manifest.get('build_seconds', '?')}s)")
+    manifest = (
+        json.loads((bindir / "MANIFEST.json").read_text())
+        if (bindir / "MANIFEST.json").is_file()
+        else {}
+    )
+    print(
+        f"k8senv: binaries in {bindir} (this run {time.monotonic() - t0:.0f}s; "
+        f"build took {manifest.get('build_seconds', '?')}s)"
+    )
     return 0
 
 
@@ -658,8 +845,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     try:
         plane.start()
-        print(f"k8senv: {len(names)} cluster(s) ready in {time.monotonic() - t0:.1f}s "
-              f"(Kubernetes {KUBE_VERSION}); logs under {run_dir}", flush=True)
+        print(
+            f"k8senv: {len(names)} cluster(s) ready in {time.monotonic() - t0:.1f}s "
+            f"(Kubernetes {KUBE_VERSION}); logs under {run_dir}",
+            flush=True,
+        )
         for cl in plane.clusters.values():
             print(f"  {cl.name:10} {cl.server}  KUBECONFIG={cl.kubeconfig}", flush=True)
         print(f"  binaries: export PATH={bindir}:$PATH", flush=True)
@@ -667,8 +857,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
         while True:
             for p in plane.procs:
                 if not p.alive():
-                    print(f"k8senv: {p.name} exited ({p.popen.returncode}); see {p.logfile}",
-                          file=sys.stderr)
+                    print(
+                        f"k8senv: {p.name} exited ({p.popen.returncode}); see {p.logfile}",
+                        file=sys.stderr,
+                    )
                     return 1
             time.sleep(1)
     except KeyboardInterrupt:
@@ -700,12 +892,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 @contextlib.contextmanager
-def running(names: Sequence[str] = DEFAULT_CLUSTERS, run_dir: Path | None = None
-            ) -> Iterator[ControlPlane]:
+def running(
+    names: Sequence[str] = DEFAULT_CLUSTERS, run_dir: Path | None = None
+) -> Iterator[ControlPlane]:
     """A started ControlPlane for scripts: `with k8senv.running() as plane: ...`."""
     bindir = ensure_built()
-    with tempfile.TemporaryDirectory(prefix="k8senv-") as tmp, \
-            ControlPlane(bindir, run_dir or Path(tmp), names) as plane:
+    with (
+        tempfile.TemporaryDirectory(prefix="k8senv-") as tmp,
+        ControlPlane(bindir, run_dir or Path(tmp), names) as plane,
+    ):
         yield plane
 
 

@@ -83,7 +83,9 @@ stages="$kwok_dir/kustomize/stage"
 } > "$OUT/kwok-stages.yaml"
 
 step "checking versions"
-"$OUT/kube-apiserver" --version | tee /dev/stderr | grep -qx "Kubernetes $KUBE_VERSION"
+v=$("$OUT/kube-apiserver" --version)
+echo "$v"
+[[ $v == "Kubernetes $KUBE_VERSION" ]] || { echo "expected Kubernetes $KUBE_VERSION" >&2; exit 1; }
 "$OUT/kubectl" version --client | grep -q "$KUBE_VERSION"
 "$OUT/etcd" --version | head -1
 "$OUT/kwok" --version 2>/dev/null || true
