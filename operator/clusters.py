@@ -27,7 +27,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config import ConfigException
 
 from ddiloco.operator import conditions as c
-from ddiloco.operator.reconcile import Target
+from ddiloco.operator.plan import Target
 
 log = logging.getLogger(__name__)
 

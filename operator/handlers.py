@@ -20,7 +20,7 @@ import kopf
 from ddiloco.operator import api
 from ddiloco.operator.clusters import home_api_client
 from ddiloco.operator.config import get_settings
-from ddiloco.operator.reconcile import Event
+from ddiloco.operator.plan import Event
 from ddiloco.operator.runtime import CleanupPending, Runtime
 
 CFG = get_settings()

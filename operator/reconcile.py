@@ -20,147 +20,31 @@ Spec changes reach new pods only (replacements and new slots), like a StatefulSe
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Literal
 
 from ddiloco.operator import builders
 from ddiloco.operator import conditions as c
 from ddiloco.operator.api import (
     DecoupledDiLoCoJob,
     GroupStatus,
-    JobStatus,
     LearnerGroup,
-    SecretKeyRef,
     SlotStatus,
-    SynchronizerStatus,
     validate,
 )
-
-
-@dataclass(frozen=True)
-class Target:
-    """A cluster and namespace that holds some of a job's objects."""
-
-    secret: SecretKeyRef | None  # None: the operator's own cluster
-    namespace: str
-
-    @property
-    def label(self) -> str:
-        return "local" if self.secret is None else self.secret.name
-
-
-def home(job: DecoupledDiLoCoJob) -> Target:
-    return Target(None, job.namespace)
-
-
-def target_of(job: DecoupledDiLoCoJob, group: LearnerGroup) -> Target:
-    if group.cluster is None:
-        return home(job)
-    return Target(group.cluster.kubeconfig_secret, group.cluster.namespace or job.namespace)
-
-
-def targets(job: DecoupledDiLoCoJob) -> list[Target]:
-    """Every cluster to look at: the spec's, and those of groups removed since the last status."""
-    found = [home(job)] + [target_of(job, g) for g in job.spec.learner_groups]
-    found += [Target(g.kubeconfig_secret, g.namespace or job.namespace) for g in job.status.groups]
-    return list(dict.fromkeys(found))
-
-
-@dataclass(frozen=True)
-class PodView:
-    """What reconcile needs to know of a learner pod."""
-
-    name: str
-    uid: str
-    job_uid: str
-    group: str
-    index: int
-    phase: str = "Pending"
-    ready: bool = False
-    terminating: bool = False
-    reason: str | None = None
-
-    @classmethod
-    def from_k8s(cls, pod: Mapping[str, Any]) -> PodView | None:
-        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
-        labels = meta.get("labels") or {}
-        try:
-            index = int(labels[builders.LABEL_SLOT])
-            group = labels[builders.LABEL_GROUP]
-        except (KeyError, ValueError):
-            return None
-        conds = {x.get("type"): x for x in status.get("conditions") or []}
-        # The apiserver marks pods it evicts or the scheduler preempts with a DisruptionTarget
-        # condition (EvictionByEvictionAPI, PreemptionByScheduler, ...); kubelets set
-        # status.reason (Evicted, Preempted, OOMKilled ...) on pods they fail.
-        disruption = conds.get("DisruptionTarget", {})
-        reason = status.get("reason") or (
-            disruption.get("reason") if disruption.get("status") == "True" else None
-        )
-        return cls(
-            name=meta.get("name", ""),
-            uid=meta.get("uid", ""),
-            job_uid=labels.get(builders.LABEL_JOB_UID, ""),
-            group=group,
-            index=index,
-            phase=status.get("phase") or "Pending",
-            ready=conds.get("Ready", {}).get("status") == "True",
-            terminating=bool(meta.get("deletionTimestamp")),
-            reason=reason,
-        )
-
-
-@dataclass(frozen=True)
-class ClusterView:
-    """One target as observed: the job's pods and token Secret there, or why it can't be seen."""
-
-    pods: tuple[PodView, ...] = ()
-    token: str | None = None
-    problem: tuple[str, str] | None = None  # (condition reason, message): not reachable
-
-
-@dataclass(frozen=True)
-class Observed:
-    now: datetime
-    clusters: Mapping[Target, ClusterView]
-    deployment: Mapping[str, Any] | None = None  # the synchronizer Deployment as read
-    service: bool = False
-    claim: bool = False
-    sync_status: Mapping[str, Any] | None = None  # last answer of GET /v1/status, if any
-
-
-@dataclass(frozen=True)
-class Action:
-    verb: Literal["create", "replace", "delete"]
-    target: Target
-    kind: str
-    name: str
-    body: dict[str, Any] | None = field(default=None, repr=False)  # may hold the token
-    uid: str | None = None  # delete only this incarnation
-    grace_seconds: int | None = None  # delete: None keeps the pod's own grace period
-
-    def describe(self) -> str:
-        return f"{self.verb} {self.kind} {self.target.namespace}/{self.name} in {self.target.label}"
-
-
-@dataclass(frozen=True)
-class Event:
-    type: Literal["Normal", "Warning"]
-    reason: str
-    message: str
-
-
-@dataclass
-class Plan:
-    actions: list[Action] = field(default_factory=list)
-    status: JobStatus | None = None  # None: leave the status alone
-    events: list[Event] = field(default_factory=list)
-
-
-def iso(t: datetime) -> str:
-    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+from ddiloco.operator.plan import (
+    Action,
+    ClusterView,
+    Event,
+    Observed,
+    Plan,
+    PodView,
+    Target,
+    home,
+    iso,
+    target_of,
+    target_of_group,
+)
+from ddiloco.operator.status import summarize
 
 
 def backoff(job: DecoupledDiLoCoJob, replacements: int) -> timedelta:
@@ -279,7 +163,7 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
         )
     _prune(job, obs, plan, groups)
 
-    status = _status(job, obs, plan, groups, new_slots, degraded, not_ready, done)
+    status = summarize(job, obs, groups, new_slots, degraded, not_ready, done)
     if status != job.status:
         plan.status = status
     return plan
@@ -430,121 +314,3 @@ def _prune(job: DecoupledDiLoCoJob, obs: Observed, plan: Plan, groups: list[Grou
                 plan.actions.append(Action("delete", tgt, "Pod", pod.name, uid=pod.uid))
         if tgt not in used and view.token is not None:
             plan.actions.append(Action("delete", tgt, "Secret", builders.token_secret_name(job)))
-
-
-def target_of_group(job: DecoupledDiLoCoJob, name: str) -> Target | None:
-    return next((target_of(job, g) for g in job.spec.learner_groups if g.name == name), None)
-
-
-def _status(
-    job: DecoupledDiLoCoJob,
-    obs: Observed,
-    plan: Plan,
-    groups: list[GroupStatus],
-    slots: list[SlotStatus],
-    degraded: list[tuple[str, str]],
-    not_ready: list[str],
-    done: int,
-) -> JobStatus:
-    spec, now, gen = job.spec, iso(obs.now), job.generation
-    desired = spec.total_replicas()
-    ready = sum(g.ready for g in groups if g.name in {x.name for x in spec.learner_groups})
-    dep_status = (obs.deployment or {}).get("status") or {}
-    sync_ready = obs.deployment is not None and int(dep_status.get("availableReplicas") or 0) > 0
-    completed = desired > 0 and done == desired
-    dep = builders.synchronizer_name(job)
-
-    if spec.suspend:
-        sync_c = c.make(c.SYNCHRONIZER_READY, False, c.SUSPENDED, "The job is suspended")
-        learn_c = c.make(c.LEARNERS_READY, False, c.SUSPENDED, "The job is suspended")
-    else:
-        sync_c = (
-            c.make(
-                c.SYNCHRONIZER_READY,
-                True,
-                c.SYNCHRONIZER_AVAILABLE,
-                f"Deployment {dep} has an available pod",
-            )
-            if sync_ready
-            else c.make(
-                c.SYNCHRONIZER_READY,
-                False,
-                c.SYNCHRONIZER_PROGRESSING,
-                f"Waiting for Deployment {dep} to have an available pod",
-            )
-        )
-        if completed:
-            learn_c = c.make(
-                c.LEARNERS_READY, True, c.LEARNERS_COMPLETED, f"All {desired} learner pods finished"
-            )
-        elif desired == 0:
-            learn_c = c.make(c.LEARNERS_READY, True, c.NO_LEARNERS, "No learner slots are desired")
-        elif not not_ready:
-            learn_c = c.make(
-                c.LEARNERS_READY,
-                True,
-                c.ALL_LEARNERS_READY,
-                f"All {desired} learner pods are Ready",
-            )
-        else:
-            waiting = ", ".join(not_ready[:5]) + (" ..." if len(not_ready) > 5 else "")
-            learn_c = c.make(
-                c.LEARNERS_READY,
-                False,
-                c.LEARNERS_NOT_READY,
-                f"{ready} of {desired} learner pods are Ready; waiting for {waiting}",
-            )
-    if degraded:
-        degr_c = c.make(c.DEGRADED, True, degraded[0][0], "; ".join(m for _, m in degraded))
-    else:
-        degr_c = c.make(
-            c.DEGRADED,
-            False,
-            c.AS_EXPECTED,
-            "Every learner group is reachable and within its failure policy",
-        )
-
-    if spec.suspend:
-        ready_c, phase = c.make(c.READY, False, c.SUSPENDED, "The job is suspended"), "Suspended"
-    elif completed:
-        ready_c, phase = c.make(c.READY, False, c.COMPLETED, "All learners finished"), "Succeeded"
-    elif degraded:
-        ready_c, phase = c.make(c.READY, False, c.DEGRADED_REASON, degr_c.message), "Degraded"
-    elif not sync_ready:
-        ready_c, phase = c.make(c.READY, False, c.SYNCHRONIZER_NOT_READY, sync_c.message), "Pending"
-    elif learn_c.status != "True":
-        ready_c, phase = c.make(c.READY, False, c.LEARNERS_NOT_READY, learn_c.message), "Pending"
-    else:
-        ready_c, phase = (
-            c.make(c.READY, True, c.JOB_READY, "The synchronizer and every learner pod are Ready"),
-            "Running",
-        )
-
-    old = job.status
-    numbers: dict[str, Any] = {}
-    sync = obs.sync_status or {}
-    for key, attr in (
-        ("global_version", "global_version"),
-        ("merges", "merges"),
-        ("tokens_merged", "tokens_merged"),
-        ("goodput", "goodput"),
-    ):
-        if key in sync and sync[key] is not None:
-            numbers[attr] = sync[key]
-    return old.model_copy(
-        update={
-            "phase": phase,
-            "observed_generation": gen,
-            "conditions": c.merge(old.conditions, [ready_c, sync_c, learn_c, degr_c], now, gen),
-            "desired_learners": desired,
-            "ready_learners": ready,
-            "groups": groups,
-            "slots": slots,
-            "synchronizer": SynchronizerStatus(
-                endpoint=builders.synchronizer_service_url(job),
-                ready=sync_ready,
-                reachable=obs.sync_status is not None,
-            ),
-            **numbers,
-        }
-    )

@@ -12,15 +12,10 @@ creates and deletes. That order is what makes a replacement crash-safe (reconcil
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
-import threading
 import time
-import urllib.request
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import UTC, datetime
 from typing import Any
 
@@ -31,6 +26,7 @@ from kubernetes.client.exceptions import ApiException
 
 from ddiloco.operator import api as ddapi
 from ddiloco.operator import builders
+from ddiloco.operator.apply import delete_job_objects, get_or_none, send
 from ddiloco.operator.clusters import (
     UNREACHABLE_ERRORS,
     ClusterProblem,
@@ -40,7 +36,7 @@ from ddiloco.operator.clusters import (
     describe_failure,
 )
 from ddiloco.operator.config import OperatorSettings
-from ddiloco.operator.reconcile import (
+from ddiloco.operator.plan import (
     Action,
     ClusterView,
     Event,
@@ -48,9 +44,10 @@ from ddiloco.operator.reconcile import (
     PodView,
     Target,
     home,
-    reconcile,
     targets,
 )
+from ddiloco.operator.reconcile import reconcile
+from ddiloco.operator.syncstatus import StatusReader
 
 log = logging.getLogger(__name__)
 MAX_PASSES = 3
@@ -60,60 +57,6 @@ PostEvent = Callable[[Event], None]
 
 class CleanupPending(Exception):
     """Deletion has to wait: pods still terminating, or a cluster not answering yet."""
-
-
-class StatusReader:
-    """Reads GET {url}/v1/status of each job's synchronizer, at most every poll interval.
-
-    The synchronizer may be unreachable (starting, restarting, or fake in tests): then the
-    last answer stands, the job keeps its last numbers, and one line is logged per change.
-    """
-
-    def __init__(self, settings: OperatorSettings) -> None:
-        self.settings = settings
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sync-status")
-        self._last: dict[str, tuple[float, dict[str, Any] | None]] = {}
-        self._lock = threading.Lock()
-
-    def url(self, job: ddapi.DecoupledDiLoCoJob) -> str:
-        return self.settings.status_url_template.format(name=job.name, namespace=job.namespace)
-
-    def read(self, job: ddapi.DecoupledDiLoCoJob, token: str | None) -> dict[str, Any] | None:
-        key = job.uid
-        with self._lock:
-            at, last = self._last.get(key, (0.0, None))
-        if time.monotonic() - at < self.settings.status_poll_seconds or token is None:
-            return last
-        future = self._pool.submit(self._get, self.url(job), token)
-        try:  # DNS lookups are not covered by socket timeouts; bound the whole call here
-            answer: dict[str, Any] | None = future.result(self.settings.http_timeout_seconds + 1)
-        except (FutureTimeout, OSError, ValueError) as e:
-            answer = None
-            if last is not None or at == 0.0:
-                log.info(
-                    "Synchronizer status of %s/%s is unavailable: %s",
-                    job.namespace,
-                    job.name,
-                    type(e).__name__,
-                )
-        with self._lock:
-            self._last[key] = (time.monotonic(), answer)
-        return answer
-
-    def _get(self, url: str, token: str) -> dict[str, Any]:
-        req = urllib.request.Request(
-            f"{url.rstrip('/')}/v1/status",
-            headers={"Authorization": f"Bearer {token}", "Accept": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=self.settings.http_timeout_seconds) as resp:
-            body = json.loads(resp.read())
-        if not isinstance(body, dict):
-            raise ValueError("status is not a JSON object")
-        return body
-
-    def forget(self, uid: str) -> None:
-        with self._lock:
-            self._last.pop(uid, None)
 
 
 class Runtime:
@@ -182,17 +125,17 @@ class Runtime:
                 p = describe_failure(e, tgt, job.namespace)
                 views[tgt] = ClusterView(problem=(p.reason, p.message))
         h = self.clusters.home
-        deployment = self._get(
+        deployment = get_or_none(
             lambda: kubernetes.client.AppsV1Api(h).read_namespaced_deployment(
                 builders.synchronizer_name(job), job.namespace, _request_timeout=self.timeout
             )
         )
-        service = self._get(
+        service = get_or_none(
             lambda: kubernetes.client.CoreV1Api(h).read_namespaced_service(
                 builders.synchronizer_name(job), job.namespace, _request_timeout=self.timeout
             )
         )
-        claim = self._get(
+        claim = get_or_none(
             lambda: kubernetes.client.CoreV1Api(h).read_namespaced_persistent_volume_claim(
                 builders.state_claim_name(job), job.namespace, _request_timeout=self.timeout
             )
@@ -212,21 +155,12 @@ class Runtime:
     def _token(
         self, core: kubernetes.client.CoreV1Api, job: ddapi.DecoupledDiLoCoJob, tgt: Target
     ) -> str | None:
-        secret = self._get(
+        secret = get_or_none(
             lambda: core.read_namespaced_secret(
                 builders.token_secret_name(job), tgt.namespace, _request_timeout=self.timeout
             )
         )
         return builders.secret_token({"data": secret.data}) if secret is not None else None
-
-    @staticmethod
-    def _get(call: Callable[[], Any]) -> Any:
-        try:
-            return call()
-        except ApiException as e:
-            if e.status == 404:
-                return None
-            raise
 
     def _apply(
         self, action: Action, secret_namespace: str, logger: logging.Logger | logging.LoggerAdapter
@@ -258,7 +192,7 @@ class Runtime:
 
     # -- status ------------------------------------------------------------------------------
     def _read_job(self, name: str, namespace: str) -> dict[str, Any] | None:
-        return self._get(
+        return get_or_none(
             lambda: kubernetes.client.CustomObjectsApi(
                 self.clusters.home
             ).get_namespaced_custom_object(
@@ -400,78 +334,3 @@ def _age(timestamp: str) -> float:
     except ValueError:
         return 0.0
     return (datetime.now(UTC) - t).total_seconds()
-
-
-def delete_job_objects(
-    client: ApiClient, job: ddapi.DecoupledDiLoCoJob, tgt: Target, timeout: float
-) -> int:
-    """Delete the job's objects in one target; return how many of its pods still exist."""
-    core, apps = kubernetes.client.CoreV1Api(client), kubernetes.client.AppsV1Api(client)
-    ns = tgt.namespace
-    pods = core.list_namespaced_pod(
-        ns, label_selector=builders.learner_selector(job), _request_timeout=timeout
-    ).items
-    mine = [p for p in pods if (p.metadata.labels or {}).get(builders.LABEL_JOB_UID) == job.uid]
-    deletes: list[Callable[[], Any]] = [
-        lambda p=p: core.delete_namespaced_pod(
-            p.metadata.name,
-            ns,
-            _request_timeout=timeout,
-            body={"preconditions": {"uid": p.metadata.uid}},
-        )
-        for p in mine
-        if not p.metadata.deletion_timestamp
-    ]
-    secret = Runtime._get(
-        lambda: core.read_namespaced_secret(
-            builders.token_secret_name(job), ns, _request_timeout=timeout
-        )
-    )
-    if secret is not None and (secret.metadata.labels or {}).get(builders.LABEL_JOB_UID) == job.uid:
-        deletes.append(
-            lambda: core.delete_namespaced_secret(
-                builders.token_secret_name(job), ns, _request_timeout=timeout
-            )
-        )
-    if tgt.secret is None:  # the home cluster also holds the synchronizer
-        name = builders.synchronizer_name(job)
-        deletes += [
-            lambda: apps.delete_namespaced_deployment(name, ns, _request_timeout=timeout),
-            lambda: core.delete_namespaced_service(name, ns, _request_timeout=timeout),
-            lambda: core.delete_namespaced_persistent_volume_claim(
-                builders.state_claim_name(job), ns, _request_timeout=timeout
-            ),
-        ]
-    for delete in deletes:
-        Runtime._get(delete)
-    return len(mine)
-
-
-def send(client: ApiClient, action: Action, timeout: float) -> None:
-    """Perform one Action against the API it targets."""
-    core, apps = kubernetes.client.CoreV1Api(client), kubernetes.client.AppsV1Api(client)
-    ns, name, body = action.target.namespace, action.name, action.body
-    kw: dict[str, Any] = {"_request_timeout": timeout}
-    create = {
-        "Pod": core.create_namespaced_pod,
-        "Secret": core.create_namespaced_secret,
-        "Service": core.create_namespaced_service,
-        "PersistentVolumeClaim": core.create_namespaced_persistent_volume_claim,
-        "Deployment": apps.create_namespaced_deployment,
-    }
-    replace = {
-        "Secret": core.replace_namespaced_secret,
-        "Deployment": apps.replace_namespaced_deployment,
-    }
-    delete = {"Pod": core.delete_namespaced_pod, "Secret": core.delete_namespaced_secret}
-    if action.verb == "create":
-        create[action.kind](ns, body, **kw)
-    elif action.verb == "replace":
-        replace[action.kind](name, ns, body, **kw)
-    else:
-        opts: dict[str, Any] = {}
-        if action.uid:
-            opts["preconditions"] = {"uid": action.uid}
-        if action.grace_seconds is not None:
-            opts["gracePeriodSeconds"] = action.grace_seconds
-        delete[action.kind](name, ns, body=opts, **kw)

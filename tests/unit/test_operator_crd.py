@@ -8,6 +8,8 @@ The drift test fails when deploy/crds/ no longer matches the models: run
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -164,3 +166,13 @@ def test_examples_are_valid_jobs(path: Path) -> None:
         job = api.DecoupledDiLoCoJob.from_body(doc)
         assert api.validate(job.spec) == [], path
         assert len(job.name) <= api.MAX_JOB_NAME
+
+
+def test_the_operator_never_imports_torch() -> None:
+    # The operator image stays small: no torch, however the operator is started.
+    code = (
+        "import sys, ddiloco.operator.handlers, ddiloco.operator.cli, ddiloco.operator.crd; "
+        "sys.exit('torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr or "torch was imported"

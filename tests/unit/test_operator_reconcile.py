@@ -17,16 +17,16 @@ import pytest
 from ddiloco.operator import builders
 from ddiloco.operator import conditions as c
 from ddiloco.operator.api import DecoupledDiLoCoJob, SecretKeyRef
-from ddiloco.operator.reconcile import (
+from ddiloco.operator.plan import (
     ClusterView,
     Observed,
     Plan,
     PodView,
     Target,
     home,
-    reconcile,
     targets,
 )
+from ddiloco.operator.reconcile import reconcile
 
 T0 = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
 TOKEN = "tok-123"

@@ -1,0 +1,148 @@
+"""What reconcile reads and what it returns: targets, observations, and the plan.
+
+    from ddiloco.operator.plan import Observed, ClusterView, PodView, Target, targets
+    obs = Observed(now=..., clusters={target: ClusterView(pods=(...), token=...)}, ...)
+
+A `Target` is a cluster (the operator's own, or one reached through a kubeconfig Secret) and
+a namespace in it. runtime.py fills an `Observed` from the clusters, reconcile.py turns it
+into a `Plan`, and runtime.py sends the plan's `Action`s. Everything here is plain data: the
+unit tests build these by hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+from ddiloco.operator import builders
+from ddiloco.operator.api import DecoupledDiLoCoJob, JobStatus, LearnerGroup, SecretKeyRef
+
+
+@dataclass(frozen=True)
+class Target:
+    """A cluster and namespace that holds some of a job's objects."""
+
+    secret: SecretKeyRef | None  # None: the operator's own cluster
+    namespace: str
+
+    @property
+    def label(self) -> str:
+        return "local" if self.secret is None else self.secret.name
+
+
+def home(job: DecoupledDiLoCoJob) -> Target:
+    return Target(None, job.namespace)
+
+
+def target_of(job: DecoupledDiLoCoJob, group: LearnerGroup) -> Target:
+    if group.cluster is None:
+        return home(job)
+    return Target(group.cluster.kubeconfig_secret, group.cluster.namespace or job.namespace)
+
+
+def targets(job: DecoupledDiLoCoJob) -> list[Target]:
+    """Every cluster to look at: the spec's, and those of groups removed since the last status."""
+    found = [home(job)] + [target_of(job, g) for g in job.spec.learner_groups]
+    found += [Target(g.kubeconfig_secret, g.namespace or job.namespace) for g in job.status.groups]
+    return list(dict.fromkeys(found))
+
+
+@dataclass(frozen=True)
+class PodView:
+    """What reconcile needs to know of a learner pod."""
+
+    name: str
+    uid: str
+    job_uid: str
+    group: str
+    index: int
+    phase: str = "Pending"
+    ready: bool = False
+    terminating: bool = False
+    reason: str | None = None
+
+    @classmethod
+    def from_k8s(cls, pod: Mapping[str, Any]) -> PodView | None:
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        labels = meta.get("labels") or {}
+        try:
+            index = int(labels[builders.LABEL_SLOT])
+            group = labels[builders.LABEL_GROUP]
+        except (KeyError, ValueError):
+            return None
+        conds = {x.get("type"): x for x in status.get("conditions") or []}
+        # The apiserver marks pods it evicts or the scheduler preempts with a DisruptionTarget
+        # condition (EvictionByEvictionAPI, PreemptionByScheduler, ...); kubelets set
+        # status.reason (Evicted, Preempted, OOMKilled ...) on pods they fail.
+        disruption = conds.get("DisruptionTarget", {})
+        reason = status.get("reason") or (
+            disruption.get("reason") if disruption.get("status") == "True" else None
+        )
+        return cls(
+            name=meta.get("name", ""),
+            uid=meta.get("uid", ""),
+            job_uid=labels.get(builders.LABEL_JOB_UID, ""),
+            group=group,
+            index=index,
+            phase=status.get("phase") or "Pending",
+            ready=conds.get("Ready", {}).get("status") == "True",
+            terminating=bool(meta.get("deletionTimestamp")),
+            reason=reason,
+        )
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """One target as observed: the job's pods and token Secret there, or why it can't be seen."""
+
+    pods: tuple[PodView, ...] = ()
+    token: str | None = None
+    problem: tuple[str, str] | None = None  # (condition reason, message): not reachable
+
+
+@dataclass(frozen=True)
+class Observed:
+    now: datetime
+    clusters: Mapping[Target, ClusterView]
+    deployment: Mapping[str, Any] | None = None  # the synchronizer Deployment as read
+    service: bool = False
+    claim: bool = False
+    sync_status: Mapping[str, Any] | None = None  # last answer of GET /v1/status, if any
+
+
+@dataclass(frozen=True)
+class Action:
+    verb: Literal["create", "replace", "delete"]
+    target: Target
+    kind: str
+    name: str
+    body: dict[str, Any] | None = field(default=None, repr=False)  # may hold the token
+    uid: str | None = None  # delete only this incarnation
+    grace_seconds: int | None = None  # delete: None keeps the pod's own grace period
+
+    def describe(self) -> str:
+        return f"{self.verb} {self.kind} {self.target.namespace}/{self.name} in {self.target.label}"
+
+
+@dataclass(frozen=True)
+class Event:
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+
+
+@dataclass
+class Plan:
+    actions: list[Action] = field(default_factory=list)
+    status: JobStatus | None = None  # None: leave the status alone
+    events: list[Event] = field(default_factory=list)
+
+
+def iso(t: datetime) -> str:
+    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def target_of_group(job: DecoupledDiLoCoJob, name: str) -> Target | None:
+    return next((target_of(job, g) for g in job.spec.learner_groups if g.name == name), None)

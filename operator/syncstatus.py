@@ -1,0 +1,80 @@
+"""Read a synchronizer's status endpoint for the job status (global version, goodput, ...).
+
+    reader = StatusReader(get_settings())
+    answer = reader.read(job, token)        # dict from GET {url}/v1/status, or None
+
+The URL comes from `status_url_template` (config.py): the in-cluster Service by default,
+anything reachable in tests and development. HTTP/1.1 is enough here (the synchronizer serves
+both it and h2c). A synchronizer that does not answer is normal (starting, restarting, or a
+fake pod in tests): the caller keeps the last numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from ddiloco.operator import api as ddapi
+from ddiloco.operator.config import OperatorSettings
+
+log = logging.getLogger(__name__)
+
+
+class StatusReader:
+    """Reads GET {url}/v1/status of each job's synchronizer, at most every poll interval.
+
+    The synchronizer may be unreachable (starting, restarting, or fake in tests): then the
+    last answer stands, the job keeps its last numbers, and one line is logged per change.
+    """
+
+    def __init__(self, settings: OperatorSettings) -> None:
+        self.settings = settings
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="sync-status")
+        self._last: dict[str, tuple[float, dict[str, Any] | None]] = {}
+        self._lock = threading.Lock()
+
+    def url(self, job: ddapi.DecoupledDiLoCoJob) -> str:
+        return self.settings.status_url_template.format(name=job.name, namespace=job.namespace)
+
+    def read(self, job: ddapi.DecoupledDiLoCoJob, token: str | None) -> dict[str, Any] | None:
+        key = job.uid
+        with self._lock:
+            at, last = self._last.get(key, (0.0, None))
+        if time.monotonic() - at < self.settings.status_poll_seconds or token is None:
+            return last
+        future = self._pool.submit(self._get, self.url(job), token)
+        try:  # DNS lookups are not covered by socket timeouts; bound the whole call here
+            answer: dict[str, Any] | None = future.result(self.settings.http_timeout_seconds + 1)
+        except (FutureTimeout, OSError, ValueError) as e:
+            answer = None
+            if last is not None or at == 0.0:
+                log.info(
+                    "Synchronizer status of %s/%s is unavailable: %s",
+                    job.namespace,
+                    job.name,
+                    type(e).__name__,
+                )
+        with self._lock:
+            self._last[key] = (time.monotonic(), answer)
+        return answer
+
+    def _get(self, url: str, token: str) -> dict[str, Any]:
+        req = urllib.request.Request(
+            f"{url.rstrip('/')}/v1/status",
+            headers={"Authorization": f"Bearer {token}", "Accept": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=self.settings.http_timeout_seconds) as resp:
+            body = json.loads(resp.read())
+        if not isinstance(body, dict):
+            raise ValueError("status is not a JSON object")
+        return body
+
+    def forget(self, uid: str) -> None:
+        with self._lock:
+            self._last.pop(uid, None)
