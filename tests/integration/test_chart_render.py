@@ -79,13 +79,18 @@ def test_defaults_run_one_operator_for_all_namespaces(helm: c.Helm) -> None:
 
 
 def test_rbac_is_exactly_deploy_rbac(helm: c.Helm) -> None:
-    home = helm.template()
-    granted = c.rule_triples([r for role in c.by_kind(home, "ClusterRole") for r in role["rules"]])
-    assert granted == c.documented_rules("operator.yaml", "ClusterRole")
-    crds = next(r for r in c.by_kind(home, "ClusterRole") if r["metadata"]["name"].endswith("crds"))
-    assert c.rule_triples(crds["rules"]) == {
+    documented = c.documented_rules("operator.yaml", "ClusterRole")
+    scan = {("", "namespaces", "list"), ("", "namespaces", "watch")}
+    namespaced = helm.template("-f", str(c.CHART / "ci" / "01-namespaced-values.yaml"))
+    roles = c.by_kind(namespaced, "ClusterRole")
+    assert c.rule_triples([r for role in roles for r in role["rules"]]) == documented
+    cluster = next(r for r in roles if r["metadata"]["name"].endswith("-cluster"))
+    assert c.rule_triples(cluster["rules"]) == scan | {
         ("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")
-    }, "the only cluster-scoped need is reading CRDs"
+    }, "the only cluster-scoped needs are reading CRDs and scanning namespaces"
+    # Watching every namespace, kopf scans none: that right is left out.
+    roles = c.by_kind(helm.template(), "ClusterRole")
+    assert c.rule_triples([r for role in roles for r in role["rules"]]) == documented - scan
     remote = helm.template("--set", "remoteRegion.enabled=true")
     assert c.rule_triples(c.one(remote, "Role")["rules"]) == c.documented_rules(
         "remote-learners.yaml", "Role"
@@ -98,7 +103,7 @@ def test_watched_namespaces_get_role_bindings_not_cluster_wide_rights(helm: c.He
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     assert all(b["roleRef"]["name"] == "ddiloco-operator" for b in bindings)
     cluster_wide = [b["roleRef"]["name"] for b in c.by_kind(docs, "ClusterRoleBinding")]
-    assert cluster_wide == ["ddiloco-operator-crds"]
+    assert cluster_wide == ["ddiloco-operator-cluster"]
     args = container(docs)["args"]
     assert args[:2] == ["--namespace=team-a", "--namespace=team-b"]
     assert "--all-namespaces" not in args
