@@ -51,6 +51,7 @@ from ddiloco.operator.syncstatus import StatusReader
 
 log = logging.getLogger(__name__)
 MAX_PASSES = 3
+CLEANUP_SWEEPS = 5
 WARN_EVERY_S = 60.0
 PostEvent = Callable[[Event], None]
 
@@ -286,14 +287,37 @@ class Runtime:
         """Delete what the job made in every cluster; raise CleanupPending until pods are gone."""
         job = _job_for_cleanup(body)
         deleted_at = body["metadata"].get("deletionTimestamp") or ""
-        waiting: list[str] = []
-        tgts = (
-            targets(job)
-            if job.spec is not None
-            else [home(job)]
-            + [Target(g.kubeconfig_secret, g.namespace or job.namespace) for g in job.status.groups]
+        tgts = list(
+            dict.fromkeys(
+                targets(job)
+                if job.spec is not None
+                else [home(job)]
+                + [
+                    Target(g.kubeconfig_secret, g.namespace or job.namespace)
+                    for g in job.status.groups
+                ]
+            )
         )
-        for tgt in dict.fromkeys(tgts):
+        # Pods take a moment to go (kwok: at once; a kubelet: their grace period). Look again
+        # a few times before handing back to kopf, which logs every retry as an error.
+        for _ in range(CLEANUP_SWEEPS):
+            waiting, unreachable = self._sweep(job, tgts, deleted_at, post)
+            if not waiting or unreachable:
+                break
+            time.sleep(1.0)
+        self.status.forget(job.uid)
+        if waiting:
+            raise CleanupPending("Waiting for " + ", ".join(waiting))
+        logger.info("Deleted the objects of DecoupledDiLoCoJob %s in every cluster", job.name)
+
+    def _sweep(
+        self, job: ddapi.DecoupledDiLoCoJob, tgts: list[Target], deleted_at: str, post: PostEvent
+    ) -> tuple[list[str], bool]:
+        """Delete the job's objects in each target; say what is still there, and whether a
+        cluster could not be reached. A target given up on is dropped from `tgts`."""
+        waiting: list[str] = []
+        unreachable = False
+        for tgt in list(tgts):
             try:
                 client = self.clusters.client(tgt, job.namespace, allow_stale=True)
                 left = delete_job_objects(client, job, tgt, self.timeout)
@@ -303,18 +327,12 @@ class Runtime:
                 p = e if isinstance(e, ClusterProblem) else describe_failure(e, tgt, job.namespace)
                 if _age(deleted_at) < self.settings.cleanup_timeout_seconds:
                     waiting.append(f"cluster {tgt.label} ({p.message})")
+                    unreachable = True
                 else:
-                    post(
-                        Event(
-                            "Warning",
-                            "CleanupSkipped",
-                            f"Gave up cleaning the cluster of {tgt.label}: {p.message}",
-                        )
-                    )
-        self.status.forget(job.uid)
-        if waiting:
-            raise CleanupPending("Waiting for " + ", ".join(waiting))
-        logger.info("Deleted the objects of DecoupledDiLoCoJob %s in every cluster", job.name)
+                    msg = f"Gave up cleaning the cluster of {tgt.label}: {p.message}"
+                    post(Event("Warning", "CleanupSkipped", msg))
+                    tgts.remove(tgt)  # once
+        return waiting, unreachable
 
 
 def _job_for_cleanup(body: dict[str, Any]) -> ddapi.DecoupledDiLoCoJob:

@@ -92,6 +92,21 @@ def test_deleting_the_job_removes_everything_in_every_cluster(
     assert leftovers.items == []
 
 
+def test_deleting_after_the_kubeconfig_secret_went_still_cleans_the_region(
+    cl: h.Clusters, operator: h.Operator
+) -> None:
+    # As in a namespace deletion, where the Secret may go before the job: the operator
+    # still knows the region's client and cleans it.
+    h.kubeconfig_secret(cl, "region-a-kubeconfig", "region-a")
+    job = h.create_job(cl, h.job_manifest("orphan", [h.remote("region-a", 2)]))
+    h.wait_condition(cl, job, "Ready")
+    cl.core().delete_namespaced_secret("region-a-kubeconfig", cl.ns)
+    cl.custom().delete_namespaced_custom_object(h.GROUP, h.VERSION, cl.ns, h.PLURAL, job)
+    k8senv.wait_until("the job to go", lambda: gone(lambda: cl.job(job)), timeout=30)
+    assert cl.pods("region-a", job) == []
+    assert gone(lambda: cl.core("region-a").read_namespaced_secret(f"{job}-token", cl.ns))
+
+
 def test_killing_the_operator_mid_reconcile_leaves_one_pod_per_slot(
     cl: h.Clusters, operator: h.Operator
 ) -> None:
