@@ -27,8 +27,12 @@ _LINGER_RESET = struct.pack("ii", 1, 0)  # close() sends RST instead of FIN
 
 
 def _reset(sock: socket.socket) -> None:
+    """Abort a connection: the peer sees a reset. SHUT_RD first wakes a thread blocked in
+    recv on it (Linux does not on close alone) without sending a FIN."""
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RD)
     with contextlib.suppress(OSError):
         sock.close()
 
