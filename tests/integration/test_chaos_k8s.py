@@ -122,9 +122,10 @@ def test_schedule_deletes_evicts_and_isolates_pods(k8s: Any, k8s_namespace: str)
 def test_refusals_are_recorded_not_raised(k8s: Any, k8s_namespace: str) -> None:
     """Healing a partition whose policy someone already removed: a 404 in the record."""
     chaos = PodChaos(k8s.home.api_client(), k8s_namespace)
-    sched = Schedule(kind="t", seed=0, events=[ChaosEvent(0.0, "partition", "learner-9", 0.0)])
+    sched = Schedule(kind="t", seed=0, events=[ChaosEvent(0.0, "partition", "learner-9", 1.0)])
     actions = plan(sched)
-    chaos.apply(actions[0])
+    assert [a.verb for a in actions] == ["isolate", "heal"]
+    assert "error" not in chaos.apply(actions[0])
     client.NetworkingV1Api(k8s.home.api_client()).delete_namespaced_network_policy(
         policy_name("learner-9"), k8s_namespace
     )
