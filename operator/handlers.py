@@ -46,6 +46,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.persistence.finalizer = f"{api.GROUP}/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=api.GROUP)
+    # A reconcile may be running when a job is deleted; kopf keeps the finalizer until that
+    # timer call returns and, by default, looks again only after 60 s. One second suffices.
+    settings.background.cancellation_polling = 1.0
     settings.posting.reporting_component = "ddiloco-operator"
     settings.execution.max_workers = CFG.workers
     memo.runtime = Runtime(CFG, home_api_client())
