@@ -418,6 +418,11 @@ def _wait(what: str, ready: Callable[[], bool], procs: Sequence[Proc], deadline:
 
 
 def _openssl(*args: str | Path) -> None:
+    if shutil.which("openssl") is None:
+        raise RuntimeError(
+            "k8senv needs the `openssl` command for its certificates (Debian: "
+            "`apt-get install openssl`)"
+        )
     subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True)
 
 
