@@ -40,6 +40,11 @@ Fixture API (stable; tests/integration/test_operator_*.py code against it):
 
 Pods on the fake nodes: kwok marks them Running/Ready (with a podIP) a moment after they are
 bound, and deletes them at once when they get a deletionTimestamp. Containers never run.
+Failure injection (kwok stages): label a Running pod
+`pod-container-running-failed.stage.kwok.x-k8s.io=true` and kwok sets it Failed (annotations
+`pod-container-running-failed.stage.kwok.x-k8s.io/exit-code`, `/reason`, `/message`, `/delay`
+shape it; tested). Labelling a node `node-not-ready.stage.kwok.x-k8s.io=true` sets it NotReady
+(untested here; it taints the shared node, so its pods get evicted after 10 s).
 
 With CI=true a missing build or toolchain fails the session; elsewhere the tests skip with the
 command to run. A build that failed is an error everywhere. The build never runs inside pytest.

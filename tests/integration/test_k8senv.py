@@ -288,6 +288,35 @@ def test_eviction_api_respects_pdb_and_evicts(k8s: k8senv.ControlPlane, k8s_name
     assert new.spec.node_name in k8s.node_names("home")
 
 
+def test_kwok_fails_a_labelled_running_pod(k8s: k8senv.ControlPlane, k8s_namespace: str) -> None:
+    """Failure injection for chaos tests: kwok's pod-container-running-failed stage."""
+    core = client.CoreV1Api(k8s.home.api_client())
+    prefix = "pod-container-running-failed.stage.kwok.x-k8s.io"
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "doomed", "annotations": {f"{prefix}/exit-code": "3"}},
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [{"name": "learner", "image": "registry.invalid/learner:0"}],
+        },
+    }
+    core.create_namespaced_pod(k8s_namespace, pod)
+    k8senv.wait_until(
+        "doomed Running",
+        lambda: core.read_namespaced_pod("doomed", k8s_namespace).status.phase == "Running",
+    )
+    core.patch_namespaced_pod("doomed", k8s_namespace, {"metadata": {"labels": {prefix: "true"}}})
+    failed = k8senv.wait_until(
+        "doomed Failed",
+        lambda: (
+            (p := core.read_namespaced_pod("doomed", k8s_namespace)).status.phase == "Failed" and p
+        ),
+    )
+    (state,) = [c.state.terminated for c in failed.status.container_statuses]
+    assert state is not None and state.exit_code == 3
+
+
 def test_clusters_are_isolated(k8s: k8senv.ControlPlane, k8s_namespace: str) -> None:
     assert len(k8s.names) >= 2, "needs two clusters (DDILOCO_K8SENV_CLUSTERS >= 2)"
     a, b = k8s.names[:2]
