@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.local.chaos import Schedule, learner_ids, make_schedule
-from ddiloco.local.goodput import busy_seconds, new_step_spans
+from ddiloco.local.goodput import busy_seconds, goodput, new_step_spans
 from ddiloco.local.processes import Child, env_with, free_port, terminate_all
 from ddiloco.local.report import read_jsonl
 from ddiloco.local.spare import SparePool
@@ -138,6 +138,9 @@ class DPRun:
             else None
         )
         self.members = [i for i, lid in enumerate(self.ids) if lid not in self.schedule.absent]
+        self.joined: dict[int, float] = {}
+        self.left: dict[int, float] = {}
+        """Scavenging: when an absent slot joined and when a slot left for good (time.time())."""
         self.down: dict[int, float] = {}
         """Slot -> when its replacement (or reconnection) arrives."""
         self.gen = -1
@@ -201,6 +204,7 @@ class DPRun:
                 if self.cfg.elastic and slot not in self.members:
                     self.members.append(slot)
                     self.members.sort()
+                    self.joined[slot] = time.time()
                     self._start(child)
                     self._publish()
                 else:
@@ -209,6 +213,7 @@ class DPRun:
                 applied = False
             elif ev.action == "remove":
                 self.members.remove(slot)
+                self.left[slot] = time.time()
                 child.kill()
                 if self.cfg.elastic:
                     self._publish()
@@ -295,11 +300,18 @@ def build_dp_report(run: DPRun) -> dict[str, Any]:
     bytes_total = 0
     worlds: list[int] = []
     comm: list[float] = []
-    for child in run.ranks:
+    for slot, child in enumerate(run.ranks):
+        # a scavenged slot is held only while it belongs to the job; one that never joined
+        # (a fixed-size job cannot take it) holds nothing
+        held_from = max(t0, run.joined.get(slot, t0))
+        held_to = min(t1, run.left.get(slot, t1))
+        if child.name in run.schedule.absent and slot not in run.joined:
+            held_to = held_from
+        held = max(0.0, held_to - held_from)
         records = [r for r in read_jsonl(run.learner_log(child.name)) if r.get("t", 0) <= t1 + 1]
         steps = [r for r in records if "dt" in r and "step" in r and r["t"] >= t0]
         kept = new_step_spans(records)
-        busy = busy_seconds(kept, (t0, t1), child.pauses)
+        busy = busy_seconds(kept, (held_from, held_to), child.pauses)
         paused = sum(min(b, t1) - a for a, b in child.pauses if a < t1)
         all_steps += len(steps)
         n_kept = sum(1 for a, b in kept if b >= t0)
@@ -315,17 +327,17 @@ def build_dp_report(run: DPRun) -> dict[str, Any]:
                 "tokens": n_kept * tpb,
                 "compute_seconds": round(busy, 3),
                 "paused_seconds": round(paused, 3),
-                "held_seconds": round(wall, 3),
+                "held_seconds": round(held, 3),
                 "restarts": max(0, len(child.starts) - 1),
-                "goodput": round(busy / wall, 4) if wall > 0 else 0.0,
+                "goodput": round(busy / held, 4) if held > 0 else 0.0,
             }
         )
     history = run.evaluator.history if run.evaluator else []
     return {
         "method": "elastic_dp" if cfg.elastic else "sync_dp",
-        "goodput": round(sum(s["compute_seconds"] for s in slots) / (wall * len(slots)), 4)
-        if wall
-        else 0.0,
+        "goodput": round(
+            goodput([s["compute_seconds"] for s in slots], [s["held_seconds"] for s in slots]), 4
+        ),
         "merged_work_ratio": round(kept_steps / all_steps, 4) if all_steps else 0.0,
         "eval_loss_initial": run.evaluator.initial_loss if run.evaluator else None,
         "eval_loss_final": history[-1][1] if history else None,
