@@ -466,3 +466,26 @@ def test_pod_view_reads_the_failure_reason(k8s: dict[str, Any], reason: str | No
     view = PodView.from_k8s(body)
     assert view is not None and view.reason == reason and (view.group, view.index) == ("g", 0)
     assert PodView.from_k8s({"metadata": {"name": "x"}}) is None
+
+
+def test_a_group_can_target_another_namespace_in_its_cluster() -> None:
+    job = make_job(
+        learnerGroups=[
+            {
+                "name": "ra",
+                "replicas": 1,
+                "cluster": {
+                    "kubeconfigSecret": {"name": "region-a-kubeconfig"},
+                    "namespace": "training",
+                },
+            }
+        ]
+    )
+    there = Target(SecretKeyRef(name="region-a-kubeconfig"), "training")
+    assert there in targets(job)
+    obs = Observed(now=T0, clusters={home(job): ClusterView(token=TOKEN), there: ClusterView()})
+    _, plan = step(job, obs)
+    made = {(a.kind, a.target.namespace) for a in plan.actions if a.target == there}
+    assert made == {("Pod", "training"), ("Secret", "training")}
+    pod_action = next(a for a in plan.actions if a.kind == "Pod")
+    assert pod_action.body is not None and pod_action.body["metadata"]["namespace"] == "training"
