@@ -181,6 +181,18 @@ class Cluster(_Model):
 class LearnerGroup(_Model):
     """A set of interchangeable learner slots in one cluster (e.g. one region's GPUs)."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.cluster) || has(self.syncUrl)",
+                    "message": "a learner group in another cluster needs a syncUrl: the home "
+                    "cluster's Service name does not resolve there",
+                }
+            ]
+        }
+    )
+
     name: str = Field(min_length=1, max_length=MAX_GROUP_NAME, pattern=DNS_LABEL)
     """Group name: a DNS label, unique in the job; part of learner ids and pod names."""
     cluster: Cluster | None = None
@@ -437,6 +449,11 @@ def validate(spec: JobSpec) -> list[str]:
         problems.append("training.innerSteps (H) must be a multiple of training.fragments (P)")
     if spec.training.overlap_steps >= spec.training.inner_steps:
         problems.append("training.overlapSteps (tau) must be less than training.innerSteps (H)")
+    problems += [
+        f"learner group {g.name} is in another cluster and needs a syncUrl"
+        for g in spec.learner_groups
+        if g.cluster is not None and g.sync_url is None
+    ]
     names = [g.name for g in spec.learner_groups]
     if len(set(names)) != len(names):
         problems.append("learnerGroups names must be unique")

@@ -282,6 +282,7 @@ def remote(name: str, replicas: int, secret: str | None = None) -> dict[str, Any
         "name": name,
         "replicas": replicas,
         "cluster": {"kubeconfigSecret": {"name": secret or f"{name}-kubeconfig"}},
+        "syncUrl": "http://ddiloco-sync.home.example:8470",  # pods never run: any URL
         "resources": {"limits": {"nvidia.com/gpu": 1}},
     }
 

@@ -136,6 +136,15 @@ INVALID = [
         {"training": {"model": "tiny", "modelEntry": "a.b:c"}},
         "set exactly one of training.model",
     ),
+    (
+        "remote group without syncUrl",
+        {
+            "learnerGroups": [
+                {"name": "r", "replicas": 1, "cluster": {"kubeconfigSecret": {"name": "k"}}}
+            ]
+        },
+        "a learner group in another cluster needs a syncUrl",
+    ),
 ]
 
 

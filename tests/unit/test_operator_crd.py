@@ -127,6 +127,14 @@ def test_minimal_job_parses_with_defaults() -> None:
         ({"training": {"model": "tiny", "innerSteps": 10, "fragments": 4}}, "multiple"),
         ({"training": {"model": "tiny", "modelEntry": "a.b:c"}}, "exactly one"),
         ({"training": {}}, "exactly one"),
+        (
+            {
+                "learnerGroups": [
+                    {"name": "a", "replicas": 2, "cluster": {"kubeconfigSecret": {"name": "k"}}}
+                ]
+            },
+            "syncUrl",
+        ),
     ],
 )
 def test_validate_repeats_the_cel_rules(spec: dict[str, Any], needle: str) -> None:

@@ -30,6 +30,7 @@ from ddiloco.operator.reconcile import reconcile
 
 T0 = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
 TOKEN = "tok-123"
+SYNC_URL = "http://sync.example:8470"
 REMOTE = Target(SecretKeyRef(name="region-a-kubeconfig"), "ns")
 
 
@@ -45,6 +46,7 @@ def make_job(**spec: Any) -> DecoupledDiLoCoJob:
                     "name": "ra",
                     "replicas": 1,
                     "cluster": {"kubeconfigSecret": {"name": "region-a-kubeconfig"}},
+                    "syncUrl": SYNC_URL,
                 },
             ],
             "failurePolicy": {"maxReplacementsPerSlot": 2, "backoffSeconds": 1},
@@ -323,6 +325,7 @@ def test_scaling_adds_and_removes_the_highest_slots() -> None:
                 "name": "ra",
                 "replicas": 1,
                 "cluster": {"kubeconfigSecret": {"name": "region-a-kubeconfig"}},
+                "syncUrl": SYNC_URL,
             },
         ]
     )
@@ -338,6 +341,7 @@ def test_scaling_adds_and_removes_the_highest_slots() -> None:
                 "name": "ra",
                 "replicas": 1,
                 "cluster": {"kubeconfigSecret": {"name": "region-a-kubeconfig"}},
+                "syncUrl": SYNC_URL,
             },
         ]
     )
@@ -478,6 +482,7 @@ def test_a_group_can_target_another_namespace_in_its_cluster() -> None:
                     "kubeconfigSecret": {"name": "region-a-kubeconfig"},
                     "namespace": "training",
                 },
+                "syncUrl": SYNC_URL,
             }
         ]
     )
