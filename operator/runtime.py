@@ -61,6 +61,15 @@ class CleanupPending(Exception):
 
 
 class Runtime:
+    """The operator's connection to the clusters; one per process, shared by all jobs.
+
+    Keeps the cached remote clients (clusters.py), the last synchronizer answers
+    (syncstatus.py) and when each repeated failure was last logged. A failed API call never
+    raises out of a pass for a remote cluster: it becomes a Degraded condition or a log line,
+    and the next tick tries again. Failures of the home apiserver propagate to kopf, which
+    retries the timer after its backoff.
+    """
+
     def __init__(self, settings: OperatorSettings, home_client: ApiClient) -> None:
         self.settings = settings
         self.clusters = Clusters(home_client)
@@ -76,6 +85,8 @@ class Runtime:
         logger: logging.Logger | logging.LoggerAdapter,
         post: PostEvent,
     ) -> None:
+        """Reconcile one job: up to MAX_PASSES observe-plan-apply passes, so that a pod
+        deleted in one pass is recreated in the next instead of a tick later."""
         body = self._read_job(name, namespace)
         for _ in range(MAX_PASSES):
             if body is None or body.get("metadata", {}).get("deletionTimestamp"):
