@@ -84,6 +84,8 @@ def test_settings_read_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = OperatorSettings()
     assert cfg.namespace_list() == ["a", "b"] and cfg.resync_seconds == 0.5
     assert cfg.watch_server_timeout < cfg.watch_client_timeout  # the server ends it first
+    # kopf sends it as ?timeoutSeconds=; the apiserver answers 400 to "300.0"
+    assert isinstance(cfg.watch_server_timeout, int)
     monkeypatch.setenv("DDILOCO_OPERATOR_STATUS_URL_TEMPLATE", "http://{nope}")
     with pytest.raises(ValueError, match="name"):
         OperatorSettings()
