@@ -48,6 +48,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     # --- budget and runtime ---
     ap.add_argument("--max-steps", type=int)
     ap.add_argument("--max-seconds", type=float)
+    ap.add_argument("--max-tokens", type=int, help="stop after this many training tokens")
     ap.add_argument("--device", help="auto, cpu, cuda, cuda:1 ...")
     ap.add_argument("--threads", type=int, help="torch CPU threads")
     ap.add_argument(

@@ -63,6 +63,8 @@ class LearnerConfig:
     """Stop after this many inner steps (0: no step limit)."""
     max_seconds: float = 0.0
     """Stop after this many seconds of training (0: no time limit)."""
+    max_tokens: int = 0
+    """Stop after this many tokens of inner steps (0: no token limit)."""
     device: str = "auto"
     """`auto` picks cuda when present (bf16 autocast), else cpu."""
     threads: int = 1
@@ -90,6 +92,7 @@ class LearnerConfig:
             "slow_factor": self.slow_factor >= 1.0,
             "max_steps": self.max_steps >= 0,
             "max_seconds": self.max_seconds >= 0,
+            "max_tokens": self.max_tokens >= 0,
         }
         bad = [k for k, ok in checks.items() if not ok]
         if bad:

@@ -100,6 +100,8 @@ def train(cfg: LearnerConfig) -> dict[str, Any]:
                 break
             if cfg.max_seconds and time.monotonic() - t_start >= cfg.max_seconds:
                 break
+            if cfg.max_tokens and diloco.tokens_total >= cfg.max_tokens:
+                break
             t0 = time.perf_counter()
             for group in opt.param_groups:
                 group["lr"] = lr_at(diloco.step, cfg)

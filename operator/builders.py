@@ -168,6 +168,9 @@ def build_state_claim(job: DecoupledDiLoCoJob) -> dict[str, Any]:
     }
 
 
+IMAGE_UID = 10001  # the non-root user of the project's Dockerfile
+
+
 def build_synchronizer_deployment(job: DecoupledDiLoCoJob) -> dict[str, Any]:
     """One synchronizer pod (Recreate: never two writing the same state volume)."""
     spec, sync = job.spec, job.spec.synchronizer
@@ -208,6 +211,9 @@ def build_synchronizer_deployment(job: DecoupledDiLoCoJob) -> dict[str, Any]:
             "containers": [container],
             "enableServiceLinks": False,
             "automountServiceAccountToken": False,
+            # The image runs as uid 10001 (Dockerfile); fsGroup makes the state volume writable
+            # for it on storage classes that mount volumes root-owned.
+            "securityContext": {"runAsNonRoot": True, "fsGroup": IMAGE_UID},
             "volumes": [
                 {"name": "state", "persistentVolumeClaim": {"claimName": state_claim_name(job)}}
             ],
