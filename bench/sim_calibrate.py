@@ -22,8 +22,9 @@ from ddiloco.simulator.calibrate import calibrate, format_calibration, measure_c
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("reports", nargs="+", type=Path)
     ap.add_argument("--constants-from", type=Path, help="measure overheads on this report only")
     a = ap.parse_args()

@@ -29,8 +29,9 @@ from ddiloco.simulator.paper import HORIZON_S, format_table, max_deviation, pape
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--horizon-days", type=float, default=HORIZON_S / 86400)
     ap.add_argument("--plot", help="write a PNG of the first seed's table here")

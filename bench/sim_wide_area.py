@@ -24,8 +24,9 @@ from ddiloco.simulator.network import wide_area
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--step-s", type=float, default=5.0)
     ap.add_argument("--link-gbps", default="2,3,4,5")
     ap.add_argument("--up-bits", type=int, default=16)
@@ -44,8 +45,10 @@ def main() -> None:
             mark = "*" if f["slowest_link_utilisation"] > 1 else " "
             cells.append(f"{f['speedup']:>10.1f}x{mark}")
         print(f"{step:>8g}" + "".join(cells))
-    print("* the slowest link cannot carry Decoupled's bf16 stream at this step time: merges"
-          " fall behind (use --up-bits 4 or a larger H)")
+    print(
+        "* the slowest link cannot carry Decoupled's bf16 stream at this step time: merges"
+        " fall behind (use --up-bits 4 or a larger H)"
+    )
 
 
 if __name__ == "__main__":

@@ -338,7 +338,9 @@ class LocalRun:
                 for child in self.learners:
                     if child.exit_code() is not None:
                         tail = child.log_path.read_text(errors="replace").splitlines()[-15:]
-                        raise RuntimeError(f"{child.name} exited before its first step:\n" + "\n".join(tail))
+                        raise RuntimeError(
+                            f"{child.name} exited before its first step:\n" + "\n".join(tail)
+                        )
                 self.t0 = self._first_step_time() or 0.0
                 time.sleep(0.05)
             while True:

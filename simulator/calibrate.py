@@ -60,8 +60,7 @@ def measure_constants(report: dict[str, Any]) -> MachineConstants:
         if spans:
             startups.append(min(a for a, _ in spans))
         kills = list(lr.get("kill_times", []))
-        for i, (t_kill, delay) in enumerate(zip(kills, lr.get("restart_delays", []),
-                                                strict=False)):
+        for i, (t_kill, delay) in enumerate(zip(kills, lr.get("restart_delays", []), strict=False)):
             back = t_kill + delay
             first = _first_after(spans, back) if spans else None
             # A restart killed again before its first step tells only a lower bound: skip it.
@@ -76,12 +75,17 @@ def measure_constants(report: dict[str, Any]) -> MachineConstants:
             continue
         idle = lr.get("wait_seconds")
         if idle is None:
-            idle = wall - lr.get("compute_seconds", 0.0) - lr.get("dead_seconds", 0.0) \
+            idle = (
+                wall
+                - lr.get("compute_seconds", 0.0)
+                - lr.get("dead_seconds", 0.0)
                 - lr.get("paused_seconds", 0.0)
+            )
         other = startup + len(lr.get("restart_delays", [])) * restart
         gaps.append(max(0.0, float(idle) - other) / steps)
-    return MachineConstants(startup, restart, statistics.median(gaps) if gaps else 0.0,
-                            len(restarts))
+    return MachineConstants(
+        startup, restart, statistics.median(gaps) if gaps else 0.0, len(restarts)
+    )
 
 
 @dataclass
@@ -141,8 +145,15 @@ def scenario_from_report(
         for a, b in (lr.get("timeline") or {}).get("paused", []):
             down.append((float(a), float(b), False))
         down.sort()
-        learners.append(LearnerScenario(id=str(lr["id"]), step_s=step, down=down,
-                                        startup_s=k.startup_s, step_gap_s=k.step_gap_s))
+        learners.append(
+            LearnerScenario(
+                id=str(lr["id"]),
+                step_s=step,
+                down=down,
+                startup_s=k.startup_s,
+                step_gap_s=k.step_gap_s,
+            )
+        )
     return Scenario(
         wall_s=wall,
         learners=learners,
@@ -228,8 +239,12 @@ def replay(sc: Scenario) -> dict[str, Any]:
     held = sc.wall_s * len(reps)
     computed = sum(r.compute_s for r in reps)
     merged = merged_work_ratio(
-        [np.array(r.step_times) for r in reps], fragments=sc.fragments, H=sc.H,
-        quorum=sc.quorum, grace_s=grace_window(sc), deliver_s=sc.sync_s,
+        [np.array(r.step_times) for r in reps],
+        fragments=sc.fragments,
+        H=sc.H,
+        quorum=sc.quorum,
+        grace_s=grace_window(sc),
+        deliver_s=sc.sync_s,
     )
     return {
         "name": sc.name,
@@ -253,8 +268,10 @@ def calibrate(path: str | Path, constants: MachineConstants | None = None) -> di
 
 
 def format_calibration(results: list[dict[str, Any]]) -> str:
-    lines = [f"{'report':<24}{'measured':>10}{'simulated':>11}{'deviation':>11}"
-             f"{'merged meas.':>14}{'merged sim.':>13}"]
+    lines = [
+        f"{'report':<24}{'measured':>10}{'simulated':>11}{'deviation':>11}"
+        f"{'merged meas.':>14}{'merged sim.':>13}"
+    ]
     for r in results:
         meas = r["measured_goodput"]
         mm = r["measured_merged_work_ratio"]

@@ -28,27 +28,45 @@ def _add_fleet(p: argparse.ArgumentParser, *, chips: int = 1_200_000, learners: 
     # -- the fleet and how it is split
     p.add_argument("--chips", type=int, default=chips, help="accelerators in the fleet, N")
     p.add_argument("--learners", "-M", type=int, default=learners, help="learner slots M")
-    p.add_argument("--chips-per-learner", type=int,
-                   help="instead of -M: M = chips / chips-per-learner")
+    p.add_argument(
+        "--chips-per-learner", type=int, help="instead of -M: M = chips / chips-per-learner"
+    )
     p.add_argument("--quorum", "-K", type=int, default=1, help="minimum quorum K (K = M: sync)")
     p.add_argument("--fragments", "-P", type=int, default=24, help="fragments P")
     p.add_argument("-H", type=int, default=24, help="inner steps between merges of a fragment")
     p.add_argument("--tau", type=int, default=2, help="overlap tau, steps")
     # -- failures and what they cost
     d = FailureConfig()
-    p.add_argument("--mtbi-days", type=float, default=YEAR_S / 86400,
-                   help="mean time between interruptions of one chip, days")
-    p.add_argument("--slice-chips", type=int, default=d.slice_chips,
-                   help="chips a failure takes out of service")
+    p.add_argument(
+        "--mtbi-days",
+        type=float,
+        default=YEAR_S / 86400,
+        help="mean time between interruptions of one chip, days",
+    )
+    p.add_argument(
+        "--slice-chips",
+        type=int,
+        default=d.slice_chips,
+        help="chips a failure takes out of service",
+    )
     p.add_argument("--step-s", type=float, default=d.step_s, help="inner step time, seconds")
-    p.add_argument("--step-cv", type=float, default=d.step_cv,
-                   help="per-slice step-time spread (coefficient of variation)")
-    p.add_argument("--restart-s", type=float, default=d.restart_s,
-                   help="non-elastic restart time, seconds")
+    p.add_argument(
+        "--step-cv",
+        type=float,
+        default=d.step_cv,
+        help="per-slice step-time spread (coefficient of variation)",
+    )
+    p.add_argument(
+        "--restart-s", type=float, default=d.restart_s, help="non-elastic restart time, seconds"
+    )
     p.add_argument("--shrink-s", type=float, default=d.shrink_s, help="elastic shrink pause, s")
     p.add_argument("--regrow-s", type=float, default=d.regrow_s, help="elastic regrow pause, s")
-    p.add_argument("--repair-scale-s", type=float, default=d.repair.scale_s,
-                   help="repair time: exponentiated-Weibull scale, seconds")
+    p.add_argument(
+        "--repair-scale-s",
+        type=float,
+        default=d.repair.scale_s,
+        help="repair time: exponentiated-Weibull scale, seconds",
+    )
     # -- the run
     p.add_argument("--horizon-days", type=float, default=4.0, help="simulated wall time, days")
     p.add_argument("--seed", type=int, default=0, help="random seed")
@@ -59,9 +77,13 @@ def _failure_config(a: argparse.Namespace) -> FailureConfig:
     from ddiloco.simulator.config import RepairConfig
 
     return FailureConfig(
-        chip_mtbi_s=a.mtbi_days * 86400, slice_chips=a.slice_chips, step_s=a.step_s,
+        chip_mtbi_s=a.mtbi_days * 86400,
+        slice_chips=a.slice_chips,
+        step_s=a.step_s,
         step_cv=a.step_cv,
-        restart_s=a.restart_s, shrink_s=a.shrink_s, regrow_s=a.regrow_s,
+        restart_s=a.restart_s,
+        shrink_s=a.shrink_s,
+        regrow_s=a.regrow_s,
         repair=RepairConfig(scale_s=a.repair_scale_s),
     )
 
@@ -69,25 +91,45 @@ def _failure_config(a: argparse.Namespace) -> FailureConfig:
 def _run_config(a: argparse.Namespace) -> RunConfig:
     if a.chips_per_learner:
         a.learners = max(1, a.chips // a.chips_per_learner)
-    return RunConfig(chips=a.chips, learners=a.learners, quorum=a.quorum, fragments=a.fragments,
-                     H=a.H, tau=a.tau, horizon_s=a.horizon_days * 86400, seed=a.seed)
+    return RunConfig(
+        chips=a.chips,
+        learners=a.learners,
+        quorum=a.quorum,
+        fragments=a.fragments,
+        H=a.H,
+        tau=a.tau,
+        horizon_s=a.horizon_days * 86400,
+        seed=a.seed,
+    )
 
 
 def _add_network(p: argparse.ArgumentParser) -> None:
     d = NetworkConfig()
     p.add_argument("--params", type=float, default=d.params, help="model parameters")
-    p.add_argument("--link-gbps", default=",".join(str(x) for x in d.link_gbps),
-                   help="per-site wide-area links, Gbit/s, comma separated")
-    p.add_argument("--latency-ms", type=float, default=d.latency_s * 1000,
-                   help="one-way latency between sites, ms")
+    p.add_argument(
+        "--link-gbps",
+        default=",".join(str(x) for x in d.link_gbps),
+        help="per-site wide-area links, Gbit/s, comma separated",
+    )
+    p.add_argument(
+        "--latency-ms",
+        type=float,
+        default=d.latency_s * 1000,
+        help="one-way latency between sites, ms",
+    )
     p.add_argument("--up-bits", type=int, default=d.up_bits, help="upload precision, bits")
     p.add_argument("--grad-bits", type=int, default=d.grad_bits, help="DP gradient bits")
 
 
 def _network_config(a: argparse.Namespace) -> NetworkConfig:
     links = tuple(float(x) for x in str(a.link_gbps).split(",") if x.strip())
-    return NetworkConfig(params=a.params, link_gbps=links, up_bits=a.up_bits,
-                         grad_bits=a.grad_bits, latency_s=a.latency_ms / 1000)
+    return NetworkConfig(
+        params=a.params,
+        link_gbps=links,
+        up_bits=a.up_bits,
+        grad_bits=a.grad_bits,
+        latency_s=a.latency_ms / 1000,
+    )
 
 
 def cmd_paper_table(a: argparse.Namespace) -> int:
@@ -99,8 +141,12 @@ def cmd_paper_table(a: argparse.Namespace) -> int:
 
         plot_paper_table(table, a.plot)
     if a.json:
-        _out(json.dumps({r: {c: round(v, 4) for c, v in cols.items()}
-                         for r, cols in table.items()}, indent=2))
+        _out(
+            json.dumps(
+                {r: {c: round(v, 4) for c, v in cols.items()} for r, cols in table.items()},
+                indent=2,
+            )
+        )
     else:
         _out(format_table(table))
     return 0
@@ -134,47 +180,68 @@ def cmd_run(a: argparse.Namespace) -> int:
 PAPER_WIDE_AREA = {"speedup": "more than 20x", "bandwidth_8_sites": "0.84 vs 198 Gbps"}
 
 
-def wide_area_figures(net: NetworkConfig, step_s: float, fragments: int, H: int,
-                      tau: int) -> dict[str, Any]:
+def wide_area_figures(
+    net: NetworkConfig, step_s: float, fragments: int, H: int, tau: int
+) -> dict[str, Any]:
     """The four-site run, and the eight-site bandwidth comparison."""
     from ddiloco.simulator.network import decoupled_traffic, dp_bandwidth_gbps, wide_area
 
     four = wide_area(net, step_s=step_s, fragments=fragments, H=H, tau=tau)
-    int4 = NetworkConfig(params=net.params, up_bits=4, down_bits=net.down_bits,
-                         link_gbps=net.link_gbps, latency_s=net.latency_s)
+    int4 = NetworkConfig(
+        params=net.params,
+        up_bits=4,
+        down_bits=net.down_bits,
+        link_gbps=net.link_gbps,
+        latency_s=net.latency_s,
+    )
     eight = {
         "dp_gbps_per_site": dp_bandwidth_gbps(net.params, net.grad_bits, 8, step_s),
-        "decoupled_gbps_per_site_bf16": decoupled_traffic(net, step_s, fragments, H,
-                                                          tau).up_mean_gbps,
-        "decoupled_gbps_per_site_int4_up": decoupled_traffic(int4, step_s, fragments, H,
-                                                             tau).up_mean_gbps,
+        "decoupled_gbps_per_site_bf16": decoupled_traffic(
+            net, step_s, fragments, H, tau
+        ).up_mean_gbps,
+        "decoupled_gbps_per_site_int4_up": decoupled_traffic(
+            int4, step_s, fragments, H, tau
+        ).up_mean_gbps,
     }
-    return {"four_sites": four, "eight_sites": eight, "paper": PAPER_WIDE_AREA,
-            "assumptions": {"params": net.params, "links_gbps": list(net.link_gbps),
-                            "step_s": step_s, "P": fragments, "H": H, "tau": tau,
-                            "grad_bits": net.grad_bits, "up_bits": net.up_bits}}
+    return {
+        "four_sites": four,
+        "eight_sites": eight,
+        "paper": PAPER_WIDE_AREA,
+        "assumptions": {
+            "params": net.params,
+            "links_gbps": list(net.link_gbps),
+            "step_s": step_s,
+            "P": fragments,
+            "H": H,
+            "tau": tau,
+            "grad_bits": net.grad_bits,
+            "up_bits": net.up_bits,
+        },
+    }
 
 
 def format_wide_area(f: dict[str, Any]) -> str:
     four, eight = f["four_sites"], f["eight_sites"]
     a = f["assumptions"]
-    return "\n".join([
-        f"{a['params'] / 1e9:.0f}B parameters, {len(a['links_gbps'])} sites, links "
-        f"{'/'.join(f'{x:g}' for x in a['links_gbps'])} Gbps, step {a['step_s']:g} s, "
-        f"P={a['P']} H={a['H']} tau={a['tau']}",
-        f"  sync DP all-reduce per step       {four['dp_allreduce_s']:8.1f} s "
-        f"(step {four['dp_step_s']:.1f} s vs {four['decoupled_step_s']:.1f} s)",
-        f"  speed-up over synchronous DP      {four['speedup']:8.1f}x   "
-        f"paper: {f['paper']['speedup']}",
-        f"  Decoupled per site, up / down     {four['decoupled_up_gbps_per_site']:8.2f} / "
-        f"{four['decoupled_down_gbps_per_site']:.2f} Gbps (peak {four['decoupled_peak_gbps_per_site']:.2f}"
-        f"; slowest link {four['slowest_link_utilisation']:.0%} busy)",
-        "eight sites, bandwidth per site to hide communication in the step:",
-        f"  data-parallel                     {eight['dp_gbps_per_site']:8.1f} Gbps",
-        f"  Decoupled (bf16 / int4 up)        {eight['decoupled_gbps_per_site_bf16']:8.2f} / "
-        f"{eight['decoupled_gbps_per_site_int4_up']:.2f} Gbps   paper: "
-        f"{f['paper']['bandwidth_8_sites']} (Decoupled vs DP)",
-    ])
+    return "\n".join(
+        [
+            f"{a['params'] / 1e9:.0f}B parameters, {len(a['links_gbps'])} sites, links "
+            f"{'/'.join(f'{x:g}' for x in a['links_gbps'])} Gbps, step {a['step_s']:g} s, "
+            f"P={a['P']} H={a['H']} tau={a['tau']}",
+            f"  sync DP all-reduce per step       {four['dp_allreduce_s']:8.1f} s "
+            f"(step {four['dp_step_s']:.1f} s vs {four['decoupled_step_s']:.1f} s)",
+            f"  speed-up over synchronous DP      {four['speedup']:8.1f}x   "
+            f"paper: {f['paper']['speedup']}",
+            f"  Decoupled per site, up / down     {four['decoupled_up_gbps_per_site']:8.2f} / "
+            f"{four['decoupled_down_gbps_per_site']:.2f} Gbps (peak {four['decoupled_peak_gbps_per_site']:.2f}"
+            f"; slowest link {four['slowest_link_utilisation']:.0%} busy)",
+            "eight sites, bandwidth per site to hide communication in the step:",
+            f"  data-parallel                     {eight['dp_gbps_per_site']:8.1f} Gbps",
+            f"  Decoupled (bf16 / int4 up)        {eight['decoupled_gbps_per_site_bf16']:8.2f} / "
+            f"{eight['decoupled_gbps_per_site_int4_up']:.2f} Gbps   paper: "
+            f"{f['paper']['bandwidth_8_sites']} (Decoupled vs DP)",
+        ]
+    )
 
 
 def cmd_wide_area(a: argparse.Namespace) -> int:
@@ -200,8 +267,11 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ddiloco simulate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="ddiloco simulate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("paper-table", help="the paper's goodput table, reproduced")
@@ -214,12 +284,16 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="one fleet under every method")
     _add_fleet(r)
     _add_network(r)
-    r.add_argument("--strategy", action="append",
-                   choices=["dp", "elastic_dp", "diloco", "decoupled"],
-                   help="only this method (repeatable)")
+    r.add_argument(
+        "--strategy",
+        action="append",
+        choices=["dp", "elastic_dp", "diloco", "decoupled"],
+        help="only this method (repeatable)",
+    )
     r.add_argument("--tokens", type=float, default=1e12, help="token budget for wall time")
-    r.add_argument("--tokens-per-chip-s", type=float, default=1000.0,
-                   help="tokens one chip trains per second")
+    r.add_argument(
+        "--tokens-per-chip-s", type=float, default=1000.0, help="tokens one chip trains per second"
+    )
     r.add_argument("--plot", help="write per-learner goodput PNG here")
     r.set_defaults(fn=cmd_run)
 

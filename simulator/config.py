@@ -90,7 +90,9 @@ class FailureConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "chip_mtbi_s", "slice_chips", "step_s")
-        _non_negative(self, "step_cv", "restart_s", "shrink_s", "regrow_s", "replan_s", "regrow_batch_s")
+        _non_negative(
+            self, "step_cv", "restart_s", "shrink_s", "regrow_s", "replan_s", "regrow_batch_s"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -79,8 +79,9 @@ class Job:
         self.slice_chips = chips / self.slices
         base = cfg.step_s if step_s is None else step_s
         # Lock-step: every step waits for the slowest of `slices` jittery slices.
-        straggle = 1.0 + cfg.step_cv * math.sqrt(2.0 * math.log(self.slices)) \
-            if self.slices > 1 else 1.0
+        straggle = (
+            1.0 + cfg.step_cv * math.sqrt(2.0 * math.log(self.slices)) if self.slices > 1 else 1.0
+        )
         self.step_s = base * straggle
         self.useful = 1.0 / straggle
         self.up, self.ready = self.slices, 0

@@ -31,8 +31,15 @@ class _Fragment:
     """Rounds of one fragment. State: version, open round, per-learner base version and
     step count at the last adoption, merged steps so far."""
 
-    def __init__(self, loop: EventLoop, steps: list[np.ndarray], quorum: int, grace_s: float,
-                 deliver_s: float, ask_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        loop: EventLoop,
+        steps: list[np.ndarray],
+        quorum: int,
+        grace_s: float,
+        deliver_s: float,
+        ask_s: float = 0.0,
+    ) -> None:
         self.loop, self.steps = loop, steps
         self.quorum, self.grace_s, self.deliver_s = quorum, grace_s, deliver_s
         self.ask_s = ask_s
@@ -100,8 +107,14 @@ class _Fragment:
 
 
 def merged_work_ratio(
-    step_times: list[np.ndarray], *, fragments: int, H: int, quorum: int, grace_s: float,
-    deliver_s: float, ask_s: float = 0.0,
+    step_times: list[np.ndarray],
+    *,
+    fragments: int,
+    H: int,
+    quorum: int,
+    grace_s: float,
+    deliver_s: float,
+    ask_s: float = 0.0,
 ) -> float:
     """Merged (step, fragment) pairs over computed ones (see the module docstring)."""
     total = sum(len(t) for t in step_times)
@@ -110,8 +123,7 @@ def merged_work_ratio(
     merged = 0
     for p in range(fragments):
         loop = EventLoop()
-        frag = _Fragment(loop, step_times, min(quorum, len(step_times)), grace_s, deliver_s,
-                         ask_s)
+        frag = _Fragment(loop, step_times, min(quorum, len(step_times)), grace_s, deliver_s, ask_s)
         offset = (p * H) // fragments
         for m, times in enumerate(step_times):
             counts = np.arange(1, len(times) + 1)

@@ -78,8 +78,9 @@ def wide_area(
 ) -> dict[str, float]:
     """Speed-up of Decoupled DiLoCo over synchronous data-parallel on the same links, and
     the bandwidth each needs per site."""
-    allreduce = ring_allreduce_s(model_bits(net.params, net.grad_bits), net.link_gbps,
-                                 net.latency_s)
+    allreduce = ring_allreduce_s(
+        model_bits(net.params, net.grad_bits), net.link_gbps, net.latency_s
+    )
     dp_step = max(step_s, allreduce)
     traffic = decoupled_traffic(net, step_s, fragments, H, tau)
     mean_need = max(traffic.up_mean_gbps, traffic.down_mean_gbps)
@@ -97,6 +98,5 @@ def wide_area(
         "decoupled_down_gbps_per_site": traffic.down_mean_gbps,
         "decoupled_peak_gbps_per_site": traffic.peak_gbps,
         "slowest_link_utilisation": utilisation,
-        "dp_needed_gbps_per_site": dp_bandwidth_gbps(net.params, net.grad_bits, net.sites,
-                                                     step_s),
+        "dp_needed_gbps_per_site": dp_bandwidth_gbps(net.params, net.grad_bits, net.sites, step_s),
     }

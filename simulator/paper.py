@@ -90,8 +90,9 @@ def paper_table(
     for row, (strategy, learners) in ROWS.items():
         table[row] = {}
         for col, chips in COLUMNS.items():
-            run = RunConfig(chips=chips, learners=learners, quorum=1, horizon_s=horizon_s,
-                            seed=seed)
+            run = RunConfig(
+                chips=chips, learners=learners, quorum=1, horizon_s=horizon_s, seed=seed
+            )
             table[row][col] = simulate(strategy, run, fail).goodput
     return table
 

@@ -71,8 +71,9 @@ def search(
                     if mean > link or t.peak_gbps > link:
                         continue
                     good = computed / allocated
-                    out.append(Candidate(m, k, p, h, good, merged, good * merged, mean,
-                                         t.peak_gbps))
+                    out.append(
+                        Candidate(m, k, p, h, good, merged, good * merged, mean, t.peak_gbps)
+                    )
     # Quality is not simulated: among equals prefer less bandwidth, then fresher merges
     # (smaller H), then the paper's K = 1.
     out.sort(key=lambda c: (-round(c.effective_goodput, 3), c.peak_gbps, c.H, c.quorum))
@@ -80,8 +81,10 @@ def search(
 
 
 def format_plan(cands: list[Candidate], top: int) -> str:
-    head = f"{'M':>3} {'K':>3} {'P':>3} {'H':>3} {'goodput':>8} {'merged':>7} " \
-           f"{'effective':>9} {'mean Gb/s':>9} {'peak Gb/s':>9}"
+    head = (
+        f"{'M':>3} {'K':>3} {'P':>3} {'H':>3} {'goodput':>8} {'merged':>7} "
+        f"{'effective':>9} {'mean Gb/s':>9} {'peak Gb/s':>9}"
+    )
     lines = [head]
     for c in cands[:top]:
         lines.append(

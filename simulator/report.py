@@ -70,8 +70,9 @@ def plot_paper_table(table: Table, path: str | Path) -> Path:
     x = list(COLUMNS.values())
     for i, row in enumerate(ROWS):
         colour = f"C{i}"
-        ax.plot(x, [table[row][c] * 100 for c in COLUMNS], "-o", color=colour,
-                label=ROW_LABELS[row])
+        ax.plot(
+            x, [table[row][c] * 100 for c in COLUMNS], "-o", color=colour, label=ROW_LABELS[row]
+        )
         ax.plot(x, [PAPER[row][c] * 100 for c in COLUMNS], "--x", color=colour, alpha=0.6)
     ax.set_xscale("log")
     ax.minorticks_off()
@@ -93,10 +94,16 @@ def plot_learners(results: list[SimResult], path: str | Path) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, r in enumerate(results):
-        xs = [i + (k + 0.5) / max(len(r.learner_goodput), 1) - 0.5
-              for k in range(len(r.learner_goodput))]
-        ax.bar(xs, [g * 100 for g in r.learner_goodput],
-               width=0.9 / max(len(r.learner_goodput), 1), color=f"C{i}")
+        xs = [
+            i + (k + 0.5) / max(len(r.learner_goodput), 1) - 0.5
+            for k in range(len(r.learner_goodput))
+        ]
+        ax.bar(
+            xs,
+            [g * 100 for g in r.learner_goodput],
+            width=0.9 / max(len(r.learner_goodput), 1),
+            color=f"C{i}",
+        )
     ax.set_xticks(range(len(results)), [r.strategy for r in results])
     ax.set_ylabel("goodput % per learner (or job)")
     ax.grid(axis="y", alpha=0.3)

@@ -111,8 +111,9 @@ def running_at(iv: np.ndarray, times: np.ndarray) -> np.ndarray:
 
 def lost_to_missed_rounds(jobs: list[Job], quorum: int, H: int, grace_s: float) -> float:
     """Chip-seconds of computed work overwritten because its learner missed merges."""
-    return lost_from_intervals([_intervals(j) for j in jobs], [j.step_s for j in jobs],
-                               quorum, H, grace_s)
+    return lost_from_intervals(
+        [_intervals(j) for j in jobs], [j.step_s for j in jobs], quorum, H, grace_s
+    )
 
 
 def lost_from_intervals(
@@ -188,7 +189,10 @@ def simulate(strategy: str, run: RunConfig, fail: FailureConfig) -> SimResult:
     single = strategy in ("dp", "elastic_dp")
     learners = 1 if single else run.learners
     jobs, events = run_jobs(
-        split_chips(run.chips, learners), fail, run.horizon_s, run.seed,
+        split_chips(run.chips, learners),
+        fail,
+        run.horizon_s,
+        run.seed,
         elastic=strategy != "dp",
     )
     allocated = run.chips * run.horizon_s

@@ -44,8 +44,21 @@ def test_run_json_has_every_method(capsys: pytest.CaptureFixture[str]) -> None:
     assert isinstance(out, list)
     assert [r["strategy"] for r in out] == ["dp", "elastic_dp", "diloco", "decoupled"]
     assert "peak_gbps_per_site" in out[3] and "wall_hours_to_tokens" in out[0]
-    one = run_json(capsys, ["run", "--chips", "20000", "--chips-per-learner", "5000",
-                            "--strategy", "decoupled", "--horizon-days", "0.01", "--json"])
+    one = run_json(
+        capsys,
+        [
+            "run",
+            "--chips",
+            "20000",
+            "--chips-per-learner",
+            "5000",
+            "--strategy",
+            "decoupled",
+            "--horizon-days",
+            "0.01",
+            "--json",
+        ],
+    )
     assert isinstance(one, list) and one[0]["learners"] == 4
 
 

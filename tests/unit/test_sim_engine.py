@@ -1,6 +1,6 @@
 """The simulator's event loop: time order, FIFO ties, cancellation, run(until).
 
-    .venv/bin/pytest tests/unit/test_sim_engine.py
+.venv/bin/pytest tests/unit/test_sim_engine.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Goodput accounting of the four methods: uptime, barrier, missed merges, whole runs.
 
-    .venv/bin/pytest tests/unit/test_sim_strategies.py
+.venv/bin/pytest tests/unit/test_sim_strategies.py
 """
 
 from __future__ import annotations
