@@ -81,6 +81,8 @@ def run_arm(
         schedule = make_schedule("none", learners=args.learners, seconds=args.seconds, seed=seed)
     schedule = Schedule.from_json(schedule.to_json())  # runners consume their copy
     m = args.learners
+    # spares only where something dies: elsewhere they would only load the machine
+    spares = args.spares if any(e.action in ("kill", "partition") for e in schedule.events) else 0
     if base.endswith("_dp"):
         run: Any = DPRun(
             DPConfig(
@@ -90,7 +92,7 @@ def run_arm(
                 max_seconds=args.seconds,
                 chaos=schedule.kind,
                 schedule=schedule,
-                warm_spares=args.spares,
+                warm_spares=spares,
                 eval_every=args.eval_every,
                 out=out,
             )
@@ -109,7 +111,7 @@ def run_arm(
                 max_seconds=args.seconds,
                 chaos=schedule.kind,
                 schedule=schedule,
-                warm_spares=args.spares,
+                warm_spares=spares,
                 eval_every=args.eval_every,
                 out=out,
             )
@@ -225,9 +227,9 @@ def plot(groups: dict[str, dict[str, dict[str, Any]]], out: Path) -> list[Path]:
         fig, (ax_t, ax_k) = plt.subplots(1, 2, figsize=(11, 4))
         for arm, a in group.items():
             ax_t.plot([t for t, _, _ in a["curve"]], [x for _, x, _ in a["curve"]], label=arm)
-            ax_k.plot([k for _, _, k in a["curve"]], [x for _, x, _ in a["curve"]], label=arm)
+            ax_k.plot([k / 1e3 for _, _, k in a["curve"]], [x for _, x, _ in a["curve"]], label=arm)
         ax_t.set(xlabel="seconds", ylabel="eval loss (global model)", title=name)
-        ax_k.set(xlabel="tokens of new steps", ylabel="eval loss", title=name)
+        ax_k.set(xlabel="thousand tokens of new steps", ylabel="eval loss", title=name)
         ax_t.legend(fontsize=8)
         fig.tight_layout()
         path = out / f"loss-{name.replace('/', '-')}.png"
@@ -277,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", help="comma-separated arms instead of the study's")
     ap.add_argument("--scenarios", help="comma-separated scenarios instead of the study's")
     ap.add_argument("--learners", type=int, default=4, help="M (default 4)")
-    ap.add_argument("--seconds", type=float, default=75.0, help="wall budget per arm")
+    ap.add_argument("--seconds", type=float, default=60.0, help="wall budget per arm")
     ap.add_argument("--seeds", type=int, default=1, help="seeds 0..n-1 (default 1)")
     ap.add_argument("--spares", type=int, default=2, help="warm spare processes per arm")
     ap.add_argument("--eval-every", type=float, default=5.0)
