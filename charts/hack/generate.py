@@ -248,10 +248,13 @@ def main(argv: list[str] | None = None) -> int:
         for path in stale:
             sys.stderr.write(f"{path.relative_to(REPO)} is stale: run {parser.prog}\n")
         return 1 if stale else 0
-    for path, text in files.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-        sys.stderr.write(f"wrote {path.relative_to(REPO)}\n")
+    for _ in range(2):  # the manifests render the chart as it is on disk: write, then render again
+        for path, text in files.items():
+            if not path.is_file() or path.read_text() != text:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+                sys.stderr.write(f"wrote {path.relative_to(REPO)}\n")
+        files = expected(helm)
     return 0
 
 
