@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -65,6 +66,10 @@ def test_relay_cut_and_restore(echo_port: int) -> None:
         with pytest.raises((ConnectionError, OSError)):
             if roundtrip(proxy.port) == b"":
                 raise ConnectionResetError("closed")
+        # the relay thread counts the reset after the client has seen it: wait, with a deadline
+        deadline = time.monotonic() + 5
+        while proxy.resets < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert proxy.cuts == 1 and proxy.resets >= 2
 
         proxy.restore()
