@@ -357,7 +357,7 @@ class LocalRun:
             self.evaluator.stop()
             if not self.sync.alive():  # a synchronizer killed near the end: bring it back
                 self.sync.start()
-                self._wait_healthy()
+            self._wait_healthy()  # a restarted one may still be starting (imports, state)
             time.sleep(0.3)  # last merges of updates the learners flushed on SIGTERM
             self.evaluator.evaluate()
             self.status = SyncClient(self.url, self.token).status()
