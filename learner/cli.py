@@ -45,6 +45,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "-P", "--fragments", type=int, dest="num_fragments", help="P, number of fragments"
     )
     ap.add_argument("--tau", type=int, help="tau, overlap steps")
+    ap.add_argument(
+        "--upload-http2",
+        action="store_true",
+        default=None,
+        help="upload fragments over h2c instead of HTTP/1.1 (see config.py)",
+    )
     # --- budget and runtime ---
     ap.add_argument("--max-steps", type=int)
     ap.add_argument("--max-seconds", type=float)

@@ -209,7 +209,10 @@ class Streamer:
             self.stop_event.wait(backoff.fail())
 
     def _upload_loop(self) -> None:
-        client, backoff = self._client(), Backoff()
+        client, backoff = (
+            SyncClient(self.cfg.sync_url, self.cfg.token, http2=self.cfg.upload_http2),
+            Backoff(),
+        )
         while not self.stop_event.is_set():
             try:
                 meta, delta = self.uploads.get(timeout=0.1)
