@@ -68,7 +68,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--chaos",
         choices=KINDS,
         default="none",
-        help="kill | pause | slow | sync (synchronizer kill)",
+        help="kill (SIGKILL + delayed restart), pause (SIGSTOP/SIGCONT), slow (a slow half), "
+        "straggler, partition (cut a learner's connections), scavenge (learners join and leave), "
+        "sync (synchronizer SIGKILL + restart); combine with '+', e.g. kill+pause",
+    )
+    ap.add_argument(
+        "--warm-spares",
+        type=int,
+        default=0,
+        help="pre-started learner processes that replace killed ones (skips the torch import)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, help="run directory (default runs/local-<time>)")
@@ -171,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         tau=args.tau,
         batch_size=args.batch_size,
         inner_lr=args.inner_lr,
+        warm_spares=args.warm_spares,
         **({"out": args.out} if args.out else {}),
     )
     console.print(
