@@ -19,6 +19,7 @@ import base64
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -41,6 +42,15 @@ CRD_FILE = REPO / "deploy" / "crds" / "ddiloco.dev_decoupleddilocojobs.yaml"
 EXAMPLES = REPO / "deploy" / "examples"
 GROUP, VERSION, PLURAL = "ddiloco.dev", "v1alpha1", "decoupleddilocojobs"
 RESYNC_S = "0.5"
+
+
+def forbidden(log: str) -> list[str]:
+    """Log lines that report an authorization refusal (HTTP 403 / Forbidden).
+
+    A bare "403" also appears in timestamps (",403]"), so look for the status as the
+    kubernetes client and kopf print it."""
+    pattern = re.compile(r"Forbidden|\(403\)|status[=:' ]+403|HTTP 403")
+    return [line for line in log.splitlines() if pattern.search(line)]
 
 
 def free_port() -> int:
