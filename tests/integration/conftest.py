@@ -63,13 +63,17 @@ from pathlib import Path
 
 import pytest
 
-# --import-mode=importlib puts nothing on sys.path; load the harness as the module `k8senv`.
-if "k8senv" not in sys.modules:
-    _spec = importlib.util.spec_from_file_location("k8senv", Path(__file__).with_name("k8senv.py"))
-    assert _spec is not None and _spec.loader is not None
-    sys.modules["k8senv"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["k8senv"])
-import k8senv
+# --import-mode=importlib puts nothing on sys.path; load the harness and the test helpers of
+# this folder by path, once, under their own names, so test modules just `import k8senv` etc.
+for _name in ("k8senv", "operator_helpers", "chart_helpers"):  # in dependency order
+    if _name not in sys.modules:
+        _spec = importlib.util.spec_from_file_location(
+            _name, Path(__file__).with_name(f"{_name}.py")
+        )
+        assert _spec is not None and _spec.loader is not None
+        sys.modules[_name] = importlib.util.module_from_spec(_spec)
+        _spec.loader.exec_module(sys.modules[_name])
+import k8senv  # noqa: E402 - registered by path just above
 
 NAMESPACE_TIMEOUT_S = 30.0
 

@@ -17,34 +17,17 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import importlib.util
 import os
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
 
-import pytest
-import yaml
-
-if "chart_helpers" not in sys.modules:  # --import-mode=importlib: load the helpers by path
-    _spec = importlib.util.spec_from_file_location(
-        "chart_helpers", Path(__file__).with_name("chart_helpers.py")
-    )
-    assert _spec is not None and _spec.loader is not None
-    sys.modules["chart_helpers"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["chart_helpers"])
-if "operator_helpers" not in sys.modules:
-    _spec = importlib.util.spec_from_file_location(
-        "operator_helpers", Path(__file__).with_name("operator_helpers.py")
-    )
-    assert _spec is not None and _spec.loader is not None
-    sys.modules["operator_helpers"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["operator_helpers"])
 import chart_helpers as c
 import k8senv
 import operator_helpers as h
+import pytest
+import yaml
 from chart_helpers import helm_fixture  # noqa: F401  (fixture)
 from operator_helpers import cl_fixture, crd_fixture  # noqa: F401  (fixtures)
 

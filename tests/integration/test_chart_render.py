@@ -9,22 +9,12 @@ No apiserver is started here; test_chart_install.py installs the chart into one.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
+import chart_helpers as c
 import pytest
 import yaml
-
-if "chart_helpers" not in sys.modules:  # --import-mode=importlib: load the helpers by path
-    _spec = importlib.util.spec_from_file_location(
-        "chart_helpers", Path(__file__).with_name("chart_helpers.py")
-    )
-    assert _spec is not None and _spec.loader is not None
-    sys.modules["chart_helpers"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["chart_helpers"])
-import chart_helpers as c
 from chart_helpers import helm_fixture  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.integration

@@ -10,22 +10,11 @@ kubeconfig and reaches the regions only through kubeconfig Secrets (operator_hel
 from __future__ import annotations
 
 import base64
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
+import operator_helpers as h
 import pytest
 import yaml
-
-if "operator_helpers" not in sys.modules:  # --import-mode=importlib: load the helpers by path
-    _spec = importlib.util.spec_from_file_location(
-        "operator_helpers", Path(__file__).with_name("operator_helpers.py")
-    )
-    assert _spec is not None and _spec.loader is not None
-    sys.modules["operator_helpers"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["operator_helpers"])
-import operator_helpers as h
 from operator_helpers import cl_fixture, crd_fixture, operator_fixture  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.integration

@@ -7,7 +7,6 @@ python tests/integration/k8senv.py build          # once per machine
 from __future__ import annotations
 
 import base64
-import importlib.util
 import os
 import subprocess
 import sys
@@ -16,18 +15,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import pytest
-from kubernetes.client.exceptions import ApiException
-
-if "operator_helpers" not in sys.modules:  # --import-mode=importlib: load the helpers by path
-    _spec = importlib.util.spec_from_file_location(
-        "operator_helpers", Path(__file__).with_name("operator_helpers.py")
-    )
-    assert _spec is not None and _spec.loader is not None
-    sys.modules["operator_helpers"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["operator_helpers"])
 import k8senv
 import operator_helpers as h
+import pytest
+from kubernetes.client.exceptions import ApiException
 from operator_helpers import cl_fixture, crd_fixture, operator_fixture  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.integration
