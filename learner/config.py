@@ -53,8 +53,14 @@ class LearnerConfig:
     """P: fragments the parameters are split into; one falls due every H/P steps."""
     tau: int = 2
     """tau: overlap steps; the learner never waits for a merged fragment."""
+    adoption: Literal["overwrite", "rebase"] = "rebase"
+    """What a learner does with a merged fragment that arrives. `overwrite` (the paper):
+    theta_p <- Theta_p, dropping the steps it took on p since its last hand-over. `rebase`:
+    theta_p <- Theta_p + (theta_p - theta_p at its last hand-over), keeping those steps (they
+    go out with its next hand-over), so no step taken during the overlap tau is lost."""
     mix_alpha: float = 0.0
-    """alpha: theta <- alpha*theta_local + (1-alpha)*Theta on arrival; 0 overwrites (paper)."""
+    """alpha, with `overwrite` only: theta <- alpha*theta_local + (1-alpha)*Theta on arrival
+    (Streaming DiLoCo); 0 overwrites."""
     wire_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Precision of uploaded deltas."""
     upload_http2: bool = False

@@ -5,13 +5,19 @@
             loss.backward(); opt.step(); opt.zero_grad()
             diloco.after_step(tokens)          # never blocks on the network
 
-State: the layout and schedule, for each fragment the global copy last adopted (the base
-of the next delta), its version, and the counters c_steps / c_tokens since it was last
-received. After each inner step it hands due (or requested) fragments to the uploader as
-delta = theta_local - Theta_base, copied first, and folds in every merged fragment that
-has arrived: theta_p <- Theta_p (or mixed with alpha), counters of p reset. The inner
-optimizer state is left alone. A refused or lost upload costs that fragment's unmerged
-work only; training goes on.
+State: the layout and schedule; for each fragment its anchor (the parameters the next
+delta is measured from: the last global copy adopted or, if later, the fragment as it was
+last handed over), the version last adopted, and the counters c_steps / c_tokens of the
+steps behind the next delta. After each inner step it hands due (or requested) fragments
+to the uploader as delta = theta_p - anchor_p, copied first (anchor_p <- theta_p, counters
+reset), and folds in every merged fragment that has arrived: `rebase` (default) keeps the
+steps taken since the hand-over, theta_p <- Theta_p + (theta_p - anchor_p); `overwrite`
+(the paper) drops them, theta_p <- Theta_p (or mixed with alpha), counters reset. Either
+way anchor_p <- Theta_p. Successive deltas never overlap, so the synchronizer can merge an
+update that missed its round into a later one (max_staleness). Fragment p falls due H
+steps after its previous hand-over, so a learner that answered a round's request early
+falls into step with the others. The inner optimizer state is left alone. A refused or
+lost upload costs that delta's work only; training goes on.
 """
 
 from __future__ import annotations
@@ -46,7 +52,12 @@ class DecoupledDiLoCo:
         self.names = [[t.name for t in f.tensors] for f in self.layout.fragments]
         n = len(self.layout.fragments)
         self.base: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
+        """anchor_p: the parameters the next delta of fragment p is measured from."""
         self.base_version = [0] * n
+        self.next_due = [self.schedule.offset(p) or cfg.h for p in range(n)]
+        self.min_request_steps = max(1, cfg.h // 2)
+        """A round's request is answered once this many steps stand behind the fragment: a
+        smaller delta would only dilute the merge and cost an upload."""
         self.c_steps = [0] * n
         self.c_tokens = [0] * n
         self.in_flight: set[int] = set()
@@ -65,7 +76,7 @@ class DecoupledDiLoCo:
 
     def __enter__(self) -> DecoupledDiLoCo:
         for p, version, tensors in self.streamer.fetch_all():
-            self._adopt(p, version, tensors)
+            self._adopt(p, version, tensors, join=True)
         self.streamer.start()
         log.info(
             "Joined with fragment versions %s (P=%d, H=%d)",
@@ -79,18 +90,25 @@ class DecoupledDiLoCo:
         self.streamer.close()
 
     @torch.no_grad()
-    def _adopt(self, p: int, version: int, tensors: dict[str, torch.Tensor]) -> None:
+    def _adopt(
+        self, p: int, version: int, tensors: dict[str, torch.Tensor], join: bool = False
+    ) -> None:
         a = self.cfg.mix_alpha
+        rebase = self.cfg.adoption == "rebase" and not join
         for name in self.names[p]:
             local = self.params[name]
             glob = tensors[name].to(device=local.device, dtype=local.dtype)
-            if a > 0:
+            anchor = self.base[p].get(name)
+            if rebase and anchor is not None:
+                local.add_(glob - anchor)
+            elif a > 0:
                 local.mul_(a).add_(glob, alpha=1 - a)
             else:
                 local.copy_(glob)
             self.base[p][name] = glob.clone()
         self.base_version[p] = version
-        self.c_steps[p] = self.c_tokens[p] = 0
+        if not rebase:
+            self.c_steps[p] = self.c_tokens[p] = 0
         self.in_flight.discard(p)
         self.stats["adopted"] += 1
         self.events.append({"event": "adopt", "fragment": p, "version": version, "step": self.step})
@@ -98,9 +116,15 @@ class DecoupledDiLoCo:
     @torch.no_grad()
     def _hand_over(self, p: int) -> None:
         dtype = WIRE_DTYPES[self.cfg.wire_dtype]
-        delta = {
-            n: (self.params[n].detach() - self.base[p][n]).to(dtype).cpu() for n in self.names[p]
-        }
+        delta = {}
+        for n in self.names[p]:
+            now = self.params[n].detach()
+            d = (now - self.base[p][n]).to(dtype)
+            delta[n] = d.cpu()
+            # the next delta starts where this one ends, as the synchronizer will see it: the
+            # anchor moves by the delta as sent (after rounding to the wire dtype), so rounding
+            # error is carried into the next delta instead of lost
+            self.base[p][n].add_(d.to(now.dtype))
         meta = UpdateMeta(
             learner_id=self.cfg.learner_id,
             fragment=p,
@@ -110,8 +134,6 @@ class DecoupledDiLoCo:
             learner_step=self.step,
         )
         self.streamer.send(meta, delta)
-        self.in_flight.add(p)
-        self.stats["handovers"] += 1
         self.events.append(
             {
                 "event": "handover",
@@ -121,6 +143,10 @@ class DecoupledDiLoCo:
                 "step": self.step,
             }
         )
+        self.c_steps[p] = self.c_tokens[p] = 0
+        self.next_due[p] = self.step + self.cfg.h
+        self.in_flight.add(p)
+        self.stats["handovers"] += 1
 
     def after_step(self, tokens: int, seconds: float, loss: float | None = None) -> None:
         """Account one inner step, hand over due fragments, fold in arrived ones."""
@@ -136,7 +162,12 @@ class DecoupledDiLoCo:
             if status not in ("accepted", "duplicate"):
                 self.in_flight.discard(p)
                 self.stats["refused"] += 1
-        due = set(self.schedule.due(self.step)) | (self.streamer.requested - self.in_flight)
+        due = {p for p, at in enumerate(self.next_due) if self.step >= at}
+        due |= {
+            p
+            for p in self.streamer.requested - self.in_flight
+            if self.c_steps[p] >= self.min_request_steps
+        }
         for p in sorted(due):
             if self.c_steps[p] > 0:
                 self._hand_over(p)

@@ -66,6 +66,12 @@ class SyncSettings(BaseSettings):
     """mu: outer momentum."""
     nesterov: bool = True
     """Nesterov momentum (paper); False gives heavy-ball."""
+    max_staleness: int = Field(4, ge=0)
+    """Accept an update based on up to this many versions before the current one. Its
+    progress is the outer gradient (Delta_m = -delta_m, the delayed pseudo-gradient of
+    asynchronous Local-SGD) applied to the current Theta, so a learner that missed a round
+    has its work merged into the next one instead of thrown away. 0: only updates based on
+    the current version are accepted (algorithm.md §5's strict rule)."""
     counter_cap_steps: int = Field(96, ge=1)
     """Cap on the steps (and proportionally tokens) a contribution may claim (a few H)."""
     max_norm_ratio: float = Field(100.0, gt=1.0)

@@ -101,9 +101,12 @@ class UpdateMeta(_Msg):
     learner_id: str = Field(min_length=1, max_length=128)
     fragment: int = Field(ge=0)
     base_version: int = Field(ge=0)
-    """Version of the global fragment the learner last adopted; delta is relative to it."""
+    """Version of the global fragment the learner last adopted (its staleness is measured
+    from it). The delta is the learner's progress on the fragment since its previous
+    hand-over of it or its last adoption, whichever came later: successive updates of one
+    learner never overlap, so the synchronizer may merge each of them once, in any round."""
     steps: int = Field(ge=0)
-    """c_steps: inner steps on this fragment since the learner last received it."""
+    """c_steps: inner steps behind the delta."""
     tokens: int = Field(ge=0)
     """c_tokens: tokens behind those steps."""
     learner_step: int = Field(ge=0)

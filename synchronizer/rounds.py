@@ -7,8 +7,8 @@ which fragments are due to merge. No HTTP, no tensors: a contribution is opaque 
     rounds.add(p, "l0", item, now_live={"l0", "l1"})
     for p in rounds.due(now_live={"l0", "l1"}, xi_step=0.05): items = rounds.take(p)
 
-Round of fragment p: it starts with the first contribution; once `quorum` learners have
-contributed the grace window opens:
+Round of fragment p: it starts with the first contribution made for it (late ones wait in
+it without starting it); once `quorum` learners have contributed the grace window opens:
 
     slack = tau * xi_step - (xi_quorum + xi_sync);  grace = clamp(gamma * slack, 0, cap)
 
@@ -95,12 +95,18 @@ class Rounds(Generic[T]):
         self.xi_sync = Ema(ema_alpha)
         self.xi_step: float | None = None
 
-    def add(self, p: int, learner_id: str, item: T) -> None:
+    def add(self, p: int, learner_id: str, item: T, *, opens: bool = True) -> None:
+        """Put (or replace) a learner's contribution in p's round. One with `opens=False` (an
+        update that missed the round it was made for) waits in the round without starting
+        it: it merges with the next round that a current contribution starts, so late work
+        joins the fragment's regular cadence instead of adding merges to it."""
         r = self.rounds[p]
         now = self.clock()
-        if r.started_at is None:
+        if r.started_at is None and opens:
             r.started_at = now
         r.contributions[learner_id] = item
+        if r.started_at is None:
+            return
         if r.deadline is None and len(r.contributions) >= self.quorum:
             r.quorum_at = now
             self.xi_quorum.update(now - r.started_at)

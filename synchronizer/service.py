@@ -5,8 +5,8 @@
 layer calls those methods through `asyncio.to_thread`, never on the event loop.
 
 Failure handling (algorithm.md §5, §7): an absent learner simply does not contribute; an
-update that is malformed, non-finite, from an unknown learner or against a stale base
-raises a `SyncError` whose message says why and is never merged; re-sending an update
+update that is malformed, non-finite, from an unknown learner or based on a version more
+than `max_staleness` merges old raises a `SyncError` whose message says why and is never merged; re-sending an update
 already accepted or merged is a no-op. State is persisted after every merge, so a
 restarted synchronizer resumes at the same fragment versions.
 """
@@ -59,8 +59,26 @@ class SyncError(Exception):
 
 @dataclass
 class Pending:
+    """One learner's contribution to an open round. A learner that hands the fragment over
+    again before the round merges adds to it: updates carry progress since the previous
+    hand-over, so deltas and counters sum."""
+
     meta: UpdateMeta
     delta: dict[str, torch.Tensor]
+    ids: list[str]
+
+    def absorb(self, meta: UpdateMeta, delta: dict[str, torch.Tensor]) -> None:
+        for k, v in delta.items():
+            self.delta[k] = self.delta[k].float() + v.float()
+        self.meta = self.meta.model_copy(
+            update={
+                "steps": self.meta.steps + meta.steps,
+                "tokens": self.meta.tokens + meta.tokens,
+                "base_version": min(self.meta.base_version, meta.base_version),
+                "learner_step": meta.learner_step,
+            }
+        )
+        self.ids.append(meta.update_id())
 
 
 class Synchronizer:
@@ -82,7 +100,13 @@ class Synchronizer:
         self.learners: dict[str, LearnerRecord] = {}
         self.on_change: Callable[[], None] = lambda: None
         """Called (from any thread) when versions or open rounds change: wakes long polls."""
-        self.totals = {"bytes_up": 0, "bytes_down": 0, "rejected": 0, "merged_contributors": 0}
+        self.totals = {
+            "bytes_up": 0,
+            "bytes_down": 0,
+            "rejected": 0,
+            "merged_contributors": 0,
+            "staleness_sum": 0,
+        }
         ledger = self.store.load_ledger()
         for rec in ledger.get("learners", []):
             r = LearnerRecord(
@@ -248,7 +272,7 @@ class Synchronizer:
             if uid in fs.applied:
                 return UpdateResponse(status="duplicate", fragment=p, round_version=fs.version)
             pending = self.rounds.rounds[p].contributions.get(meta.learner_id)
-            if pending is not None and pending.meta.update_id() == uid:
+            if pending is not None and uid in pending.ids:
                 return UpdateResponse(status="duplicate", fragment=p, round_version=fs.version + 1)
             if meta.base_version > fs.version:
                 raise SyncError(
@@ -256,11 +280,13 @@ class Synchronizer:
                     f"update of fragment {p} is based on version {meta.base_version}, which this "
                     f"synchronizer never published (it is at {fs.version}): unknown base",
                 )
-            if meta.base_version < fs.version:
+            limit = self.settings.max_staleness
+            if meta.base_version < fs.version - limit:
                 raise SyncError(
                     "stale",
                     f"update of fragment {p} is based on version {meta.base_version}, the global "
-                    f"fragment is at {fs.version}: its round already merged; adopt the new version",
+                    f"fragment is at {fs.version}: more than {limit} rounds already merged "
+                    "since (max_staleness); adopt the new version",
                 )
             delta = codec.decode(payload)
             codec.check_fragment(delta, self.layout.fragments[p])
@@ -276,7 +302,13 @@ class Synchronizer:
             recent.append(n)
             with self.lock:
                 self.rounds.xi_step = self._xi_step(self.live())  # the grace window opens here
-                self.rounds.add(p, meta.learner_id, Pending(meta, delta))
+                if pending is not None:
+                    pending.absorb(meta, delta)
+                else:
+                    pending = Pending(meta, delta, [uid])
+                # a late update (older base) waits for the next round a current one starts
+                fresh = meta.base_version == fs.version
+                self.rounds.add(p, meta.learner_id, pending, opens=fresh)
                 self.totals["bytes_up"] += len(payload)
             self.on_change()
             return UpdateResponse(status="accepted", fragment=p, round_version=fs.version + 1)
@@ -335,26 +367,30 @@ class Synchronizer:
             with self.lock:
                 contribs = list(self.rounds.take(p).values())
             s = self.settings
-            deltas, weights, tokens = [], [], 0
+            fs = self.fragments[p]
+            deltas, weights, tokens, staleness = [], [], 0, 0
             for c in contribs:
                 tok, steps = cap_counters(c.meta.tokens, c.meta.steps, s.counter_cap_steps)
                 w = contribution_weight(tok, steps, s.weighting)
                 if w <= 0:
                     continue
-                # Outer gradient Delta_m = Theta_p - theta_mp = -(theta_mp - Theta_base); base == current.
+                # Outer gradient Delta_m = -delta_m: the learner's own progress. For an update
+                # based on the current version this is Theta_p - theta_mp exactly; for one based
+                # on an older version it is the delayed pseudo-gradient (async Local-SGD), which
+                # keeps the rounds merged since instead of pulling Theta back towards its base.
                 deltas.append({k: -v.float() for k, v in c.delta.items()})
                 weights.append(w)
                 tokens += c.meta.tokens
+                staleness += fs.version - c.meta.base_version
             if not deltas:
                 return None
-            fs = self.fragments[p]
             delta = merge_fragment(deltas, weights, spec.merge, s.rda_granularity)
             self.outer.step(fs.params, fs.momentum, delta)
             fs.version += 1
             fs.merges += 1
             fs.tokens_merged += tokens
             fs.contributions += len(deltas)
-            fs.remember([c.meta.update_id() for c in contribs])
+            fs.remember([uid for c in contribs for uid in c.ids])
             self.store.save_fragment(p, fs)
             self.served[p] = self._encode(fs)
             with self.lock:
@@ -362,6 +398,7 @@ class Synchronizer:
                     if c.meta.learner_id in self.learners:
                         self.learners[c.meta.learner_id].contributions += 1
                 self.totals["merged_contributors"] += len(deltas)
+                self.totals["staleness_sum"] += staleness
                 self._save_ledger()
                 self.rounds.observe_sync(self.clock() - t0)
             self.on_change()
@@ -401,7 +438,9 @@ class Synchronizer:
                 mean_contributors=(sum(fs.contributions for fs in self.fragments) / merges)
                 if merges
                 else 0.0,
-                mean_staleness=0.0,
+                mean_staleness=(self.totals["staleness_sum"] / self.totals["merged_contributors"])
+                if self.totals["merged_contributors"]
+                else 0.0,
                 bytes_up=int(self.totals["bytes_up"]),
                 bytes_down=int(self.totals["bytes_down"]),
                 goodput=ledger.goodput(self.learners),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +28,7 @@ class SyncServer:
     state_dir: Path
     server: uvicorn.Server
     thread: threading.Thread
+    token: str = TOKEN
 
     def client(self, token: str = TOKEN) -> SyncClient:
         return SyncClient(self.url, token, timeout=10)
@@ -73,3 +74,20 @@ def sync_server(tmp_path: Path) -> Iterator[SyncServer]:
         yield s
     finally:
         stop_sync_server(s)
+
+
+@pytest.fixture
+def make_sync_server(tmp_path: Path) -> Iterator[Callable[..., SyncServer]]:
+    """Start in-process synchronizers with the given settings; all stopped at teardown."""
+    started: list[SyncServer] = []
+
+    def make(**settings: object) -> SyncServer:
+        s = start_sync_server(tmp_path / f"state{len(started)}", **settings)
+        started.append(s)
+        return s
+
+    try:
+        yield make
+    finally:
+        for s in started:
+            stop_sync_server(s)

@@ -130,6 +130,8 @@ def test_bad_updates_are_refused_with_a_reason_and_never_merged(
 ) -> None:
     c = sync_server.client()
     join_and_init(c)
+    if case == "stale":
+        sync_server.sync.settings.max_staleness = 0  # the strict rule: current base only
     if case in ("stale", "unknown_base"):
         c.upload(update(step=24), good_delta())
         wait_version(c, 1, 1)

@@ -85,6 +85,18 @@ def test_a_learner_sending_again_replaces_its_contribution() -> None:
     assert rounds.rounds[0].deadline is None  # one learner is not a quorum of two
 
 
+def test_a_late_contribution_waits_for_the_next_round_without_starting_it() -> None:
+    clock = Clock()
+    rounds: Rounds[str] = Rounds(1, quorum=1, grace=GracePolicy(enabled=False), clock=clock)
+    rounds.add(0, "late", "x", opens=False)
+    assert rounds.collecting() == []  # nobody is asked for fragment 0 on its account
+    clock.advance(30)
+    assert rounds.due({"late", "b"}, xi_step=1.0) == []  # however long it waits
+    rounds.add(0, "b", "y")  # a contribution made for this round starts it
+    assert rounds.due({"late", "b"}) == [0]
+    assert rounds.take(0) == {"late": "x", "b": "y"}  # and the late one merges with it
+
+
 def test_quorum_must_be_positive() -> None:
     with pytest.raises(ValueError, match="quorum"):
         Rounds(1, quorum=0)

@@ -3,7 +3,7 @@
     pytest tests/unit/test_service.py
 
 Quorum reached -> grace window -> merge of exactly those who made it; a late update for
-the merged round is discarded; durable state resumes exactly.
+the merged round goes into the next one (up to max_staleness); durable state resumes exactly.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def send(sync: Synchronizer, lid: str, value: float, base: int = 0, step: int = 
     return sync.submit(codec.encode({"w": torch.full((4,), value)}, meta.to_metadata())).status
 
 
-def test_quorum_grace_merge_and_late_update_discarded(tmp_path: Path) -> None:
+def test_quorum_grace_merge_and_late_update_merged_into_the_next_round(tmp_path: Path) -> None:
     clock = Clock()
     sync = make(tmp_path, clock)
     init(sync, ["a", "b", "c"])
@@ -94,10 +94,58 @@ def test_quorum_grace_merge_and_late_update_discarded(tmp_path: Path) -> None:
     # lr 1, momentum 0: new global = mean of a and b (equal weights) = 2.0, RDA of equal dirs
     _, body = sync.fragment(0)
     assert torch.allclose(codec.decode(body)["w"], torch.full((4,), 2.0))
-    with pytest.raises(SyncError, match="already merged") as err:
-        send(sync, "c", 100.0)  # c's update belonged to the merged round
+    # c's update was based on version 0 and missed that round: it waits for the next one,
+    # without starting it (the fragment keeps its cadence)
+    assert send(sync, "c", 2.0) == "accepted"
+    clock.now += 5
+    assert sync.due() == []
+    assert send(sync, "a", 4.0, base=1, step=20) == "accepted"  # a's next round starts
+    clock.now += 1.1
+    assert sync.due() == [0]
+    assert sync.merge(0) == 2
+    # c's own progress (+2 from its base) and a's (+4) move the current copy: mean +3 -> 5
+    _, body = sync.fragment(0)
+    assert torch.allclose(codec.decode(body)["w"], torch.full((4,), 5.0))
+    st = sync.status()
+    assert st.contributions_merged == 4
+    assert st.mean_staleness == pytest.approx(1 / 4)  # 0, 0, 1 and 0 versions behind
+
+
+def test_an_update_older_than_max_staleness_is_refused(tmp_path: Path) -> None:
+    clock = Clock()
+    sync = make(tmp_path, clock, grace=False, max_staleness=1)
+    init(sync, ["a", "b"])
+    for version in (1, 2):
+        beat(sync, "a")
+        send(sync, "a", 1.0, base=version - 1, step=10 * version)
+        assert sync.merge(0) == version
+    with pytest.raises(SyncError, match="more than 1 rounds already merged") as err:
+        send(sync, "b", 3.0, base=0)  # two merges behind
     assert err.value.kind == "stale"
-    assert sync.status().contributions_merged == 2
+    assert send(sync, "b", 3.0, base=1) == "accepted"  # one behind: waits for the next round
+    strict = make(tmp_path / "strict", clock, grace=False, max_staleness=0)
+    init(strict, ["a", "b"])
+    send(strict, "a", 1.0)
+    strict.merge(0)
+    with pytest.raises(SyncError, match="already merged"):
+        send(strict, "b", 3.0)
+
+
+def test_two_hand_overs_in_one_round_add_up(tmp_path: Path) -> None:
+    clock = Clock()
+    sync = make(tmp_path, clock)
+    init(sync, ["a", "b"])
+    for lid in "ab":
+        beat(sync, lid, step_s=1.0)
+    send(sync, "a", 1.0, step=10)
+    send(sync, "a", 2.0, step=20)  # a's next progress, before the round merged
+    assert send(sync, "a", 2.0, step=20) == "duplicate"  # a re-send of the same update
+    clock.now += 1.1
+    sync.merge(0)
+    _, body = sync.fragment(0)
+    assert torch.allclose(codec.decode(body)["w"], torch.full((4,), 3.0))  # 1 + 2, one learner
+    st = sync.status()
+    assert (st.contributions_merged, st.tokens_merged) == (1, 200)
 
 
 def test_without_grace_only_the_first_is_merged(tmp_path: Path) -> None:
@@ -109,8 +157,13 @@ def test_without_grace_only_the_first_is_merged(tmp_path: Path) -> None:
     send(sync, "a", 1.0)
     assert sync.due() == [0]
     sync.merge(0)
-    with pytest.raises(SyncError):
-        send(sync, "b", 3.0)
+    assert sync.status().contributions_merged == 1  # b was not waited for
+    send(sync, "b", 3.0)  # so it waits for the next round
+    assert sync.due() == []
+    send(sync, "a", 1.0, base=1, step=20)
+    assert sync.due() == [0]
+    assert sync.merge(0) == 2
+    assert sync.status().contributions_merged == 3
 
 
 def test_quorum_k_waits_for_k_learners(tmp_path: Path) -> None:
