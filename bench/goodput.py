@@ -107,6 +107,9 @@ def run_arm(
                 quorum=m if base == "sync_diloco" else 1,
                 grace=base != "decoupled_k1",
                 merge="mean" if arm.endswith("_mean") else "rda",
+                h=args.h,
+                outer_lr=args.outer_lr,
+                outer_momentum=args.outer_momentum,
                 seed=seed,
                 max_seconds=args.seconds,
                 chaos=schedule.kind,
@@ -283,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=1, help="seeds 0..n-1 (default 1)")
     ap.add_argument("--spares", type=int, default=2, help="warm spare processes per arm")
     ap.add_argument("--eval-every", type=float, default=5.0)
+    ap.add_argument("-H", dest="h", type=int, default=24, help="DiLoCo arms: H (default 24)")
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo arms: eta (0.7)")
+    ap.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo arms: mu (0.9)")
     ap.add_argument("--out", type=Path, help="default runs/bench-<time>")
     ap.add_argument("--json", type=Path, help="write {arm: metrics} of the first group here")
     args = ap.parse_args(argv)
