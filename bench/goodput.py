@@ -89,6 +89,7 @@ def run_arm(
                 learners=m,
                 elastic=base == "elastic_dp",
                 seed=seed,
+                inner_lr=args.inner_lr,
                 max_seconds=args.seconds,
                 chaos=schedule.kind,
                 schedule=schedule,
@@ -108,6 +109,7 @@ def run_arm(
                 grace=base != "decoupled_k1",
                 merge="mean" if arm.endswith("_mean") else "rda",
                 h=args.h,
+                inner_lr=args.inner_lr,
                 outer_lr=args.outer_lr,
                 outer_momentum=args.outer_momentum,
                 seed=seed,
@@ -286,9 +288,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=1, help="seeds 0..n-1 (default 1)")
     ap.add_argument("--spares", type=int, default=2, help="warm spare processes per arm")
     ap.add_argument("--eval-every", type=float, default=5.0)
-    ap.add_argument("-H", dest="h", type=int, default=24, help="DiLoCo arms: H (default 24)")
-    ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo arms: eta (0.7)")
-    ap.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo arms: mu (0.9)")
+    d = LocalConfig
+    ap.add_argument(
+        "--inner-lr", type=float, default=d.inner_lr, help=f"every arm: AdamW lr ({d.inner_lr})"
+    )
+    ap.add_argument("-H", dest="h", type=int, default=d.h, help=f"DiLoCo arms: H ({d.h})")
+    ap.add_argument(
+        "--outer-lr", type=float, default=d.outer_lr, help=f"DiLoCo arms: eta ({d.outer_lr})"
+    )
+    ap.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=d.outer_momentum,
+        help=f"DiLoCo arms: mu ({d.outer_momentum})",
+    )
     ap.add_argument("--out", type=Path, help="default runs/bench-<time>")
     ap.add_argument("--json", type=Path, help="write {arm: metrics} of the first group here")
     args = ap.parse_args(argv)

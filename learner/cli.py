@@ -46,6 +46,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--tau", type=int, help="tau, overlap steps")
     ap.add_argument(
+        "--adoption",
+        choices=["rebase", "overwrite"],
+        help="on a merged fragment: keep the steps since the hand-over (rebase, default) "
+        "or drop them (overwrite, the paper)",
+    )
+    ap.add_argument(
+        "--mix-alpha", type=float, help="with overwrite: theta <- a*theta + (1-a)*Theta"
+    )
+    ap.add_argument(
         "--upload-http2",
         action="store_true",
         default=None,

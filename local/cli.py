@@ -49,6 +49,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "-P", type=int, default=4, dest="fragments", help="number of fragments (default 4)"
     )
     ap.add_argument("--tau", type=int, default=2, help="overlap steps (default 2)")
+    ap.add_argument(
+        "--outer-lr",
+        type=float,
+        default=LocalConfig.outer_lr,
+        help=f"eta, outer learning rate (default {LocalConfig.outer_lr})",
+    )
+    ap.add_argument(
+        "--outer-momentum",
+        type=float,
+        default=LocalConfig.outer_momentum,
+        help=f"mu, outer Nesterov momentum (default {LocalConfig.outer_momentum})",
+    )
     # --- model and data ---
     ap.add_argument(
         "--model", default="tiny", help="preset: tiny, small, base, gpt2 (default tiny)"
@@ -177,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         h=args.h,
         fragments=args.fragments,
         tau=args.tau,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
         batch_size=args.batch_size,
         inner_lr=args.inner_lr,
         warm_spares=args.warm_spares,

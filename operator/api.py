@@ -154,6 +154,9 @@ class Synchronizer(_Model):
     """eta: outer (Nesterov) learning rate."""
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     """mu: outer momentum."""
+    max_staleness: int = Field(4, ge=0, le=1000)
+    """Merge an update based on up to this many versions before the current one into the
+    next round (0: refuse any update whose round already merged)."""
     resources: Resources = Resources()
     """Resources of the synchronizer container."""
     storage: Storage = Storage()

@@ -187,6 +187,7 @@ def build_synchronizer_deployment(job: DecoupledDiLoCoJob) -> dict[str, Any]:
                 "DDILOCO_MERGE": sync.merge,
                 "DDILOCO_OUTER_LR": sync.outer_learning_rate,
                 "DDILOCO_OUTER_MOMENTUM": sync.outer_momentum,
+                "DDILOCO_MAX_STALENESS": sync.max_staleness,
                 "DDILOCO_TAU": spec.training.overlap_steps,
             }
         ),
