@@ -10,7 +10,8 @@ the same chaos schedule"). Same task (learner/task.py: model, shard `slot` of `s
 seed), same AdamW, warm-up and clipping as a learner (learner/config.py defaults).
 
 Membership comes from the launcher as generations in `--gen-file`, JSON
-`{"gen": g, "port": p, "members": [slot, ...]}`. A rank waits for a generation that lists
+`{"gen": g, "port": p, "members": [slot, ...]}`; p is the launcher's rendezvous store
+(hosted by the launcher for the whole run, so no rank's death takes it down). A rank waits for a generation that lists
 it, forms the gloo group (rank = its place in `members`), loads the latest checkpoint (the
 group's step and tokens, model and optimizer) and trains until the collective fails (a peer
 was SIGKILLed: gloo reports the closed connection), or a newer generation appears (the
@@ -148,12 +149,15 @@ class Rank:
         self.gen = g["gen"]
         members: list[int] = g["members"]
         self.rank, self.world = members.index(self.args.slot), len(members)
+        timeout = timedelta(seconds=self.args.timeout)
+        # the launcher hosts the store for the whole run; each generation its own key space
+        store = dist.TCPStore("127.0.0.1", g["port"], is_master=False, timeout=timeout)
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{g['port']}",
+            store=dist.PrefixStore(f"gen{self.gen}/", store),
             rank=self.rank,
             world_size=self.world,
-            timeout=timedelta(seconds=self.args.timeout),
+            timeout=timeout,
         )
         self.step, self.tokens = load_checkpoint(self.args.ckpt, self.model, self.opt)
         while self.batches_drawn < self.step:  # a new process picks up the data where it was
