@@ -77,6 +77,9 @@ def run_arm(
     base = arm.removesuffix("_nochaos").removesuffix("_mean")
     if base not in BASE_ARMS:
         raise ValueError(f"unknown arm {arm!r}; arms: {', '.join(BASE_ARMS)} (+_nochaos, _mean)")
+    if out.exists() and any(out.iterdir()):
+        # step logs are appended to: an old run's would be read as this one's
+        raise SystemExit(f"{out} holds an earlier run; pass a fresh --out")
     if arm.endswith("_nochaos"):
         schedule = make_schedule("none", learners=args.learners, seconds=args.seconds, seed=seed)
     schedule = Schedule.from_json(schedule.to_json())  # runners consume their copy
