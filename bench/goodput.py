@@ -19,6 +19,8 @@ pre-warmed spare processes (`--spares`, local/spare.py; 0 restarts killed proces
 Eval loss "at equal tokens" is each arm's global-model curve interpolated at the smallest
 final token count of its group; "at equal wall time" likewise at the shortest run. Tokens
 are tokens of new inner steps (a data-parallel step redone after a rollback counts once).
+When a group has `sync_dp_nochaos`, "loss / ref" is each arm's eval loss over that
+reference's at the tokens both reached, the quality figure the issue asks for.
 
 It prints one table per group, writes `<out>/results.json`, one plot of eval loss against
 time and against tokens per group and a goodput bar chart (`<out>/*.png`), and with
@@ -175,11 +177,24 @@ def interpolate(points: list[tuple[float, float]], x: float) -> float:
     return pts[-1][1]
 
 
+REFERENCE = "sync_dp_nochaos"
+"""The quality reference: data-parallel without chaos."""
+
+
 def compare(group: dict[str, dict[str, Any]]) -> None:
-    """Add eval loss at the group's equal tokens and equal wall time to every arm."""
+    """Add eval loss at the group's equal tokens and equal wall time to every arm, and,
+    when the group has the reference arm, each arm's eval loss over the reference's at the
+    tokens both reached (pairwise: the group's equal tokens are the slowest arm's)."""
     tokens = min(a["tokens"] for a in group.values())
     wall = min(max(t for t, _, _ in a["curve"]) for a in group.values())
+    ref = group.get(REFERENCE)
     for a in group.values():
+        if ref is not None:
+            both = min(a["tokens"], ref["tokens"])
+            mine = interpolate([(tok, loss) for _, loss, tok in a["curve"]], both)
+            theirs = interpolate([(tok, loss) for _, loss, tok in ref["curve"]], both)
+            a["reference_tokens"] = both
+            a["eval_loss_vs_reference"] = round(mine / theirs, 4)
         a["equal_tokens"] = tokens
         a["equal_wall_s"] = round(wall, 2)
         a["eval_loss_equal_tokens"] = round(
@@ -201,6 +216,7 @@ COLUMNS = [
     ("bytes_wire", "MB wire", "{}"),
     ("mean_contributors", "contrib/merge", "{:.2f}"),
     ("mean_staleness", "staleness", "{:.2f}"),
+    ("eval_loss_vs_reference", "loss / ref", "{:.3f}"),
     ("restarts", "restarts", "{}"),
 ]
 
@@ -221,6 +237,11 @@ def table(group: dict[str, dict[str, Any]], title: str) -> str:
     lines.append(
         f"\nequal tokens = {any_arm['equal_tokens']:,}; equal wall = {any_arm['equal_wall_s']} s"
     )
+    if REFERENCE in group:
+        lines.append(
+            f"loss / ref: eval loss over {REFERENCE}'s at the tokens both reached "
+            "(the smaller final token count of the two)"
+        )
     return "\n".join(lines)
 
 

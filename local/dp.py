@@ -144,6 +144,7 @@ class Rank:
         return g is not None and g["gen"] > self.gen
 
     def join(self, g: dict[str, Any]) -> None:
+        log.warning("Joining generation %d (members %s)", g["gen"], g["members"])
         if dist.is_initialized():
             dist.destroy_process_group()
         self.gen = g["gen"]
@@ -159,6 +160,7 @@ class Rank:
             world_size=self.world,
             timeout=timeout,
         )
+        log.warning("Generation %d formed: rank %d of %d", self.gen, self.rank, self.world)
         self.step, self.tokens = load_checkpoint(self.args.ckpt, self.model, self.opt)
         while self.batches_drawn < self.step:  # a new process picks up the data where it was
             next(self.task.batches)
