@@ -94,6 +94,7 @@ def run_arm(
                 learners=m,
                 elastic=base == "elastic_dp",
                 seed=seed,
+                batch_size=args.batch_size,
                 inner_lr=args.inner_lr,
                 max_seconds=args.seconds,
                 chaos=schedule.kind,
@@ -114,6 +115,7 @@ def run_arm(
                 grace=base != "decoupled_k1",
                 merge="mean" if arm.endswith("_mean") else "rda",
                 h=args.h,
+                batch_size=args.batch_size,
                 inner_lr=args.inner_lr,
                 outer_lr=args.outer_lr,
                 outer_momentum=args.outer_momentum,
@@ -315,6 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     d = LocalConfig
     ap.add_argument(
         "--inner-lr", type=float, default=d.inner_lr, help=f"every arm: AdamW lr ({d.inner_lr})"
+    )
+    ap.add_argument(
+        "--batch-size",
+        type=int,
+        default=d.batch_size,
+        help=f"every arm: sequences per learner (or rank) step ({d.batch_size})",
     )
     ap.add_argument("-H", dest="h", type=int, default=d.h, help=f"DiLoCo arms: H ({d.h})")
     ap.add_argument(
