@@ -86,7 +86,10 @@ class CheckpointEvaluator:
 
         torch.set_num_threads(1)
         self.torch = torch
-        self.task = build_task(preset=cfg.model, data=cfg.data, seed=cfg.seed)
+        # the ranks' batch size, so that task.tokens_per_batch is one rank's step
+        self.task = build_task(
+            preset=cfg.model, data=cfg.data, seed=cfg.seed, batch_size=cfg.batch_size
+        )
         self.ckpt = ckpt
         self.every_s = cfg.eval_every
         self.initial_loss = float(self.task.eval_loss(self.task.model))

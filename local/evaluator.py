@@ -30,10 +30,14 @@ class GlobalEvaluator:
         data: str | None,
         model_entry: str | None,
         seed: int,
+        batch_size: int = 8,
         every_s: float = 5.0,
     ) -> None:
         torch.set_num_threads(1)
-        self.task = build_task(preset=preset, data=data, model_entry=model_entry, seed=seed)
+        # the learners' batch size, so that task.tokens_per_batch is a learner step's tokens
+        self.task = build_task(
+            preset=preset, data=data, model_entry=model_entry, seed=seed, batch_size=batch_size
+        )
         self.params = dict(self.task.model.named_parameters())
         self.client = SyncClient(sync_url, token)
         self.every_s = every_s

@@ -331,6 +331,7 @@ class LocalRun:
                 data=c.data,
                 model_entry=c.model_entry,
                 seed=c.seed,
+                batch_size=c.batch_size,
                 every_s=c.eval_every,
             )
             self.evaluator.start()

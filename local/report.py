@@ -185,7 +185,7 @@ def build_report(run: LocalRun) -> dict[str, Any]:
             "max_steps": cfg.max_steps,
             "warm_spares": cfg.warm_spares,
             "batch_size": cfg.batch_size,
-            "block_size": _tokens_per_batch(run) // cfg.batch_size,
+            "tokens_per_step": _tokens_per_batch(run),
             "inner_lr": cfg.inner_lr,
             "outer_lr": cfg.outer_lr,
             "outer_momentum": cfg.outer_momentum,

@@ -29,6 +29,8 @@ def test_local_run_with_kill_chaos_keeps_merging_and_learning(tmp_path: Path) ->
         "30",
         "--seed",
         "1",
+        "--batch-size",
+        "12",  # not the default: tokens must be counted with the learners' batch
         "--chaos",
         "kill",
         "--report",
@@ -60,6 +62,7 @@ def test_local_run_with_kill_chaos_keeps_merging_and_learning(tmp_path: Path) ->
     assert r["eval_loss_final"] <= 0.8 * r["eval_loss_initial"]
     assert 0.0 < r["goodput"] <= 1.0 and 0.0 < r["merged_work_ratio"] <= 1.0
     assert len(r["learners"]) == 3 and r["tokens_computed"] > r["tokens_merged"] > 0
+    assert r["config"]["tokens_per_step"] == 12 * 64  # tiny's block size is 64
     # merges continued through the kills: the global version kept rising after the first one
     first_kill = min(t for lr in r["learners"] for t in lr["kill_times"])
     versions_after = [v for t, _, v in r["eval_history"] if t > first_kill]
