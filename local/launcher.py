@@ -53,7 +53,7 @@ class LocalConfig:
     batch_size: int = 8
     inner_lr: float = 3e-3
     outer_lr: float = 1.0
-    """eta. With batches this small (8 x 64 tokens per learner step) outer momentum hurts:
+    """eta. In minute-long runs (a few dozen outer rounds per fragment) outer momentum hurts:
     the kill + pause bench measured eval loss 1.34x data-parallel's at equal tokens with the
     lineage's eta 0.7, mu 0.9, 1.12x with mu 0.5, 1.05x with eta 1, mu 0 (bench/RESULTS.md)."""
     outer_momentum: float = 0.0
