@@ -88,44 +88,33 @@ def run_arm(
     m = args.learners
     # spares only where something dies: elsewhere they would only load the machine
     spares = args.spares if any(e.action in ("kill", "partition") for e in schedule.events) else 0
+    common: dict[str, Any] = {  # the same for every arm
+        "learners": m,
+        "seed": seed,
+        "batch_size": args.batch_size,
+        "inner_lr": args.inner_lr,
+        "max_seconds": args.seconds,
+        "chaos": schedule.kind,
+        "schedule": schedule,
+        "warm_spares": spares,
+        "eval_every": args.eval_every,
+        "out": out,
+    }
     if base.endswith("_dp"):
-        run: Any = DPRun(
-            DPConfig(
-                learners=m,
-                elastic=base == "elastic_dp",
-                seed=seed,
-                batch_size=args.batch_size,
-                inner_lr=args.inner_lr,
-                max_seconds=args.seconds,
-                chaos=schedule.kind,
-                schedule=schedule,
-                warm_spares=spares,
-                eval_every=args.eval_every,
-                out=out,
-            )
-        )
+        run: Any = DPRun(DPConfig(elastic=base == "elastic_dp", **common))
         report = run.run()
         curve = [(t, loss, tokens) for t, loss, _, tokens in report["eval_history"]]
         staleness = 0.0
     else:
         run = LocalRun(
             LocalConfig(
-                learners=m,
                 quorum=m if base == "sync_diloco" else 1,
                 grace=base != "decoupled_k1",
                 merge="mean" if arm.endswith("_mean") else "rda",
                 h=args.h,
-                batch_size=args.batch_size,
-                inner_lr=args.inner_lr,
                 outer_lr=args.outer_lr,
                 outer_momentum=args.outer_momentum,
-                seed=seed,
-                max_seconds=args.seconds,
-                chaos=schedule.kind,
-                schedule=schedule,
-                warm_spares=spares,
-                eval_every=args.eval_every,
-                out=out,
+                **common,
             )
         )
         report = run.run()

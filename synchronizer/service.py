@@ -6,8 +6,9 @@ layer calls those methods through `asyncio.to_thread`, never on the event loop.
 
 Failure handling (algorithm.md §5, §7): an absent learner simply does not contribute; an
 update that is malformed, non-finite, from an unknown learner or based on a version more
-than `max_staleness` merges old raises a `SyncError` whose message says why and is never merged; re-sending an update
-already accepted or merged is a no-op. State is persisted after every merge, so a
+than `max_staleness` merges old raises a `SyncError` whose message says why and is never
+merged; a late one within that bound waits for the fragment's next round; re-sending an
+update already accepted or merged is a no-op. State is persisted after every merge, so a
 restarted synchronizer resumes at the same fragment versions.
 """
 
