@@ -50,15 +50,15 @@ def partition(
         bins[target].append((name, p))
         sizes[target] += p.numel()
     frags: list[FragmentSpec] = []
-    groups = ([("avg", emb)] if n_emb_frags else []) + [("rda", b) for b in bins]
+    groups = ([(True, emb)] if n_emb_frags else []) + [(False, b) for b in bins]
     if not n_emb_frags and emb:  # P == 1: everything in one fragment
-        groups = [("rda", emb + bins[0])]
-    for i, (kind, members) in enumerate(groups):
+        groups = [(False, emb + bins[0])]
+    for i, (is_embedding, members) in enumerate(groups):
         tensors = [
             TensorSpec(name=n, shape=list(p.shape), dtype=DTYPE_NAMES.get(p.dtype, "float32"))
             for n, p in sorted(members, key=lambda np_: np_[0])
         ]
-        frags.append(FragmentSpec(index=i, merge=kind, tensors=tensors))  # type: ignore[arg-type]
+        frags.append(FragmentSpec(index=i, embedding=is_embedding, tensors=tensors))
     return Layout(fragments=frags)
 
 

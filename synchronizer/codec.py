@@ -14,17 +14,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from ddiloco.synchronizer.errors import PayloadError
 from ddiloco.synchronizer.protocol import LAYOUT_KEY, FragmentSpec, Layout
+
+__all__ = ["WIRE_DTYPES", "PayloadError", "check_fragment", "decode", "encode", "read_metadata"]
 
 WIRE_DTYPES: Final[dict[str, torch.dtype]] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-
-
-class PayloadError(ValueError):
-    """A payload that cannot be accepted; the message says why (sent back as a 4xx)."""
 
 
 def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:

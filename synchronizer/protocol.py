@@ -1,15 +1,16 @@
 """The wire protocol between learners and the synchronizer (API version v1).
 
 Both sides import this module, as torchft's lighthouse and manager share one proto file.
-It imports no torch, so the operator can read the status schema cheaply.
+It imports no torch, so the operator and the CLI can parse status answers cheaply.
 
 Bulk payloads are safetensors bytes (never pickle). Control messages are JSON:
 
     POST /v1/join                    JoinRequest            -> JoinResponse
     PUT  /v1/init                    safetensors (metadata: layout)   -> InitResponse
     GET  /v1/fragments/{p}           -> safetensors of the global fragment, header X-DDiLoCo-Version
-    POST /v1/fragments/{p}/updates   safetensors of delta = theta_local - Theta_base,
-                                     metadata = UpdateMeta fields   -> UpdateResponse
+    POST /v1/fragments/{p}/updates   safetensors of the learner's progress on p since its
+                                     previous hand-over, metadata = UpdateMeta fields
+                                     -> UpdateResponse
     POST /v1/heartbeat               Heartbeat              -> HeartbeatResponse
     GET  /v1/status                  -> Status
     GET  /healthz, GET /metrics
@@ -30,11 +31,15 @@ VERSION_HEADER: Final = "X-DDiLoCo-Version"
 CONTENT_TYPE: Final = "application/vnd.safetensors"
 LAYOUT_KEY: Final = "ddiloco.layout"  # safetensors metadata key carrying the layout JSON
 
-MergeKind = Literal["rda", "avg"]
+MergeRule = Literal["rda", "mean"]
+"""How a fragment's contributions combine: radial-directional averaging, or the weighted mean."""
+MAX_STEP_SECONDS: Final = 3600.0
+"""The longest inner step a heartbeat may report; a larger (or non-finite) one is refused, so
+one learner cannot stretch every grace window without bound."""
 
 
 class _Msg(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class TensorSpec(_Msg):
@@ -45,8 +50,9 @@ class TensorSpec(_Msg):
 
 class FragmentSpec(_Msg):
     index: int = Field(ge=0)
-    merge: MergeKind
-    """`avg` for embedding fragments (plain weighted mean), `rda` for the rest."""
+    embedding: bool = False
+    """An embedding fragment always merges by the weighted mean (the method's rule); every
+    other fragment by the synchronizer's configured rule (`SyncSettings.merge`)."""
     tensors: list[TensorSpec]
 
     def numel(self) -> int:
@@ -67,9 +73,6 @@ class Layout(_Msg):
     def digest(self) -> str:
         raw = json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(raw.encode()).hexdigest()[:16]
-
-    def fragment_of(self) -> dict[str, int]:
-        return {t.name: f.index for f in self.fragments for t in f.tensors}
 
 
 class JoinRequest(_Msg):
@@ -111,9 +114,18 @@ class UpdateMeta(_Msg):
     """c_tokens: tokens behind those steps."""
     learner_step: int = Field(ge=0)
     """The learner's local step t_m when it handed the fragment over."""
+    incarnation: int = Field(0, ge=0)
+    """The learner's incarnation (from its join). With `learner_step` it orders one learner's
+    updates of a fragment: the synchronizer keeps, per learner and fragment, the highest
+    (incarnation, learner_step) it accepted, durably, and answers `duplicate` to anything at
+    or below it, however long ago that was."""
 
     def update_id(self) -> str:
-        return f"{self.learner_id}/{self.fragment}/{self.base_version}/{self.learner_step}"
+        return f"{self.learner_id}/{self.fragment}/{self.incarnation}/{self.learner_step}"
+
+    def order(self) -> tuple[int, int]:
+        """Position among this learner's updates of this fragment."""
+        return (self.incarnation, self.learner_step)
 
     def to_metadata(self) -> dict[str, str]:
         return {k: str(v) for k, v in self.model_dump().items()}
@@ -141,10 +153,10 @@ class Heartbeat(_Msg):
     tokens: list[int]
     """c_tokens per fragment."""
     base_versions: list[int]
-    step_seconds: float = Field(ge=0.0)
-    """Moving average of this learner's inner-step time (xi_step)."""
+    step_seconds: float = Field(ge=0.0, le=MAX_STEP_SECONDS)
+    """Moving average of this learner's inner-step time (xi_step), at most an hour."""
     compute_seconds: float = Field(0.0, ge=0.0)
-    """Time spent executing inner steps since the process started."""
+    """Time spent executing inner steps since the process started (at most its uptime)."""
     uptime_seconds: float = Field(0.0, ge=0.0)
     tokens_total: int = Field(0, ge=0)
     loss: float | None = None
@@ -179,7 +191,8 @@ class LearnerStatus(_Msg):
 
 class FragmentStatus(_Msg):
     index: int
-    merge: MergeKind
+    merge: MergeRule
+    """The rule this fragment's merges use."""
     version: int
     contributors_pending: int
 
@@ -204,7 +217,3 @@ class Status(_Msg):
     xi: dict[str, float | None]
     """Current moving averages: step (slowest live learner), quorum, sync; seconds."""
 
-
-class ErrorBody(_Msg):
-    error: str
-    detail: str

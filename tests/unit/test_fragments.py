@@ -36,9 +36,9 @@ def test_embeddings_get_their_own_averaged_fragment() -> None:
     named = list(model.named_parameters())
     emb = {n for n, _ in named if is_embedding_param(n)}
     layout = partition(named, 4, emb)
-    assert layout.fragments[0].merge == "avg"
+    assert layout.fragments[0].embedding
     assert {t.name for t in layout.fragments[0].tensors} == emb
-    assert all(f.merge == "rda" for f in layout.fragments[1:])
+    assert not any(f.embedding for f in layout.fragments[1:])
     assert len(layout.fragments) == 4
     assert layout.digest() == partition(build_model("tiny").named_parameters(), 4, emb).digest()
 

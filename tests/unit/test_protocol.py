@@ -27,10 +27,9 @@ from ddiloco.synchronizer.protocol import (
 PARAMS = {"emb": torch.arange(12.0).reshape(3, 4), "w": torch.ones(4, 4), "b": torch.zeros(4)}
 LAYOUT = Layout(
     fragments=[
-        FragmentSpec(index=0, merge="avg", tensors=[TensorSpec(name="emb", shape=[3, 4])]),
+        FragmentSpec(index=0, embedding=True, tensors=[TensorSpec(name="emb", shape=[3, 4])]),
         FragmentSpec(
             index=1,
-            merge="rda",
             tensors=[TensorSpec(name="b", shape=[4]), TensorSpec(name="w", shape=[4, 4])],
         ),
     ]
