@@ -20,8 +20,9 @@ from typing import Annotated
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 
-from ddiloco.synchronizer import codec, metrics
+from ddiloco.synchronizer import metrics
 from ddiloco.synchronizer.config import SyncSettings, get_settings
+from ddiloco.synchronizer.errors import SyncError
 from ddiloco.synchronizer.protocol import (
     API_PREFIX,
     CONTENT_TYPE,
@@ -34,18 +35,11 @@ from ddiloco.synchronizer.protocol import (
     Status,
     UpdateResponse,
 )
-from ddiloco.synchronizer.service import SyncError, Synchronizer
+from ddiloco.synchronizer.service import Synchronizer
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 30
-ERROR_STATUS = {
-    "unknown_learner": 404,
-    "not_initialized": 409,
-    "stale": 409,
-    "conflict": 409,
-    "invalid": 422,
-}
 MERGE_TICK_S = 0.005
 
 
@@ -119,17 +113,9 @@ def create_app(settings: SyncSettings | None = None) -> FastAPI:
 
     @app.exception_handler(SyncError)
     async def _sync_error(request: Request, exc: SyncError) -> JSONResponse:
-        request.app.state.sync.reject()
+        request.app.state.sync.reject(exc.kind)
         log.warning("Refused %s %s: %s", request.method, request.url.path, exc)
-        return JSONResponse(
-            {"error": exc.kind, "detail": str(exc)}, status_code=ERROR_STATUS[exc.kind]
-        )
-
-    @app.exception_handler(codec.PayloadError)
-    async def _payload_error(request: Request, exc: codec.PayloadError) -> JSONResponse:
-        request.app.state.sync.reject()
-        log.warning("Refused %s %s: %s", request.method, request.url.path, exc)
-        return JSONResponse({"error": "invalid", "detail": str(exc)}, status_code=422)
+        return JSONResponse({"error": str(exc.kind), "detail": str(exc)}, status_code=exc.status)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

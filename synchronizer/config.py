@@ -3,7 +3,7 @@
     DDILOCO_TOKEN=s3cret DDILOCO_STATE_DIR=/var/lib/ddiloco DDILOCO_QUORUM=1 ddiloco synchronizer
 
 Every knob of the merge service lives here, with the paper's symbol where it has one
-(algorithm.md §5-§8). `get_settings()` is cached; tests build `SyncSettings(...)` directly.
+(the paper's §3; README "How it fits together"). `get_settings()` is cached; tests build `SyncSettings(...)` directly.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from ddiloco.synchronizer.protocol import MergeRule
 
 DEFAULT_PORT = 8470
 
@@ -33,9 +35,15 @@ class SyncSettings(BaseSettings):
     token_file: Path | None = None
     """Alternative to `token`: a file holding it (a mounted Secret)."""
     state_dir: Path = Path("ddiloco-state")
-    """Where global fragments, outer momentum, versions and the learner ledger persist."""
+    """Where global fragments, outer momentum, versions, pending updates and the learner
+    ledger persist."""
+    max_init_bytes: int = Field(16 << 30, ge=1 << 10)
+    """The largest initial-model upload accepted, before the layout is known (413 above).
+    Update bodies are capped by their fragment's size in float32, from the layout."""
+    body_timeout_s: float = Field(30.0, gt=0.0)
+    """A request body that sends nothing for this long is refused (408)."""
 
-    # --- rounds (algorithm.md §6.1, §6.2) ---
+    # --- rounds (quorum and the adaptive grace window, the paper's Eq. 3) ---
     quorum: int = Field(1, ge=1)
     """K: merge a fragment as soon as this many learners contributed to it."""
     grace: bool = True
@@ -53,9 +61,10 @@ class SyncSettings(BaseSettings):
     liveness_s: float = Field(10.0, gt=0.0)
     """A learner silent for this long is treated as gone (weight 0, not waited for)."""
 
-    # --- merge (algorithm.md §6.3, §6.4) ---
-    merge: Literal["rda", "mean"] = "rda"
-    """How non-embedding fragments combine outer gradients; embedding fragments always average."""
+    # --- merge (token weighting, radial-directional averaging, outer Nesterov) ---
+    merge: MergeRule = "rda"
+    """How non-embedding fragments combine outer gradients (`rda` or the weighted `mean`);
+    embedding fragments always take the weighted mean."""
     rda_granularity: Literal["tensor", "fragment"] = "tensor"
     """Radial-directional averaging per tensor (default) or over the whole fragment."""
     weighting: Literal["tokens2_per_step", "tokens", "uniform"] = "tokens2_per_step"
@@ -71,11 +80,15 @@ class SyncSettings(BaseSettings):
     progress is the outer gradient (Delta_m = -delta_m, the delayed pseudo-gradient of
     asynchronous Local-SGD) applied to the current Theta, so a learner that missed a round
     has its work merged into the next one instead of thrown away. 0: only updates based on
-    the current version are accepted (algorithm.md §5's strict rule)."""
+    the current version are accepted (the paper's strict rule)."""
     counter_cap_steps: int = Field(96, ge=1)
     """Cap on the steps (and proportionally tokens) a contribution may claim (a few H)."""
+    max_update_ratio: float = Field(2.0, gt=0.0)
+    """Refuse an update whose norm exceeds this multiple of the global fragment's own norm.
+    Needs no history, so it holds on a fresh or restarted synchronizer."""
     max_norm_ratio: float = Field(100.0, gt=1.0)
-    """Refuse an update whose norm exceeds this multiple of the recent median norm."""
+    """Refuse an update whose norm exceeds this multiple of the recent median norm (kept in
+    the fragment file, so it too survives a restart)."""
     broadcast_dtype: Literal["float32", "bfloat16"] = "float32"
     """Precision of global fragments served to learners."""
 

@@ -8,7 +8,9 @@ summed over incarnations (a slot's dead time between incarnations is not seen fr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from ddiloco.synchronizer.protocol import LearnerStatus
 
@@ -55,3 +57,26 @@ def goodput(learners: dict[str, LearnerRecord]) -> float | None:
     compute = sum(r.past_compute_seconds + r.compute_seconds for r in learners.values())
     uptime = sum(r.past_uptime_seconds + r.uptime_seconds for r in learners.values())
     return compute / uptime if uptime > 0 else None
+
+
+def load_records(saved: dict[str, Any]) -> dict[str, LearnerRecord]:
+    """Learner records from ledger.json; each is alive again only once it speaks."""
+    out = {}
+    for rec in saved.get("learners", []):
+        r = LearnerRecord(
+            **{k: v for k, v in rec.items() if k in LearnerRecord.__dataclass_fields__}
+        )
+        r.last_seen = -1e18
+        out[r.learner_id] = r
+    return out
+
+
+def snapshot(learners: dict[str, LearnerRecord], totals: dict[str, Any]) -> dict[str, Any]:
+    """What ledger.json holds: the records without their volatile fields, and the totals."""
+    records = []
+    for r in learners.values():
+        d = asdict(r)
+        d.pop("last_seen")
+        d.pop("steps")
+        records.append(d)
+    return {"learners": records, "totals": copy.deepcopy(totals)}

@@ -1,20 +1,32 @@
-"""Merge math of Decoupled DiLoCo (algorithm.md §6.3-§6.4): weights, RDA, outer Nesterov.
+"""Merge math of Decoupled DiLoCo (paper §3): weights, RDA, outer Nesterov, the policy.
 
-Pure tensor functions on fp32 CPU tensors; nothing here knows about HTTP or rounds.
+Pure tensor functions on fp32 CPU tensors; nothing here knows about HTTP, rounds or files.
 
-    deltas  = [Theta_p - theta_mp for each contribution]          # outer gradients
-    w       = contribution_weight(tokens, steps)                   # tokens^2 / steps
-    delta   = rda(deltas, w)  or  weighted_mean(deltas, w)
-    OuterNesterov(lr=0.7, momentum=0.9).step(Theta_p, momentum_p, delta)
+    policy  = MergePolicy.from_settings(settings)   # rule, weighting, caps, outer optimizer
+    outcome = policy.merge(spec, params, momentum, version, contributions)
+
+which, per contribution m with progress delta_m, computes
+
+    Delta_m = -delta_m                                   # outer gradient
+    w_m     = contribution_weight(tokens, steps)         # tokens^2 / steps
+    Delta   = rda(Delta, w)  or  weighted_mean(Delta, w) # embedding fragments: always the mean
+    OuterNesterov(lr, momentum).step(Theta_p, b_p, Delta)
+
+on copies, and refuses (returns None) a result that is not finite everywhere.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+from ddiloco.synchronizer.protocol import FragmentSpec, MergeRule
+
+if TYPE_CHECKING:
+    from ddiloco.synchronizer.config import SyncSettings
 
 Tensors = dict[str, torch.Tensor]
 Weighting = Literal["tokens2_per_step", "tokens", "uniform"]
@@ -88,12 +100,12 @@ def rda(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tenso
 def merge_fragment(
     deltas: Sequence[Tensors],
     weights: Sequence[float],
-    method: Literal["rda", "avg"],
+    method: MergeRule,
     granularity: Literal["tensor", "fragment"] = "tensor",
 ) -> Tensors:
     """Combine per-learner outer gradients of one fragment into one outer gradient."""
     names = list(deltas[0])
-    if method == "avg":
+    if method == "mean":
         return {n: weighted_mean([d[n] for d in deltas], weights) for n in names}
     if granularity == "tensor":
         return {n: rda([d[n] for d in deltas], weights) for n in names}
@@ -133,3 +145,91 @@ class OuterNesterov:
                 p.sub_(d + self.momentum * b, alpha=self.lr)
             else:
                 p.sub_(b, alpha=self.lr)
+
+
+class NonFiniteMerge(ArithmeticError):
+    """A merge whose result is not finite: it is never persisted nor served."""
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """What one learner brought to a round: its summed progress and the counters behind it."""
+
+    delta: Tensors
+    steps: int
+    tokens: int
+    base_version: int
+
+
+@dataclass(frozen=True)
+class MergeOutcome:
+    params: Tensors
+    momentum: Tensors
+    rule: MergeRule
+    contributors: int
+    tokens: int
+    """Tokens behind the merged contributions (uncapped: every one of them is now in Theta)."""
+    staleness: int
+    """Sum over contributors of (current version - base version)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MergePolicy:
+    """How a fragment's round becomes its next version, built from the settings."""
+
+    rule: MergeRule = "rda"
+    """The rule of every non-embedding fragment; embedding fragments take the weighted mean."""
+    granularity: Literal["tensor", "fragment"] = "tensor"
+    weighting: Weighting = "tokens2_per_step"
+    counter_cap_steps: int = 96
+    outer: OuterNesterov = OuterNesterov()
+
+    @classmethod
+    def from_settings(cls, s: SyncSettings) -> MergePolicy:
+        return cls(
+            rule=s.merge,
+            granularity=s.rda_granularity,
+            weighting=s.weighting,
+            counter_cap_steps=s.counter_cap_steps,
+            outer=OuterNesterov(lr=s.outer_lr, momentum=s.outer_momentum, nesterov=s.nesterov),
+        )
+
+    def rule_for(self, spec: FragmentSpec) -> MergeRule:
+        return "mean" if spec.embedding else self.rule
+
+    def merge(
+        self,
+        spec: FragmentSpec,
+        params: Tensors,
+        momentum: Tensors,
+        version: int,
+        contributions: Sequence[Contribution],
+    ) -> MergeOutcome | None:
+        """The fragment after merging `contributions` (inputs untouched), or None when no
+        contribution weighs anything. Raises `NonFiniteMerge` rather than return a result
+        that is not finite everywhere."""
+        deltas, weights, tokens, staleness = [], [], 0, 0
+        for c in contributions:
+            tok, steps = cap_counters(c.tokens, c.steps, self.counter_cap_steps)
+            w = contribution_weight(tok, steps, self.weighting)
+            if w <= 0:
+                continue
+            # Outer gradient Delta_m = -delta_m: the learner's own progress. For an update
+            # based on the current version this is Theta_p - theta_mp exactly; for one based
+            # on an older version it is the delayed pseudo-gradient (async Local-SGD), which
+            # keeps the rounds merged since instead of pulling Theta back towards its base.
+            deltas.append({k: -v.float() for k, v in c.delta.items()})
+            weights.append(w)
+            tokens += c.tokens
+            staleness += version - c.base_version
+        if not deltas:
+            return None
+        rule = self.rule_for(spec)
+        outer_grad = merge_fragment(deltas, weights, rule, self.granularity)
+        new_params = {k: v.clone() for k, v in params.items()}
+        new_momentum = {k: v.clone() for k, v in momentum.items()}
+        self.outer.step(new_params, new_momentum, outer_grad)
+        for t in (*new_params.values(), *new_momentum.values()):
+            if not bool(torch.isfinite(t).all()):
+                raise NonFiniteMerge(f"merging fragment {spec.index} would make it non-finite")
+        return MergeOutcome(new_params, new_momentum, rule, len(deltas), tokens, staleness)

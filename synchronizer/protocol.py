@@ -195,6 +195,10 @@ class FragmentStatus(_Msg):
     """The rule this fragment's merges use."""
     version: int
     contributors_pending: int
+    tokens_merged: int = 0
+    """Tokens behind every contribution merged into this fragment."""
+    tokens_pending: int = 0
+    """Tokens behind accepted contributions waiting in its open round (durable, see state)."""
 
 
 class Status(_Msg):
@@ -206,6 +210,11 @@ class Status(_Msg):
     """Tokens behind merged contributions, averaged over fragments (each sees every token)."""
     contributions_merged: int
     contributions_rejected: int
+    """Requests refused, all reasons together."""
+    refusals: dict[str, int] = {}
+    """Requests refused, by reason (`errors.Refusal`)."""
+    merges_refused: int = 0
+    """Merges refused because their result was not finite (the fragment kept its version)."""
     mean_contributors: float
     mean_staleness: float
     bytes_up: int
@@ -216,4 +225,3 @@ class Status(_Msg):
     learners: list[LearnerStatus]
     xi: dict[str, float | None]
     """Current moving averages: step (slowest live learner), quorum, sync; seconds."""
-

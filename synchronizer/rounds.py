@@ -1,25 +1,30 @@
-"""Merge rounds: minimum quorum plus the adaptive grace window (algorithm.md §5, §6.1-§6.2).
+"""Merge rounds: minimum quorum plus the adaptive grace window (paper §3, Eq. 3).
 
-Pure bookkeeping with an injected clock; the service feeds it contributions and asks
-which fragments are due to merge. No HTTP, no tensors: a contribution is opaque here.
+Pure bookkeeping with an injected clock; no HTTP, no tensors: a contribution is opaque here.
+`Rounds` owns every input of the grace window: which learners are alive and how long their
+inner steps take (both from `heard`), how long quorums take to gather (xi_quorum) and how
+long merges take (xi_sync).
 
-    rounds = Rounds(num_fragments=4, quorum=1, clock=fake_clock)
-    rounds.add(p, "l0", item, now_live={"l0", "l1"})
-    for p in rounds.due(now_live={"l0", "l1"}, xi_step=0.05): items = rounds.take(p)
+    rounds = Rounds(num_fragments=4, quorum=1, liveness_s=10, clock=fake_clock)
+    rounds.heard("l0", step_seconds=0.05)        # every heartbeat
+    rounds.add(p, "l0", item)                    # an accepted contribution
+    for p in rounds.due(): items = rounds.take(p)
+    rounds.observe_sync(merge_seconds)
 
 Round of fragment p: it starts with the first contribution made for it (late ones wait in
 it without starting it); once `quorum` learners have contributed the grace window opens:
 
     slack = tau * xi_step - (xi_quorum + xi_sync);  grace = clamp(gamma * slack, 0, cap)
 
-and the round merges when it expires, or at once when every live learner is in.
-A learner that sends again before the merge replaces its own contribution.
+with xi_step the step time of the slowest live learner, and the round merges when it
+expires, or at once when every live learner is in. A learner that contributes again before
+the merge puts its (summed) contribution in place of its earlier one.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -72,9 +77,10 @@ class GracePolicy:
 
 
 class Rounds(Generic[T]):
-    """The open round of every fragment. State: contributions, quorum and grace times,
-    the xi_quorum and xi_sync moving averages. Failure of a learner needs no handling here:
-    it simply does not contribute, and `due` stops waiting for learners not in `now_live`."""
+    """The open round of every fragment. State: contributions, quorum and grace times, when
+    each learner was last heard and its step time, the xi_quorum and xi_sync averages.
+    Failure of a learner needs no handling here: a learner not heard for `liveness_s` is not
+    live, so it is neither waited for nor counted in xi_step."""
 
     def __init__(
         self,
@@ -83,23 +89,44 @@ class Rounds(Generic[T]):
         quorum: int = 1,
         grace: GracePolicy | None = None,
         ema_alpha: float = 0.2,
+        liveness_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if quorum < 1:
             raise ValueError(f"quorum must be >= 1, got {quorum}")
         self.quorum = quorum
         self.grace = grace or GracePolicy()
+        self.liveness_s = liveness_s
         self.clock = clock
         self.rounds: list[Round[T]] = [Round() for _ in range(num_fragments)]
         self.xi_quorum = Ema(ema_alpha)
         self.xi_sync = Ema(ema_alpha)
-        self.xi_step: float | None = None
+        self.last_heard: dict[str, float] = {}
+        self.step_seconds: dict[str, float] = {}
 
+    # ---- learners ----------------------------------------------------------------
+    def heard(self, learner_id: str, step_seconds: float | None = None) -> None:
+        """A learner spoke (joined, heartbeat, update); `step_seconds` is its step time."""
+        self.last_heard[learner_id] = self.clock()
+        if step_seconds is not None and step_seconds > 0:
+            self.step_seconds[learner_id] = step_seconds
+
+    def live(self) -> set[str]:
+        horizon = self.clock() - self.liveness_s
+        return {k for k, t in self.last_heard.items() if t >= horizon}
+
+    def xi_step(self, live: set[str] | None = None) -> float | None:
+        """Step time of the slowest live learner, None before any report."""
+        live = self.live() if live is None else live
+        steps = [self.step_seconds[k] for k in live if k in self.step_seconds]
+        return max(steps) if steps else None
+
+    # ---- rounds ------------------------------------------------------------------
     def add(self, p: int, learner_id: str, item: T, *, opens: bool = True) -> None:
-        """Put (or replace) a learner's contribution in p's round. One with `opens=False` (an
-        update that missed the round it was made for) waits in the round without starting
-        it: it merges with the next round that a current contribution starts, so late work
-        joins the fragment's regular cadence instead of adding merges to it."""
+        """Put a learner's contribution in p's round, in place of its earlier one. One with
+        `opens=False` (an update that missed the round it was made for) waits in the round
+        without starting it: it merges with the next round that a current contribution
+        starts, so late work joins the fragment's regular cadence instead of adding merges."""
         r = self.rounds[p]
         now = self.clock()
         if r.started_at is None and opens:
@@ -110,21 +137,18 @@ class Rounds(Generic[T]):
         if r.deadline is None and len(r.contributions) >= self.quorum:
             r.quorum_at = now
             self.xi_quorum.update(now - r.started_at)
-            r.grace = self.grace.window(self.xi_step, self.xi_quorum.value, self.xi_sync.value)
+            r.grace = self.grace.window(self.xi_step(), self.xi_quorum.value, self.xi_sync.value)
             r.deadline = now + r.grace
 
-    def due(self, now_live: Iterable[str], xi_step: float | None = None) -> list[int]:
+    def due(self) -> list[int]:
         """Fragments whose round should merge now."""
-        if xi_step is not None:
-            self.xi_step = xi_step
-        live = set(now_live)
+        live = self.live()
         now = self.clock()
         out = []
         for p, r in enumerate(self.rounds):
             if r.deadline is None:
                 continue
-            everyone_in = live <= set(r.contributions)
-            if now >= r.deadline or everyone_in:
+            if now >= r.deadline or live <= set(r.contributions):
                 out.append(p)
         return out
 
@@ -134,17 +158,18 @@ class Rounds(Generic[T]):
         self.rounds[p] = Round()
         return r.contributions
 
+    def restore(self, p: int, contributions: dict[str, T]) -> None:
+        """Put back the contributions of a merge that was refused (the caller holds p, so no
+        contribution came since): they wait, without starting a round, for the next one."""
+        assert not self.rounds[p].contributions, "restore() needs the fragment held"
+        self.rounds[p] = Round(contributions=dict(contributions))
+
     def collecting(self) -> list[int]:
         """Fragments with a round under way: learners are asked to send them now."""
         return [p for p, r in enumerate(self.rounds) if r.started_at is not None]
 
     def pending(self, p: int) -> int:
         return len(self.rounds[p].contributions)
-
-    def drop_learner(self, learner_id: str) -> None:
-        """Forget a learner's pending contributions (e.g. it rejoined with fresh state)."""
-        for r in self.rounds:
-            r.contributions.pop(learner_id, None)
 
     def observe_sync(self, seconds: float) -> None:
         self.xi_sync.update(seconds)

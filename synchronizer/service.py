@@ -1,38 +1,39 @@
 """The synchronizer's domain logic: learners, fragments, rounds, merges, persistence.
 
-`Synchronizer` is what the HTTP routes call; it knows nothing about HTTP. Blocking work
-(decoding payloads, merging, writing state) happens in the caller's thread: the FastAPI
-layer calls those methods through `asyncio.to_thread`, never on the event loop.
+`Synchronizer` is what the HTTP routes call; it knows nothing about HTTP. Its methods
+block (decoding, merging, fsync) and take locks, so the routes call every one of them from a
+worker thread, never on the event loop.
 
-Failure handling (algorithm.md §5, §7): an absent learner simply does not contribute; an
-update that is malformed, non-finite, from an unknown learner or based on a version more
-than `max_staleness` merges old raises a `SyncError` whose message says why and is never
-merged; a late one within that bound waits for the fragment's next round; re-sending an
-update already accepted or merged is a no-op. State is persisted after every merge, so a
-restarted synchronizer resumes at the same fragment versions.
+Who owns what: `admission` decides accept / duplicate / refuse; `Rounds` owns the quorum,
+the grace window and all of its inputs (liveness, step times); `MergePolicy` turns a round
+into the next version; `StateStore` keeps fragments, pending updates and the ledger on disk.
+
+The contract: an update answered `accepted` is in the fragment's pending log on disk before
+the answer, and is merged exactly once, whatever crashes: a restarted synchronizer replays
+the log into the open rounds, skipping what the fragment file says it already merged, and
+the per-learner order high-water marks make any re-send a `duplicate`. A merge is durable
+(fragment file written, log emptied after) before its version is served, and a merge whose
+result is not finite is refused: the fragment stays as it was and its contributions wait.
+Anything refused (malformed, non-finite, implausible norm, too stale, unknown learner)
+raises a `SyncError` whose message says why, and changes nothing.
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
 import threading
 import time
-from collections import deque
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from ddiloco.synchronizer import codec, ledger
+from ddiloco.synchronizer import admission, codec, ledger
 from ddiloco.synchronizer.config import SyncSettings
+from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
 from ddiloco.synchronizer.ledger import LearnerRecord
-from ddiloco.synchronizer.merge import (
-    OuterNesterov,
-    cap_counters,
-    contribution_weight,
-    merge_fragment,
-)
+from ddiloco.synchronizer.merge import Contribution, MergePolicy, NonFiniteMerge
 from ddiloco.synchronizer.protocol import (
     FragmentStatus,
     Heartbeat,
@@ -40,104 +41,136 @@ from ddiloco.synchronizer.protocol import (
     InitResponse,
     JoinRequest,
     JoinResponse,
+    Layout,
     Status,
     UpdateMeta,
     UpdateResponse,
 )
 from ddiloco.synchronizer.rounds import GracePolicy, Rounds
-from ddiloco.synchronizer.state import FragmentState, StateStore
+from ddiloco.synchronizer.state import FragmentState, Order, StateStore
 
 log = logging.getLogger(__name__)
 
+HEADER_SLACK = 1 << 20
+"""Bytes a safetensors header with metadata may add to a fragment's tensors."""
 
-class SyncError(Exception):
-    """A refused request. `kind` maps to an HTTP status at the route edge."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind  # unknown_learner | not_initialized | stale | conflict | invalid
+__all__ = ["SyncError", "Synchronizer"]
 
 
 @dataclass
 class Pending:
-    """One learner's contribution to an open round. A learner that hands the fragment over
-    again before the round merges adds to it: updates carry progress since the previous
-    hand-over, so deltas and counters sum."""
+    """One learner's contribution to an open round: the sum of its updates since the last
+    merge (they carry progress since the previous hand-over, so deltas and counters add)."""
 
-    meta: UpdateMeta
     delta: dict[str, torch.Tensor]
-    ids: list[str]
+    steps: int
+    tokens: int
+    base_version: int
+    order: Order
+    ids: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, meta: UpdateMeta, delta: dict[str, torch.Tensor]) -> Pending:
+        return cls(
+            {k: v.float() for k, v in delta.items()},
+            meta.steps,
+            meta.tokens,
+            meta.base_version,
+            meta.order(),
+            [meta.update_id()],
+        )
 
     def absorb(self, meta: UpdateMeta, delta: dict[str, torch.Tensor]) -> None:
         for k, v in delta.items():
-            self.delta[k] = self.delta[k].float() + v.float()
-        self.meta = self.meta.model_copy(
-            update={
-                "steps": self.meta.steps + meta.steps,
-                "tokens": self.meta.tokens + meta.tokens,
-                "base_version": min(self.meta.base_version, meta.base_version),
-                "learner_step": meta.learner_step,
-            }
-        )
+            self.delta[k].add_(v.float())
+        self.steps += meta.steps
+        self.tokens += meta.tokens
+        self.base_version = min(self.base_version, meta.base_version)
+        self.order = max(self.order, meta.order())
         self.ids.append(meta.update_id())
+
+    def contribution(self) -> Contribution:
+        return Contribution(self.delta, self.steps, self.tokens, self.base_version)
 
 
 class Synchronizer:
     """State: layout, per-fragment Theta/momentum/version, open rounds, learner ledger."""
 
     def __init__(self, settings: SyncSettings, clock: Callable[[], float] = time.monotonic) -> None:
-        self.settings = settings
+        self.settings = s = settings
         self.clock = clock
-        self.store = StateStore(settings.state_dir)
+        self.store = StateStore(s.state_dir)
         self.lock = threading.RLock()
-        self.outer = OuterNesterov(
-            lr=settings.outer_lr, momentum=settings.outer_momentum, nesterov=settings.nesterov
-        )
-        self.layout = self.store.load_layout()
-        self.fragments: list[FragmentState] = []
-        self.frag_locks: list[threading.Lock] = []
-        self.served: list[tuple[int, bytes]] = []
-        self.norms: list[deque[float]] = []
-        self.learners: dict[str, LearnerRecord] = {}
-        self.on_change: Callable[[], None] = lambda: None
-        """Called (from any thread) when versions or open rounds change: wakes long polls."""
-        self.totals = {
-            "bytes_up": 0,
-            "bytes_down": 0,
-            "rejected": 0,
-            "merged_contributors": 0,
-            "staleness_sum": 0,
-        }
-        ledger = self.store.load_ledger()
-        for rec in ledger.get("learners", []):
-            r = LearnerRecord(
-                **{k: v for k, v in rec.items() if k in LearnerRecord.__dataclass_fields__}
-            )
-            r.last_seen = -1e18  # alive again only once it speaks
-            self.learners[r.learner_id] = r
-        self.totals.update(ledger.get("totals", {}))
-        self.rounds: Rounds[Pending] = Rounds(0, quorum=settings.quorum, clock=clock)
-        if self.layout is not None:
-            self._adopt(self.store.load_fragments(self.layout))
-            log.info("Resumed state from %s: versions %s", settings.state_dir, self.versions())
-
-    # ---- setup -------------------------------------------------------------------
-    def _adopt(self, fragments: list[FragmentState]) -> None:
-        s = self.settings
-        self.fragments = fragments
-        self.frag_locks = [threading.Lock() for _ in fragments]
-        self.norms = [deque(maxlen=32) for _ in fragments]
-        self.served = [self._encode(fs) for fs in fragments]
-        grace = GracePolicy(
+        """Guards learners, totals and rounds; never held across disk writes."""
+        self.ledger_lock = threading.Lock()
+        """Orders ledger writes: the snapshot is taken and written under it."""
+        self.policy = MergePolicy.from_settings(s)
+        self.grace = GracePolicy(
             enabled=s.grace,
             gamma=s.grace_gamma,
             cap_steps=s.grace_cap_steps,
             default_s=s.grace_default_s,
             tau=s.tau,
         )
-        self.rounds = Rounds(
-            len(fragments), quorum=s.quorum, grace=grace, ema_alpha=s.ema_alpha, clock=self.clock
+        self.layout: Layout | None = self.store.load_layout()
+        self.fragments: list[FragmentState] = []
+        self.frag_locks: list[threading.Lock] = []
+        """One per fragment, held by an update's admission and by a merge of that fragment."""
+        self.served: list[tuple[int, bytes]] = []
+        self.on_change: Callable[[], None] = lambda: None
+        """Called (from any thread) when versions or open rounds change: wakes long polls."""
+        saved = self.store.load_ledger()
+        self.learners: dict[str, LearnerRecord] = ledger.load_records(saved)
+        self.totals: dict = {
+            "bytes_up": 0,
+            "bytes_down": 0,
+            "merged_contributors": 0,
+            "staleness_sum": 0,
+            "merges_refused": 0,
+        }
+        self.totals.update({k: v for k, v in saved.get("totals", {}).items() if k != "rejected"})
+        self.refusals: Counter[str] = Counter(saved.get("totals", {}).get("refusals", {}))
+        self.rounds: Rounds[Pending] = self._rounds(0)
+        if self.layout is not None:
+            self._adopt(self.store.load_fragments(self.layout))
+            replayed = self._replay()
+            log.info(
+                "Resumed state from %s: versions %s, %d pending updates replayed",
+                s.state_dir,
+                self.versions(),
+                replayed,
+            )
+
+    # ---- setup -------------------------------------------------------------------
+    def _rounds(self, n: int) -> Rounds[Pending]:
+        s = self.settings
+        return Rounds(
+            n,
+            quorum=s.quorum,
+            grace=self.grace,
+            ema_alpha=s.ema_alpha,
+            liveness_s=s.liveness_s,
+            clock=self.clock,
         )
+
+    def _adopt(self, fragments: list[FragmentState]) -> None:
+        self.fragments = fragments
+        self.frag_locks = [threading.Lock() for _ in fragments]
+        self.served = [self._encode(fs) for fs in fragments]
+        self.rounds = self._rounds(len(fragments))
+
+    def _replay(self) -> int:
+        """Put every accepted, not yet merged update from the pending logs back in its round."""
+        count = 0
+        for p, fs in enumerate(self.fragments):
+            for payload in self.store.pending(p).read():
+                meta = UpdateMeta.from_metadata(codec.read_metadata(payload))
+                merged = fs.high_water.get(meta.learner_id)
+                if merged is not None and meta.order() <= merged:
+                    continue  # merged before the crash; the log was not emptied yet
+                self._hold(p, meta, codec.decode(payload))
+                count += 1
+        return count
 
     def _encode(self, fs: FragmentState) -> tuple[int, bytes]:
         dtype = codec.WIRE_DTYPES[self.settings.broadcast_dtype]
@@ -147,26 +180,27 @@ class Synchronizer:
         """Published versions: durable on disk and served (a merge in progress is not)."""
         return [version for version, _ in self.served]
 
+    def body_limit(self, p: int | None) -> int:
+        """The largest body the update route of fragment p (None: the init route) can need."""
+        if self.layout is None or p is None or not 0 <= p < len(self.layout.fragments):
+            return self.settings.max_init_bytes
+        return self.layout.fragments[p].numel() * 4 + HEADER_SLACK
+
     def _save_ledger(self) -> None:
-        learners = []
-        for r in self.learners.values():
-            d = asdict(r)
-            d.pop("last_seen")
-            d.pop("steps")
-            learners.append(d)
-        self.store.save_ledger({"learners": learners, "totals": self.totals})
+        with self.ledger_lock:
+            with self.lock:
+                totals = {**self.totals, "refusals": dict(self.refusals)}
+                snap = ledger.snapshot(self.learners, totals)
+            self.store.save_ledger(snap)
 
     def _learner(self, learner_id: str) -> LearnerRecord:
         rec = self.learners.get(learner_id)
         if rec is None:
             raise SyncError(
-                "unknown_learner", f"learner {learner_id!r} has not joined; POST /v1/join first"
+                Refusal.UNKNOWN_LEARNER,
+                f"learner {learner_id!r} has not joined; POST /v1/join first",
             )
         return rec
-
-    def live(self) -> set[str]:
-        horizon = self.clock() - self.settings.liveness_s
-        return {k for k, r in self.learners.items() if r.last_seen >= horizon}
 
     # ---- learner calls -----------------------------------------------------------
     def join(self, req: JoinRequest) -> JoinResponse:
@@ -174,7 +208,7 @@ class Synchronizer:
             digest = self.layout.digest() if self.layout else None
             if digest and req.layout_digest and req.layout_digest != digest:
                 raise SyncError(
-                    "conflict",
+                    Refusal.CONFLICT,
                     f"layout digest {req.layout_digest} differs from the "
                     f"job's {digest}: same model, P and fragment rule on every learner",
                 )
@@ -185,39 +219,39 @@ class Synchronizer:
                 rec.compute_seconds = rec.uptime_seconds = 0.0
             rec.incarnation += 1
             rec.last_seen = self.clock()
-            self.rounds.drop_learner(req.learner_id)
-            self._save_ledger()
-            log.info(
-                "Learner joined learner=%s incarnation=%d host=%s",
-                req.learner_id,
-                rec.incarnation,
-                req.host,
-            )
-            return JoinResponse(
-                initialized=self.layout is not None,
-                layout_digest=digest,
-                versions=self.versions(),
-                incarnation=rec.incarnation,
-            )
+            self.rounds.heard(req.learner_id)
+            incarnation = rec.incarnation
+        # durable before the answer: an incarnation is never handed out twice
+        self._save_ledger()
+        log.info(
+            "Learner joined learner=%s incarnation=%d host=%s",
+            req.learner_id,
+            incarnation,
+            req.host,
+        )
+        return JoinResponse(
+            initialized=self.layout is not None,
+            layout_digest=digest,
+            versions=self.versions(),
+            incarnation=incarnation,
+        )
 
     def init(self, payload: bytes) -> InitResponse:
-        meta = codec.read_metadata(payload)
-        layout = codec.layout_from_metadata(meta)
+        layout = codec.layout_from_metadata(codec.read_metadata(payload))
         with self.lock:
             if self.layout is not None:
                 if layout.digest() != self.layout.digest():
-                    raise SyncError("conflict", "already initialized with a different layout")
+                    raise SyncError(Refusal.CONFLICT, "already initialized with a different layout")
                 return InitResponse(
                     created=False, layout_digest=self.layout.digest(), versions=self.versions()
                 )
             tensors = codec.decode(payload)
             fragments = []
             for spec in layout.fragments:
-                part = {t.name: tensors.get(t.name) for t in spec.tensors}
-                missing = [k for k, v in part.items() if v is None]
+                missing = [t.name for t in spec.tensors if t.name not in tensors]
                 if missing:
-                    raise codec.PayloadError(f"init payload lacks tensors {missing[:5]}")
-                params = {k: v.float().clone() for k, v in part.items() if v is not None}
+                    raise PayloadError(f"init payload lacks tensors {missing[:5]}")
+                params = {t.name: tensors[t.name].float().clone() for t in spec.tensors}
                 codec.check_fragment(params, spec)
                 fragments.append(
                     FragmentState(
@@ -238,97 +272,104 @@ class Synchronizer:
 
     def fragment(self, p: int) -> tuple[int, bytes]:
         if self.layout is None:
-            raise SyncError("not_initialized", "no global model yet: the first learner uploads it")
+            raise SyncError(
+                Refusal.NOT_INITIALIZED, "no global model yet: the first learner uploads it"
+            )
         if not 0 <= p < len(self.fragments):
             raise SyncError(
-                "invalid", f"fragment {p} does not exist (0..{len(self.fragments) - 1})"
+                Refusal.INVALID, f"fragment {p} does not exist (0..{len(self.fragments) - 1})"
             )
         version, body = self.served[p]
         with self.lock:
             self.totals["bytes_down"] += len(body)
         return version, body
 
-    def submit(self, payload: bytes, path_fragment: int | None = None) -> UpdateResponse:
+    def _meta(self, payload: bytes, path_fragment: int | None) -> UpdateMeta:
         try:
             meta = UpdateMeta.from_metadata(codec.read_metadata(payload))
-        except codec.PayloadError:
-            raise
         except ValueError as e:
-            raise codec.PayloadError(f"update metadata is invalid: {e}") from None
+            raise PayloadError(f"update metadata is invalid: {e}") from None
         if path_fragment is not None and meta.fragment != path_fragment:
-            raise codec.PayloadError(
+            raise PayloadError(
                 f"update says fragment {meta.fragment} but was sent to {path_fragment}"
             )
         if self.layout is None:
-            raise SyncError("not_initialized", "no global model yet: nothing to update")
+            raise SyncError(Refusal.NOT_INITIALIZED, "no global model yet: nothing to update")
         if meta.fragment >= len(self.fragments):
-            raise codec.PayloadError(
+            raise PayloadError(
                 f"fragment {meta.fragment} does not exist (0..{len(self.fragments) - 1})"
             )
+        if meta.steps == 0 or meta.tokens == 0:
+            raise PayloadError("update has no steps or no tokens behind it: it carries no work")
+        return meta
+
+    def _high_water(self, p: int, learner_id: str) -> Order | None:
+        """The highest order held for this learner and fragment, merged or pending."""
+        marks = [self.fragments[p].high_water.get(learner_id)]
+        pending = self.rounds.rounds[p].contributions.get(learner_id)
+        marks.append(pending.order if pending is not None else None)
+        known = [m for m in marks if m is not None]
+        return max(known) if known else None
+
+    def submit(self, payload: bytes, path_fragment: int | None = None) -> UpdateResponse:
+        meta = self._meta(payload, path_fragment)
+        assert self.layout is not None
         self._learner(meta.learner_id)
-        p = meta.fragment
+        p, s = meta.fragment, self.settings
         with self.frag_locks[p]:
             fs = self.fragments[p]
-            uid = meta.update_id()
-            if uid in fs.applied:
+            verdict = admission.admit(
+                meta,
+                version=fs.version,
+                high_water=self._high_water(p, meta.learner_id),
+                max_staleness=s.max_staleness,
+            )
+            if verdict == "duplicate":
                 return UpdateResponse(status="duplicate", fragment=p, round_version=fs.version)
-            pending = self.rounds.rounds[p].contributions.get(meta.learner_id)
-            if pending is not None and uid in pending.ids:
-                return UpdateResponse(status="duplicate", fragment=p, round_version=fs.version + 1)
-            if meta.base_version > fs.version:
-                raise SyncError(
-                    "stale",
-                    f"update of fragment {p} is based on version {meta.base_version}, which this "
-                    f"synchronizer never published (it is at {fs.version}): unknown base",
-                )
-            limit = self.settings.max_staleness
-            if meta.base_version < fs.version - limit:
-                raise SyncError(
-                    "stale",
-                    f"update of fragment {p} is based on version {meta.base_version}, the global "
-                    f"fragment is at {fs.version}: more than {limit} rounds already merged "
-                    "since (max_staleness); adopt the new version",
-                )
             delta = codec.decode(payload)
-            codec.check_fragment(delta, self.layout.fragments[p])
-            n = codec.norm(delta)
-            recent = self.norms[p]
-            if len(recent) >= 5 and n > self.settings.max_norm_ratio * max(
-                statistics.median(recent), 1e-12
-            ):
-                raise codec.PayloadError(
-                    f"update norm {n:.3g} exceeds {self.settings.max_norm_ratio:g}x "
-                    f"the recent median {statistics.median(recent):.3g}"
-                )
-            recent.append(n)
+            n = admission.check_delta(
+                delta,
+                self.layout.fragments[p],
+                theta_norm=codec.norm(fs.params),
+                recent=fs.norms,
+                max_update_ratio=s.max_update_ratio,
+                max_norm_ratio=s.max_norm_ratio,
+            )
+            self.store.pending(p).append(payload)  # durable before we say "accepted"
+            fs.norms = [*fs.norms, n][-admission.NORM_HISTORY :]
+            self._hold(p, meta, delta, opens=verdict == "fresh")
             with self.lock:
-                self.rounds.xi_step = self._xi_step(self.live())  # the grace window opens here
-                if pending is not None:
-                    pending.absorb(meta, delta)
-                else:
-                    pending = Pending(meta, delta, [uid])
-                # a late update (older base) waits for the next round a current one starts
-                fresh = meta.base_version == fs.version
-                self.rounds.add(p, meta.learner_id, pending, opens=fresh)
+                self.rounds.heard(meta.learner_id)
                 self.totals["bytes_up"] += len(payload)
             self.on_change()
             return UpdateResponse(status="accepted", fragment=p, round_version=fs.version + 1)
 
-    def reject(self) -> None:
+    def _hold(
+        self, p: int, meta: UpdateMeta, delta: dict[str, torch.Tensor], opens: bool | None = None
+    ) -> None:
+        """Add an accepted update to p's open round (the caller holds p or is starting up)."""
+        if opens is None:
+            opens = meta.base_version == self.fragments[p].version
         with self.lock:
-            self.totals["rejected"] += 1
+            pending = self.rounds.rounds[p].contributions.get(meta.learner_id)
+            if pending is None:
+                pending = Pending.of(meta, delta)
+            else:
+                pending.absorb(meta, delta)
+            self.rounds.add(p, meta.learner_id, pending, opens=opens)
+
+    def reject(self, kind: Refusal | str = Refusal.INVALID) -> None:
+        with self.lock:
+            self.refusals[str(kind)] += 1
 
     def heartbeat(self, hb: Heartbeat) -> HeartbeatResponse:
         with self.lock:
             rec = self._learner(hb.learner_id)
             rec.last_seen = self.clock()
             rec.step, rec.tokens_total, rec.step_seconds = hb.step, hb.tokens_total, hb.step_seconds
-            rec.compute_seconds, rec.uptime_seconds, rec.loss = (
-                hb.compute_seconds,
-                hb.uptime_seconds,
-                hb.loss,
-            )
-            rec.steps = hb.steps
+            rec.compute_seconds, rec.uptime_seconds = hb.compute_seconds, hb.uptime_seconds
+            rec.loss, rec.steps = hb.loss, hb.steps
+            self.rounds.heard(hb.learner_id, hb.step_seconds)
             return self.poll(hb.learner_id)
 
     def poll(self, learner_id: str) -> HeartbeatResponse:
@@ -349,15 +390,9 @@ class Synchronizer:
         return resp.versions != hb.known_versions or set(resp.requested) != set(hb.known_requested)
 
     # ---- merging -----------------------------------------------------------------
-    def _xi_step(self, live: set[str]) -> float | None:
-        """Step time of the slowest live learner (algorithm.md §6.2), None before any report."""
-        steps = [self.learners[k].step_seconds for k in live if self.learners[k].step_seconds > 0]
-        return max(steps) if steps else None
-
     def due(self) -> list[int]:
         with self.lock:
-            live = self.live()
-            return self.rounds.due(live, xi_step=self._xi_step(live))
+            return self.rounds.due()
 
     def merge(self, p: int) -> int | None:
         """Merge the open round of fragment p; returns the new version (None if nothing)."""
@@ -366,66 +401,77 @@ class Synchronizer:
         spec = self.layout.fragments[p]
         with self.frag_locks[p]:
             with self.lock:
-                contribs = list(self.rounds.take(p).values())
-            s = self.settings
-            fs = self.fragments[p]
-            deltas, weights, tokens, staleness = [], [], 0, 0
-            for c in contribs:
-                tok, steps = cap_counters(c.meta.tokens, c.meta.steps, s.counter_cap_steps)
-                w = contribution_weight(tok, steps, s.weighting)
-                if w <= 0:
-                    continue
-                # Outer gradient Delta_m = -delta_m: the learner's own progress. For an update
-                # based on the current version this is Theta_p - theta_mp exactly; for one based
-                # on an older version it is the delayed pseudo-gradient (async Local-SGD), which
-                # keeps the rounds merged since instead of pulling Theta back towards its base.
-                deltas.append({k: -v.float() for k, v in c.delta.items()})
-                weights.append(w)
-                tokens += c.meta.tokens
-                staleness += fs.version - c.meta.base_version
-            if not deltas:
+                taken = self.rounds.take(p)
+            if not taken:
                 return None
-            delta = merge_fragment(deltas, weights, spec.merge, s.rda_granularity)
-            self.outer.step(fs.params, fs.momentum, delta)
-            fs.version += 1
-            fs.merges += 1
-            fs.tokens_merged += tokens
-            fs.contributions += len(deltas)
-            fs.remember([uid for c in contribs for uid in c.ids])
+            fs = self.fragments[p]
+            try:
+                outcome = self.policy.merge(
+                    spec,
+                    fs.params,
+                    fs.momentum,
+                    fs.version,
+                    [c.contribution() for c in taken.values()],
+                )
+            except NonFiniteMerge as e:
+                with self.lock:
+                    self.rounds.restore(p, taken)
+                    self.totals["merges_refused"] += 1
+                log.error("Refused merge of fragment %d: %s; its contributions wait", p, e)
+                return None
+            for learner_id, c in taken.items():
+                fs.high_water[learner_id] = max(c.order, fs.high_water.get(learner_id, c.order))
+            if outcome is not None:
+                fs.params, fs.momentum = outcome.params, outcome.momentum
+                fs.version += 1
+                fs.merges += 1
+                fs.tokens_merged += outcome.tokens
+                fs.contributions += outcome.contributors
             self.store.save_fragment(p, fs)
+            self.store.pending(p).clear()  # only now: the merge that consumed it is durable
             self.served[p] = self._encode(fs)
             with self.lock:
-                for c in contribs:
-                    if c.meta.learner_id in self.learners:
-                        self.learners[c.meta.learner_id].contributions += 1
-                self.totals["merged_contributors"] += len(deltas)
-                self.totals["staleness_sum"] += staleness
-                self._save_ledger()
+                for learner_id in taken:
+                    if learner_id in self.learners:
+                        self.learners[learner_id].contributions += 1
+                if outcome is not None:
+                    self.totals["merged_contributors"] += outcome.contributors
+                    self.totals["staleness_sum"] += outcome.staleness
                 self.rounds.observe_sync(self.clock() - t0)
-            self.on_change()
+        self._save_ledger()
+        self.on_change()
+        if outcome is not None:
             log.info(
-                "Merged fragment=%d version=%d contributors=%d tokens=%d",
+                "Merged fragment=%d version=%d rule=%s contributors=%d tokens=%d",
                 p,
                 fs.version,
-                len(deltas),
-                tokens,
+                outcome.rule,
+                outcome.contributors,
+                outcome.tokens,
             )
-            return fs.version
+        return fs.version if outcome is not None else None
 
     # ---- status ------------------------------------------------------------------
     def status(self) -> Status:
         with self.lock:
-            now, live = self.clock(), self.live()
+            now, live = self.clock(), self.rounds.live()
             merges = sum(fs.merges for fs in self.fragments)
-            learners = ledger.learner_statuses(self.learners, live, now)
+            contributions = sum(fs.contributions for fs in self.fragments)
+            merged = self.totals["merged_contributors"]
             frags = [
                 FragmentStatus(
                     index=i,
-                    merge=self.layout.fragments[i].merge if self.layout else "rda",
+                    merge=self.policy.rule_for(spec),
                     version=self.served[i][0],
                     contributors_pending=self.rounds.pending(i),
+                    tokens_merged=fs.tokens_merged,
+                    tokens_pending=sum(
+                        c.tokens for c in self.rounds.rounds[i].contributions.values()
+                    ),
                 )
-                for i, fs in enumerate(self.fragments)
+                for i, (spec, fs) in enumerate(
+                    zip(self.layout.fragments if self.layout else [], self.fragments, strict=True)
+                )
             ]
             return Status(
                 initialized=self.layout is not None,
@@ -434,22 +480,23 @@ class Synchronizer:
                 # every fragment sees every token: average over fragments, not a sum
                 tokens_merged=sum(fs.tokens_merged for fs in self.fragments)
                 // max(1, len(self.fragments)),
-                contributions_merged=sum(fs.contributions for fs in self.fragments),
-                contributions_rejected=int(self.totals["rejected"]),
-                mean_contributors=(sum(fs.contributions for fs in self.fragments) / merges)
-                if merges
-                else 0.0,
-                mean_staleness=(self.totals["staleness_sum"] / self.totals["merged_contributors"])
-                if self.totals["merged_contributors"]
-                else 0.0,
+                contributions_merged=contributions,
+                contributions_rejected=sum(self.refusals.values()),
+                refusals=dict(self.refusals),
+                merges_refused=int(self.totals["merges_refused"]),
+                mean_contributors=contributions / merges if merges else 0.0,
+                mean_staleness=self.totals["staleness_sum"] / merged if merged else 0.0,
                 bytes_up=int(self.totals["bytes_up"]),
                 bytes_down=int(self.totals["bytes_down"]),
                 goodput=ledger.goodput(self.learners),
                 fragments=frags,
-                learners=learners,
+                learners=ledger.learner_statuses(self.learners, live, now),
                 xi={
-                    "step": self._xi_step(live),
+                    "step": self.rounds.xi_step(live),
                     "quorum": self.rounds.xi_quorum.value,
                     "sync": self.rounds.xi_sync.value,
                 },
             )
+
+    def close(self) -> None:
+        self.store.close()

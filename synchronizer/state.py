@@ -1,30 +1,43 @@
 """Durable synchronizer state: what a restarted synchronizer needs to resume exactly.
 
     <state_dir>/layout.json                 fragment layout, written once at init
-    <state_dir>/fragment-0003.safetensors   Theta_p, momentum b_p, version and stats of p
+    <state_dir>/fragment-0003.safetensors   Theta_p, momentum b_p, version, stats, high-water marks
+    <state_dir>/pending-0003.log            updates of p accepted since its last merge (the WAL)
     <state_dir>/ledger.json                 learners (incarnations, contributions), totals
 
-Every file is replaced atomically (write a temporary file, fsync, rename, fsync the
-directory), so a SIGKILL at any instant leaves the previous or the next version of each
-file, never a torn one. A fragment file carries its own version and the ids of the updates
-merged into it, so a fragment and its duplicate filter can never disagree.
+Whole files are replaced atomically (write a temporary file, fsync, rename, fsync the
+directory), so a SIGKILL at any instant leaves the previous or the next version of each,
+never a torn one. The pending log is append-only: an accepted update is appended and
+fsynced before the synchronizer answers `accepted`, and the log is emptied only after the
+merge that consumed it is durable in the fragment file. A record torn by a crash (it was
+never acknowledged) is cut off when the log is read back.
+
+A fragment file carries, per learner, the highest (incarnation, learner_step) merged into
+it: with the pending log's records it tells a restarted synchronizer exactly which
+updates it already holds, however long ago they came.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from ddiloco.synchronizer.protocol import Layout
 
 Tensors = dict[str, torch.Tensor]
-APPLIED_KEEP = 512  # ids of recently merged updates kept per fragment, for idempotence
+Order = tuple[int, int]
+"""(incarnation, learner_step): the position of an update among one learner's of a fragment."""
+
+_RECORD = struct.Struct("<QI")  # payload length, crc32 of the payload
 
 
 @dataclass
@@ -35,10 +48,10 @@ class FragmentState:
     merges: int = 0
     tokens_merged: int = 0
     contributions: int = 0
-    applied: list[str] = field(default_factory=list)
-
-    def remember(self, update_ids: list[str]) -> None:
-        self.applied = (self.applied + update_ids)[-APPLIED_KEEP:]
+    high_water: dict[str, Order] = field(default_factory=dict)
+    """Per learner, the highest update order merged into this fragment."""
+    norms: list[float] = field(default_factory=list)
+    """Norms of recently accepted updates (the relative guard's history survives restarts)."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -56,15 +69,77 @@ def _replace(tmp: Path, final: Path) -> None:
     _fsync_dir(final.parent)
 
 
+class PendingLog:
+    """Append-only, fsynced log of one fragment's accepted, not yet merged updates."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd: int | None = None
+
+    def _open(self) -> int:
+        if self.fd is None:
+            new = not self.path.exists()
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            if new:
+                _fsync_dir(self.path.parent)
+        return self.fd
+
+    def append(self, payload: bytes) -> None:
+        fd = self._open()
+        header = _RECORD.pack(len(payload), zlib.crc32(payload))
+        os.writev(fd, [header, payload])
+        os.fsync(fd)
+
+    def read(self) -> list[bytes]:
+        """Every whole record; a torn tail (a crash mid-append) is cut off the file."""
+        if not self.path.exists():
+            return []
+        data = self.path.read_bytes()
+        out, pos = [], 0
+        while pos + _RECORD.size <= len(data):
+            n, crc = _RECORD.unpack_from(data, pos)
+            body = data[pos + _RECORD.size : pos + _RECORD.size + n]
+            if len(body) < n or zlib.crc32(body) != crc:
+                break
+            out.append(body)
+            pos += _RECORD.size + n
+        if pos < len(data):
+            with open(self.path, "rb+") as f:
+                f.truncate(pos)
+                os.fsync(f.fileno())
+        return out
+
+    def clear(self) -> None:
+        """Empty the log (after the merge that consumed it is durable)."""
+        self.close()
+        with open(self.path, "wb") as f:
+            os.fsync(f.fileno())
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 class StateStore:
-    """Reads and atomically writes the files above; one instance per state directory."""
+    """Reads and durably writes the files above; one instance per state directory."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.logs: dict[int, PendingLog] = {}
 
     def _fragment_path(self, p: int) -> Path:
         return self.root / f"fragment-{p:04d}.safetensors"
+
+    def pending(self, p: int) -> PendingLog:
+        if p not in self.logs:
+            self.logs[p] = PendingLog(self.root / f"pending-{p:04d}.log")
+        return self.logs[p]
+
+    def close(self) -> None:
+        for log in self.logs.values():
+            log.close()
 
     def load_layout(self) -> Layout | None:
         path = self.root / "layout.json"
@@ -83,7 +158,8 @@ class StateStore:
             "merges": str(fs.merges),
             "tokens_merged": str(fs.tokens_merged),
             "contributions": str(fs.contributions),
-            "applied": json.dumps(fs.applied),
+            "high_water": json.dumps({k: list(v) for k, v in fs.high_water.items()}),
+            "norms": json.dumps(fs.norms),
         }
         final = self._fragment_path(p)
         tmp = final.with_name(f".{final.name}.tmp")
@@ -91,16 +167,13 @@ class StateStore:
         _replace(tmp, final)
 
     def load_fragment(self, p: int) -> FragmentState:
-        path = self._fragment_path(p)
-        tensors = load_file(str(path))
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
+        params: Tensors = {}
+        momentum: Tensors = {}
+        with safe_open(str(self._fragment_path(p)), framework="pt") as f:
             meta = f.metadata() or {}
-        params = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
-        momentum = {
-            k.removeprefix("momentum/"): v for k, v in tensors.items() if k.startswith("momentum/")
-        }
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                kind, _, name = key.partition("/")
+                (params if kind == "param" else momentum)[name] = f.get_tensor(key)
         return FragmentState(
             params=params,
             momentum=momentum,
@@ -108,7 +181,11 @@ class StateStore:
             merges=int(meta.get("merges", 0)),
             tokens_merged=int(meta.get("tokens_merged", 0)),
             contributions=int(meta.get("contributions", 0)),
-            applied=json.loads(meta.get("applied", "[]")),
+            high_water={
+                k: (int(v[0]), int(v[1]))
+                for k, v in json.loads(meta.get("high_water", "{}")).items()
+            },
+            norms=[float(x) for x in json.loads(meta.get("norms", "[]"))],
         )
 
     def load_fragments(self, layout: Layout) -> list[FragmentState]:

@@ -104,7 +104,7 @@ def test_heavy_ball_and_pure_averaging_controls() -> None:
     glob = torch.tensor([1.0, 1.0])
     locals_ = [torch.tensor([0.0, 2.0]), torch.tensor([2.0, 4.0])]
     deltas = [{"w": glob - x} for x in locals_]
-    merged = merge_fragment(deltas, [1.0, 3.0], "avg")
+    merged = merge_fragment(deltas, [1.0, 3.0], "mean")
     theta = {"w": glob.clone()}
     OuterNesterov(lr=1.0, momentum=0.0).step(theta, {"w": torch.zeros(2)}, merged)
     assert torch.allclose(theta["w"], (locals_[0] * 1 + locals_[1] * 3) / 4)

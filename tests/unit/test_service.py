@@ -27,7 +27,7 @@ from ddiloco.synchronizer.protocol import (
 from ddiloco.synchronizer.service import SyncError, Synchronizer
 
 LAYOUT = Layout(
-    fragments=[FragmentSpec(index=0, merge="rda", tensors=[TensorSpec(name="w", shape=[4])])]
+    fragments=[FragmentSpec(index=0, tensors=[TensorSpec(name="w", shape=[4])])]
 )
 
 
@@ -47,6 +47,7 @@ def make(tmp_path: Path, clock: Clock, **kw: object) -> Synchronizer:
         "tau": 2,
         "outer_lr": 1.0,
         "outer_momentum": 0.0,
+        "max_update_ratio": 10.0,  # the toy deltas below move each weight by up to 3
     }
     return Synchronizer(SyncSettings(**(base | kw)), clock=clock)  # type: ignore[arg-type]
 

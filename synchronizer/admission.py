@@ -1,0 +1,96 @@
+"""Admission of an update: accept it, call it a duplicate, or refuse it with the reason.
+
+Pure functions of the update and the fragment's durable state; nothing here changes state
+or needs history that a restart erases (the order high-water marks and the norm history
+live in the fragment file and the pending log, see state.py).
+
+    verdict = admit(meta, version=fs.version, high_water=hw, max_staleness=4)  # before decoding
+    norm = check_delta(delta, spec, theta_norm=..., recent=fs.norms, ...)        # after decoding
+
+Order: one learner's updates of a fragment carry increasing (incarnation, learner_step), and
+its client re-sends an update only as it was. So an update at or below the highest order
+the synchronizer holds for that learner and fragment (merged or pending) is one it already
+has: `duplicate`, a no-op, whenever it comes back.
+
+Norm guard: an update larger than `max_update_ratio` times the fragment's scale (its own
+parameter norm, or sqrt(numel) if larger, i.e. an RMS of 1 per parameter, so a fragment of
+zero-initialized biases can still move) is refused whatever came before (a fresh or restarted synchronizer has no history; one
+finite update of 3e38 must not turn Theta into Inf). Where there is history, an update more
+than `max_norm_ratio` times the median of the recent ones is refused as well.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from ddiloco.synchronizer import codec
+from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
+from ddiloco.synchronizer.protocol import FragmentSpec, UpdateMeta
+from ddiloco.synchronizer.state import Order
+
+NORM_HISTORY = 32
+"""Recent accepted update norms kept per fragment for the relative guard."""
+MIN_HISTORY = 5
+"""The relative guard needs this many recent norms."""
+
+
+def admit(
+    meta: UpdateMeta, *, version: int, high_water: Order | None, max_staleness: int
+) -> Literal["fresh", "late", "duplicate"]:
+    """Where an update stands before its tensors are read: `fresh` (based on the current
+    version: it may start a round), `late` (within max_staleness: it waits in the next
+    round), or `duplicate`. Raises SyncError(STALE) otherwise."""
+    if high_water is not None and meta.order() <= high_water:
+        return "duplicate"
+    p = meta.fragment
+    if meta.base_version > version:
+        raise SyncError(
+            Refusal.STALE,
+            f"update of fragment {p} is based on version {meta.base_version}, which this "
+            f"synchronizer never published (it is at {version}): unknown base",
+        )
+    if meta.base_version < version - max_staleness:
+        raise SyncError(
+            Refusal.STALE,
+            f"update of fragment {p} is based on version {meta.base_version}, the global "
+            f"fragment is at {version}: more than {max_staleness} rounds already merged "
+            "since (max_staleness); adopt the new version",
+        )
+    return "fresh" if meta.base_version == version else "late"
+
+
+def check_delta(
+    delta: dict[str, torch.Tensor],
+    spec: FragmentSpec,
+    *,
+    theta_norm: float,
+    recent: Sequence[float],
+    max_update_ratio: float,
+    max_norm_ratio: float,
+) -> float:
+    """Refuse a delta of the wrong shape or dtype, non-finite, or of implausible norm;
+    return its norm."""
+    codec.check_fragment(delta, spec)
+    n = codec.norm(delta)
+    if not math.isfinite(n):
+        raise PayloadError(f"update norm overflows ({n}): not a plausible update")
+    scale = max(theta_norm, math.sqrt(spec.numel()))
+    if n > max_update_ratio * scale:
+        raise PayloadError(
+            f"update norm {n:.3g} exceeds {max_update_ratio:g}x the scale of global fragment "
+            f"{spec.index} ({scale:.3g}: its norm, or an RMS of 1 per parameter if larger; "
+            "max_update_ratio)"
+        )
+    if len(recent) >= MIN_HISTORY:
+        median = statistics.median(recent)
+        if n > max_norm_ratio * max(median, 1e-12):
+            raise PayloadError(
+                f"update norm {n:.3g} exceeds {max_norm_ratio:g}x the recent median "
+                f"{median:.3g} (max_norm_ratio)"
+            )
+    return n
