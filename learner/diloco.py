@@ -16,8 +16,11 @@ steps taken since the hand-over, theta_p <- Theta_p + (theta_p - anchor_p); `ove
 way anchor_p <- Theta_p. Successive deltas never overlap, so the synchronizer can merge an
 update that missed its round into a later one (max_staleness). Fragment p falls due H
 steps after its previous hand-over, so a learner that answered a round's request early
-falls into step with the others. The inner optimizer state is left alone. A refused or
-lost upload costs that delta's work only; training goes on.
+falls into step with the others. The inner optimizer state is left alone. No hand-over is
+dropped: the streamer's outbox re-sends an unanswered upload until the synchronizer
+answers, and sums the ones that queue up behind an outage. Only a refused upload (4xx)
+costs work, that delta's; training goes on. `ledger()` accounts for every token computed
+on each fragment: handed over, not yet handed over, or dropped by an `overwrite` adoption.
 """
 
 from __future__ import annotations
@@ -60,6 +63,11 @@ class DecoupledDiLoCo:
         smaller delta would only dilute the merge and cost an upload."""
         self.c_steps = [0] * n
         self.c_tokens = [0] * n
+        kinds = ("computed", "handed_over", "dropped_by_overwrite")
+        self.counted = {f"{k}_{u}": [0] * n for k in kinds for u in ("steps", "tokens")}
+        """Since join, per fragment: steps and tokens computed, handed over, and dropped by
+        an `overwrite` adoption (reset without being sent); see `ledger()`."""
+        self.left_at_close: dict[int, dict[str, int]] = {}
         self.in_flight: set[int] = set()
         self.step = 0
         self.tokens_total = 0
@@ -87,7 +95,7 @@ class DecoupledDiLoCo:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.streamer.close()
+        self.left_at_close = self.streamer.close()
 
     @torch.no_grad()
     def _adopt(
@@ -101,13 +109,15 @@ class DecoupledDiLoCo:
             anchor = self.base[p].get(name)
             if rebase and anchor is not None:
                 local.add_(glob - anchor)
-            elif a > 0:
+            elif a > 0 and not join:  # a joiner takes the global copy as it is
                 local.mul_(a).add_(glob, alpha=1 - a)
             else:
                 local.copy_(glob)
             self.base[p][name] = glob.clone()
         self.base_version[p] = version
         if not rebase:
+            self.counted["dropped_by_overwrite_steps"][p] += self.c_steps[p]
+            self.counted["dropped_by_overwrite_tokens"][p] += self.c_tokens[p]
             self.c_steps[p] = self.c_tokens[p] = 0
         self.in_flight.discard(p)
         self.stats["adopted"] += 1
@@ -132,8 +142,11 @@ class DecoupledDiLoCo:
             steps=self.c_steps[p],
             tokens=self.c_tokens[p],
             learner_step=self.step,
+            incarnation=self.streamer.incarnation,
         )
         self.streamer.send(meta, delta)
+        self.counted["handed_over_steps"][p] += self.c_steps[p]
+        self.counted["handed_over_tokens"][p] += self.c_tokens[p]
         self.events.append(
             {
                 "event": "handover",
@@ -158,6 +171,8 @@ class DecoupledDiLoCo:
         for p in range(len(self.base)):
             self.c_steps[p] += 1
             self.c_tokens[p] += tokens
+            self.counted["computed_steps"][p] += 1
+            self.counted["computed_tokens"][p] += tokens
         for p, _, status in self.streamer.results():
             if status not in ("accepted", "duplicate"):
                 self.in_flight.discard(p)
@@ -188,6 +203,17 @@ class DecoupledDiLoCo:
                 loss=loss,
             )
         )
+
+    def ledger(self) -> dict[int, dict[str, int]]:
+        """Per fragment, since join: computed_* = handed_over_* + not_handed_over_* (c_steps,
+        c_tokens) + dropped_by_overwrite_*, for steps and tokens. What was handed over is
+        accounted for by the outbox (`Streamer.ledger()`): accepted, duplicate, refused or
+        still queued."""
+        return {
+            p: {k: v[p] for k, v in self.counted.items()}
+            | {"not_handed_over_steps": self.c_steps[p], "not_handed_over_tokens": self.c_tokens[p]}
+            for p in range(len(self.base))
+        }
 
     def drain_events(self) -> list[dict[str, Any]]:
         out, self.events = self.events, []

@@ -4,7 +4,8 @@
 
 Reads top to bottom like nanoGPT's train.py: build the task, the optimizer, then loop.
 The loop never waits for the network (see diloco.py); it stops at its step or time
-budget, or on SIGTERM, after letting queued uploads go out.
+budget, or on SIGTERM, after letting queued uploads go out. Its "stop" record carries the
+token ledger per fragment (`ledger_record`): computed, delivered, refused, left unsent.
 """
 
 from __future__ import annotations
@@ -57,6 +58,27 @@ def lr_at(step: int, cfg: LearnerConfig) -> float:
     if step < cfg.warmup_steps:
         return cfg.inner_lr * (step + 1) / cfg.warmup_steps
     return cfg.inner_lr
+
+
+def ledger_record(diloco: DecoupledDiLoCo) -> list[dict[str, Any]]:
+    """One row per fragment: the learner's counters (`DecoupledDiLoCo.ledger`) beside the
+    outbox's (`Outbox.ledger`), so that for tokens (and steps)
+        computed = accepted + duplicate + refused + queued + not_handed_over
+                   + dropped_by_overwrite,
+    `queued` being what was still unanswered when the learner stopped; `balanced` checks it."""
+    rows = []
+    outbox = diloco.streamer.ledger()
+    for p, mine in diloco.ledger().items():
+        row: dict[str, Any] = {"fragment": p, **mine, **outbox[p]}
+        row["balanced"] = all(
+            row[f"computed_{u}"]
+            == sum(row[f"{k}_{u}"] for k in ("accepted", "duplicate", "refused", "queued"))
+            + row[f"not_handed_over_{u}"]
+            + row[f"dropped_by_overwrite_{u}"]
+            for u in ("steps", "tokens")
+        )
+        rows.append(row)
+    return rows
 
 
 def train(cfg: LearnerConfig) -> dict[str, Any]:
@@ -139,18 +161,22 @@ def train(cfg: LearnerConfig) -> dict[str, Any]:
                     tps,
                     lag,
                 )
-        summary = {
-            "learner_id": cfg.learner_id,
-            "steps": diloco.step,
-            "tokens": diloco.tokens_total,
-            "compute_seconds": round(diloco.compute_seconds, 3),
-            **diloco.stats,
-            "bytes_up": diloco.streamer.bytes_up,
-            "bytes_down": diloco.streamer.bytes_down,
-        }
+    # after the exit: the outbox has drained (for up to its drain time) and its ledger is final
+    summary = {
+        "learner_id": cfg.learner_id,
+        "steps": diloco.step,
+        "tokens": diloco.tokens_total,
+        "compute_seconds": round(diloco.compute_seconds, 3),
+        **diloco.stats,
+        "bytes_up": diloco.streamer.bytes_up,
+        "bytes_down": diloco.streamer.bytes_down,
+        "ledger": ledger_record(diloco),
+    }
     steplog.write({"event": "stop", "t": time.time(), **summary})
     steplog.close()
-    log.info("Learner %s stopped: %s", cfg.learner_id, summary)
+    brief = {k: v for k, v in summary.items() if k != "ledger"}
+    unsent = sum(r["queued_tokens"] + r["refused_tokens"] for r in summary["ledger"])
+    log.info("Learner %s stopped: %s; tokens refused or unsent: %d", cfg.learner_id, brief, unsent)
     return summary
 
 

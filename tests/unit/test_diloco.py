@@ -27,8 +27,11 @@ SyncServer = Any  # tests/conftest.py's, served over h2c on loopback
 
 @pytest.fixture
 def server(make_sync_server: Callable[..., SyncServer]) -> SyncServer:
-    # pure averaging (eta 1, mu 0), no grace: the global copy is exactly what was sent
-    return make_sync_server(quorum=1, grace=False, outer_lr=1.0, outer_momentum=0.0)
+    # pure averaging (eta 1, mu 0), no grace: the global copy is exactly what was sent; the
+    # toy steps move each weight by up to 4, past the default norm guard of an RMS of 2
+    return make_sync_server(
+        quorum=1, grace=False, outer_lr=1.0, outer_momentum=0.0, max_update_ratio=10.0
+    )
 
 
 def learner(server: SyncServer, **kw: object) -> tuple[nn.Linear, DecoupledDiLoCo]:
@@ -98,6 +101,14 @@ def test_hand_over_merge_and_adoption(server: SyncServer, adoption: str) -> None
         expected = 8.0 if adoption == "rebase" else 5.0
         assert torch.allclose(global_weight(server), torch.full((4, 4), expected))
         assert server.client().status().tokens_merged == (80 if adoption == "rebase" else 50)
+        # every token computed is accounted for: handed over (and accepted), or dropped by
+        # the overwrite at step 7 (the 3 steps since the first hand-over)
+        mine, outbox = diloco.ledger()[0], diloco.streamer.ledger()[0]
+        dropped = 0 if adoption == "rebase" else 30
+        assert mine["computed_tokens"] == 80 and mine["not_handed_over_tokens"] == 0
+        assert mine["dropped_by_overwrite_tokens"] == dropped
+        assert mine["handed_over_tokens"] == outbox["put_tokens"] == 80 - dropped
+        assert outbox["accepted_tokens"] == 80 - dropped and outbox["queued_tokens"] == 0
 
 
 def test_a_request_is_answered_only_with_enough_steps_behind_it(
@@ -120,6 +131,9 @@ def test_a_request_is_answered_only_with_enough_steps_behind_it(
         assert diloco.stats["handovers"] == 0  # 1 step behind it: not worth a merge yet
         step(model, diloco)  # 2 steps = H/2: answered
         assert diloco.stats["handovers"] == 1
+        assert diloco.ledger()[0]["handed_over_tokens"] == 20
+        assert diloco.streamer.outbox.wait_empty(10)
+        assert diloco.streamer.ledger()[0]["accepted_tokens"] == 20
         assert diloco.next_due == [2 + 4]  # the schedule now runs from this hand-over
         while server.client().status().merges < 1:  # quorum 2 reached
             assert time.time() < deadline
