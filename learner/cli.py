@@ -6,16 +6,21 @@
 Every option also reads from the environment (`DDILOCO_SYNC_URL`, `DDILOCO_LEARNER_ID`,
 `DDILOCO_H`, `DDILOCO_P`, ...; see config.py), which is how the operator configures pods.
 The token comes only from the environment or a file, never from a flag (it would show in
-`ps`).
+`ps`). A `DDILOCO_*` variable that nothing reads is named in a warning at startup.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from ddiloco.learner.config import LearnerConfig
+
+# parse() options that are not LearnerConfig fields: main() handles them itself.
+NOT_CONFIG = ("token_file", "log_level")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -75,16 +80,28 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def build_config(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None, *, strict: bool = False
+) -> LearnerConfig:
+    """The config `main` runs with: `environ` (default os.environ), then the flags in `args`."""
+    overrides = {k: v for k, v in vars(args).items() if k not in NOT_CONFIG}
+    if args.token_file:
+        overrides["token"] = Path(args.token_file).read_text().strip()
+    return LearnerConfig.from_env(environ, strict=strict, **overrides)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from ddiloco.learner.train import init_logging, train  # torch is imported only here
 
-    overrides = {k: v for k, v in vars(args).items() if k not in ("token_file", "log_level")}
-    if args.token_file:
-        overrides["token"] = Path(args.token_file).read_text().strip()
-    cfg = LearnerConfig.from_env(**overrides)
+    cfg = build_config(args)
     if not cfg.token:
         raise SystemExit("ddiloco learner: no token: set DDILOCO_TOKEN or pass --token-file")
     init_logging(args.log_level, cfg.learner_id)
+    if unread := LearnerConfig.unread_env(os.environ):
+        # not fatal: an older image under a newer operator must still train
+        logging.getLogger(__name__).warning(
+            "Ignoring environment variables nothing reads: %s", ", ".join(unread)
+        )
     train(cfg)
     return 0

@@ -1,14 +1,35 @@
 """Learner knobs, in torchtitan's style: keyword-only fields, a docstring under each.
 
 Every field can come from the environment (`DDILOCO_<FIELD>` upper-cased, as the operator
-sets them in learner pods) and be overridden by `ddiloco learner` flags. No torch here.
+sets them in learner pods; `LearnerConfig.env_names()` lists them) and be overridden by
+`ddiloco learner` flags. No torch here.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from functools import cache
+from types import MappingProxyType, NoneType, UnionType
+from typing import Any, Final, Literal, Union, get_args, get_origin, get_type_hints
+
+ENV_PREFIX: Final = "DDILOCO_"
+ENV_ALIASES: Final[Mapping[str, str]] = MappingProxyType({"h": "H", "num_fragments": "P"})
+"""Fields whose variable is the paper's symbol (`DDILOCO_H`, `DDILOCO_P`), not the field name."""
+
+READ_ELSEWHERE: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "DDILOCO_LOG_LEVEL": "`ddiloco learner` (learner/cli.py): the default of --log-level",
+    }
+)
+"""The `DDILOCO_*` names a learner process may carry that LearnerConfig does not read, each
+with the code that does. `from_env(strict=True)` accepts these and refuses every other unread
+`DDILOCO_*` name; this is the one list of them, so add a name only with the code reading it."""
+
+_TRUE: Final = ("1", "true", "yes", "on")
+_FALSE: Final = ("0", "false", "no", "off")
 
 
 @dataclass(kw_only=True)
@@ -52,15 +73,16 @@ class LearnerConfig:
     num_fragments: int = 4
     """P: fragments the parameters are split into; one falls due every H/P steps."""
     tau: int = 2
-    """tau: overlap steps; the learner never waits for a merged fragment."""
+    """tau: overlap steps. Checked (>= 1) but used by nothing in the learner, which never waits
+    for a merged fragment: the synchronizer's own tau (its DDILOCO_TAU) sizes the grace window."""
     adoption: Literal["overwrite", "rebase"] = "rebase"
     """What a learner does with a merged fragment that arrives. `overwrite` (the paper):
     theta_p <- Theta_p, dropping the steps it took on p since its last hand-over. `rebase`:
     theta_p <- Theta_p + (theta_p - theta_p at its last hand-over), keeping those steps (they
     go out with its next hand-over), so no step taken during the overlap tau is lost."""
     mix_alpha: float = 0.0
-    """alpha, with `overwrite` only: theta <- alpha*theta_local + (1-alpha)*Theta on arrival
-    (Streaming DiLoCo); 0 overwrites."""
+    """alpha, with `overwrite` only (refused with `rebase`, which never mixes):
+    theta <- alpha*theta_local + (1-alpha)*Theta on arrival (Streaming DiLoCo); 0 overwrites."""
     wire_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     """Precision of uploaded deltas."""
     upload_http2: bool = False
@@ -91,6 +113,12 @@ class LearnerConfig:
     """Print a step line every this many steps."""
 
     def __post_init__(self) -> None:
+        for name, allowed in _choices().items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"invalid learner config: {name}={getattr(self, name)!r} "
+                    f"(one of {', '.join(allowed)})"
+                )
         checks = {
             "num_learners": self.num_learners >= 1,
             "learner_index": 0 <= self.learner_index < self.num_learners,
@@ -109,22 +137,85 @@ class LearnerConfig:
         if bad:
             k = bad[0]
             raise ValueError(f"invalid learner config: {k}={getattr(self, k)!r}")
+        if self.mix_alpha and self.adoption != "overwrite":
+            # `rebase` adds the global progress to the local copy and never mixes (diloco.py)
+            raise ValueError(
+                f"invalid learner config: mix_alpha={self.mix_alpha!r} needs "
+                f"adoption='overwrite' (adoption={self.adoption!r} does not mix)"
+            )
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> LearnerConfig:
+    def env_names(cls) -> dict[str, str]:
+        """Field name -> the `DDILOCO_*` variable `from_env` reads it from."""
+        return {f.name: ENV_PREFIX + ENV_ALIASES.get(f.name, f.name).upper() for f in fields(cls)}
+
+    @classmethod
+    def unread_env(cls, environ: Mapping[str, str]) -> list[str]:
+        """`DDILOCO_*` names in `environ` that neither this class nor READ_ELSEWHERE reads."""
+        known = set(cls.env_names().values()) | set(READ_ELSEWHERE)
+        return sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in known)
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, *, strict: bool = False, **overrides: Any
+    ) -> LearnerConfig:
         """Fields from `DDILOCO_*` variables (`DDILOCO_H`, `DDILOCO_P` for num_fragments,
-        `DDILOCO_MODEL`...), then `overrides` (None values ignored)."""
+        `DDILOCO_MODEL`...; see `env_names()`), then `overrides` (None values ignored). An
+        empty variable counts as unset; a value that does not parse as its field's type
+        raises ValueError naming the variable. `strict` also refuses, by name, any
+        `DDILOCO_*` variable that nothing reads (a misspelt or retired knob)."""
         env = os.environ if environ is None else environ
-        alias = {"num_fragments": "P", "h": "H", "tau": "TAU"}
+        if strict and (unread := cls.unread_env(env)):
+            raise ValueError(
+                f"unknown learner environment variable(s) {', '.join(unread)}: the learner "
+                f"reads {', '.join(sorted(cls.env_names().values()))} and "
+                f"{', '.join(READ_ELSEWHERE)}"
+            )
+        hints = _hints()
         values: dict[str, Any] = {}
-        for f in fields(cls):
-            raw = env.get(f"DDILOCO_{alias.get(f.name, f.name).upper()}")
+        for name, var in cls.env_names().items():
+            raw = env.get(var)
             if raw is None or raw == "":
                 continue
-            kind = type(f.default) if f.default is not None else str
-            if kind is bool:
-                values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
-            else:
-                values[f.name] = kind(raw) if kind in (int, float) else raw
+            values[name] = _parse(var, raw, hints[name])
         values |= {k: v for k, v in overrides.items() if v is not None}
         return cls(**values)
+
+
+@cache
+def _hints() -> dict[str, Any]:
+    return get_type_hints(LearnerConfig)
+
+
+@cache
+def _choices() -> dict[str, tuple[str, ...]]:
+    """The fields typed as a Literal, with the values they allow."""
+    return {k: get_args(t) for k, t in _hints().items() if get_origin(t) is Literal}
+
+
+def _parse(var: str, raw: str, hint: Any) -> Any:
+    """`raw` as a value of type `hint` (int, float, bool, str, a Literal, or one of them | None)."""
+    if get_origin(hint) in (Union, UnionType):
+        (hint,) = (a for a in get_args(hint) if a is not NoneType)
+    if get_origin(hint) is Literal:
+        if raw not in get_args(hint):
+            raise ValueError(f"{var}={raw!r}: one of {', '.join(get_args(hint))}")
+        return raw
+    if hint is bool:
+        word = raw.strip().lower()
+        if word not in _TRUE + _FALSE:
+            raise ValueError(f"{var}={raw!r}: not a boolean ({'/'.join(_TRUE + _FALSE)})")
+        return word in _TRUE
+    if hint in (int, float):
+        try:
+            value = hint(raw)
+        except ValueError:
+            raise ValueError(
+                f"{var}={raw!r}: not {'an int' if hint is int else 'a number'}"
+            ) from None
+        if not math.isfinite(value):
+            raise ValueError(f"{var}={raw!r}: not a finite number")
+        return value
+    if hint is str:
+        return raw
+    raise TypeError(f"{var}: no parser for fields of type {hint!r}")

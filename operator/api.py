@@ -96,6 +96,11 @@ class Training(_Model):
                     "or training.modelEntry (module:function)",
                 },
                 {
+                    "rule": "!has(self.modelEntry) || !has(self.data)",
+                    "message": "training.data is not used with training.modelEntry: "
+                    "the entry loads its own data",
+                },
+                {
                     "rule": "self.innerSteps % self.fragments == 0",
                     "message": "training.innerSteps (H) must be a multiple of training.fragments (P)",
                 },
@@ -112,8 +117,9 @@ class Training(_Model):
     model_entry: str | None = Field(None, max_length=256, pattern=r"^[\w.]+:[\w.]+$")
     """Model factory as "package.module:function". Exclusive with model."""
     data: str | None = Field(None, min_length=1, max_length=1024)
-    """Training corpus: a text file, folder or uint16 .bin in the image or a mounted volume;
-    unset uses the small corpus every image has (the Python standard library's sources)."""
+    """Training corpus of a model preset: a text file, folder or uint16 .bin in the image or a
+    mounted volume; unset uses the small corpus every image has (the Python standard library's
+    sources). Not with modelEntry, which loads its own data."""
     inner_steps: int = Field(24, ge=1, le=100_000)
     """H: inner steps between two merges of the same fragment."""
     fragments: int = Field(4, ge=1, le=1024)
@@ -448,6 +454,10 @@ def validate(spec: JobSpec) -> list[str]:
         )
     if (spec.training.model is None) == (spec.training.model_entry is None):
         problems.append("set exactly one of training.model or training.modelEntry")
+    if spec.training.model_entry is not None and spec.training.data is not None:
+        problems.append(
+            "training.data is not used with training.modelEntry: the entry loads its own data"
+        )
     if spec.training.inner_steps % spec.training.fragments:
         problems.append("training.innerSteps (H) must be a multiple of training.fragments (P)")
     if spec.training.overlap_steps >= spec.training.inner_steps:

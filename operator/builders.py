@@ -170,6 +170,10 @@ def build_state_claim(job: DecoupledDiLoCoJob) -> dict[str, Any]:
 
 IMAGE_UID = 10001  # the non-root user of the project's Dockerfile
 
+COUNTER_CAP_H: Final = 4
+"""The synchronizer caps the steps a contribution may claim at this many H (README, "Weights
+and merge"; `ddiloco local` sets the same). Its own default, 96, is 4H only for H = 24."""
+
 
 def build_synchronizer_deployment(job: DecoupledDiLoCoJob) -> dict[str, Any]:
     """One synchronizer pod (Recreate: never two writing the same state volume)."""
@@ -189,6 +193,7 @@ def build_synchronizer_deployment(job: DecoupledDiLoCoJob) -> dict[str, Any]:
                 "DDILOCO_OUTER_MOMENTUM": sync.outer_momentum,
                 "DDILOCO_MAX_STALENESS": sync.max_staleness,
                 "DDILOCO_TAU": spec.training.overlap_steps,
+                "DDILOCO_COUNTER_CAP_STEPS": COUNTER_CAP_H * spec.training.inner_steps,
             }
         ),
     ]

@@ -5,10 +5,15 @@ pytest tests/unit/test_learner_config.py
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+import types
+
 import pytest
 
-from ddiloco.learner.cli import parse
-from ddiloco.learner.config import LearnerConfig
+from ddiloco.learner.cli import NOT_CONFIG, build_config, parse
+from ddiloco.learner.config import READ_ELSEWHERE, LearnerConfig
 
 
 def test_env_names_match_the_operator_contract() -> None:
@@ -52,9 +57,71 @@ def test_env_names_match_the_operator_contract() -> None:
 
 def test_flags_override_the_environment() -> None:
     args = parse(["--learner-id", "x", "-H", "12", "-P", "3"])
-    overrides = {k: v for k, v in vars(args).items() if k not in ("token_file", "log_level")}
-    cfg = LearnerConfig.from_env({"DDILOCO_LEARNER_ID": "env", "DDILOCO_H": "48"}, **overrides)
-    assert (cfg.learner_id, cfg.h, cfg.num_fragments) == ("x", 12, 3)
+    cfg = build_config(args, {"DDILOCO_LEARNER_ID": "env", "DDILOCO_H": "48", "DDILOCO_SEED": "7"})
+    assert (cfg.learner_id, cfg.h, cfg.num_fragments, cfg.seed) == ("x", 12, 3, 7)
+
+
+def test_every_option_is_a_field_and_every_field_has_a_variable() -> None:
+    dests = {k for k in vars(parse([])) if k not in NOT_CONFIG}
+    names = LearnerConfig.env_names()
+    assert dests <= set(names)
+    assert (names["h"], names["num_fragments"], names["inner_lr"]) == (
+        "DDILOCO_H",
+        "DDILOCO_P",
+        "DDILOCO_INNER_LR",
+    )
+    assert len(set(names.values())) == len(names)
+
+
+def test_strict_refuses_unread_names_and_names_them() -> None:
+    env = {"DDILOCO_H": "12", "DDILOCO_FRAGMENTS": "3", "DDILOCO_QUORUM": "2", "HOME": "/root"}
+    assert LearnerConfig.unread_env(env) == ["DDILOCO_FRAGMENTS", "DDILOCO_QUORUM"]
+    with pytest.raises(ValueError, match="DDILOCO_FRAGMENTS, DDILOCO_QUORUM"):
+        LearnerConfig.from_env(env, strict=True)
+    assert LearnerConfig.from_env(env).num_fragments == 4  # not strict: P stays the default
+    # names read by something else are accepted (READ_ELSEWHERE is their one list)
+    cfg = LearnerConfig.from_env(
+        {"DDILOCO_H": "12", **dict.fromkeys(READ_ELSEWHERE, "x")}, strict=True
+    )
+    assert cfg.h == 12
+
+
+@pytest.mark.parametrize(
+    ("var", "raw"),
+    [
+        ("DDILOCO_H", "twelve"),
+        ("DDILOCO_H", "12.0"),
+        ("DDILOCO_INNER_LR", "fast"),
+        ("DDILOCO_GRAD_CLIP", "nan"),  # would have disabled clipping (nan > 0 is False)
+        ("DDILOCO_UPLOAD_HTTP2", "ture"),  # was read as False
+        ("DDILOCO_ADOPTION", "overwirte"),  # was read as is, and acted as overwrite
+        ("DDILOCO_WIRE_DTYPE", "float16"),  # was read as is, and failed at the first hand-over
+    ],
+)
+def test_a_value_that_does_not_parse_names_its_variable(var: str, raw: str) -> None:
+    with pytest.raises(ValueError, match=var):
+        LearnerConfig.from_env({var: raw})
+
+
+@pytest.mark.parametrize(
+    ("raw", "value"), [("1", True), ("Yes", True), ("off", False), ("0", False)]
+)
+def test_booleans_from_the_environment(raw: str, value: bool) -> None:
+    assert LearnerConfig.from_env({"DDILOCO_UPLOAD_HTTP2": raw}).upload_http2 is value
+
+
+def test_optional_and_literal_fields_from_the_environment() -> None:
+    cfg = LearnerConfig.from_env(
+        {"DDILOCO_MODEL_ENTRY": "m:f", "DDILOCO_ADOPTION": "overwrite", "DDILOCO_LOG_PATH": ""}
+    )
+    assert (cfg.model_entry, cfg.adoption, cfg.log_path) == ("m:f", "overwrite", None)
+
+
+def test_mix_alpha_needs_overwrite() -> None:
+    # rebase never mixes (diloco.py), so a mix_alpha with it would change nothing
+    with pytest.raises(ValueError, match="mix_alpha"):
+        LearnerConfig(mix_alpha=0.5)
+    assert LearnerConfig(mix_alpha=0.5, adoption="overwrite").mix_alpha == 0.5
 
 
 @pytest.mark.parametrize(
@@ -65,6 +132,8 @@ def test_flags_override_the_environment() -> None:
         ("tau", 0),
         ("slow_factor", 0.5),
         ("max_tokens", -1),
+        ("adoption", "merge"),
+        ("wire_dtype", "float16"),
     ],
 )
 def test_invalid_values_name_the_field(field: str, value: object) -> None:
@@ -74,3 +143,25 @@ def test_invalid_values_name_the_field(field: str, value: object) -> None:
 
 def test_the_token_never_shows_in_repr() -> None:
     assert "s3cret" not in repr(LearnerConfig(token="s3cret"))
+
+
+def test_main_warns_of_unread_names_and_trains_with_env_and_flags(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from ddiloco.learner import cli
+
+    trained: list[LearnerConfig] = []
+    fake = types.ModuleType("ddiloco.learner.train")  # no torch, no network
+    fake.init_logging = lambda *a, **k: None  # type: ignore[attr-defined]
+    fake.train = trained.append  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "ddiloco.learner.train", fake)
+    for name in [k for k in os.environ if k.startswith("DDILOCO_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("DDILOCO_TOKEN", "t")
+    monkeypatch.setenv("DDILOCO_H", "12")
+    monkeypatch.setenv("DDILOCO_INNER_STEPS", "48")  # the CRD's name, not the learner's
+    with caplog.at_level(logging.WARNING):
+        assert cli.main(["-P", "3"]) == 0
+    [cfg] = trained
+    assert (cfg.token, cfg.h, cfg.num_fragments) == ("t", 12, 3)
+    assert "DDILOCO_INNER_STEPS" in caplog.text

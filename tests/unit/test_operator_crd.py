@@ -91,6 +91,7 @@ def test_crd_has_names_columns_status_and_rules() -> None:
         r["rule"] for r in props["spec"]["properties"]["training"]["x-kubernetes-validations"]
     ]
     assert "self.innerSteps % self.fragments == 0" in training_rules
+    assert "!has(self.modelEntry) || !has(self.data)" in training_rules
     groups = props["spec"]["properties"]["learnerGroups"]
     assert groups["x-kubernetes-list-type"] == "map" and groups["maxItems"] == api.MAX_GROUPS
     assert (
@@ -127,6 +128,8 @@ def test_minimal_job_parses_with_defaults() -> None:
         ({"training": {"model": "tiny", "innerSteps": 10, "fragments": 4}}, "multiple"),
         ({"training": {"model": "tiny", "modelEntry": "a.b:c"}}, "exactly one"),
         ({"training": {}}, "exactly one"),
+        # a model entry loads its own data (learner/task.py): training.data would change nothing
+        ({"training": {"modelEntry": "a.b:c", "data": "/data/x.bin"}}, "training.data"),
         (
             {
                 "learnerGroups": [

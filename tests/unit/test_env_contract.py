@@ -1,0 +1,358 @@
+"""The operator's pod env and the learner's and synchronizer's settings are one contract.
+
+    .venv/bin/pytest tests/unit/test_env_contract.py
+
+Pods are built with the operator's own builders (ddiloco.operator.builders) from jobs that set
+every optional knob, or none, or a model entry. Each container's env (its token resolved
+through the Secret the operator builds) is then read the way its command reads it: `ddiloco
+learner` through learner/cli.py into LearnerConfig, strictly; `ddiloco synchronizer` into
+SyncSettings. A test fails on a DDILOCO_* name the receiving side does not read, and on a
+value that comes out other than the job meant (H, P, tau, K, eta, the merge rule, ...).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ddiloco.cli.main import SUBCOMMANDS
+from ddiloco.learner.config import READ_ELSEWHERE, LearnerConfig
+from ddiloco.operator import api, builders
+from ddiloco.synchronizer.config import SyncSettings
+
+TOKEN = "contract-token-0123456789"
+PREFIX = "DDILOCO_"
+REMOTE_URL = "https://sync.contract.example.com:8470"
+
+# DDILOCO_* names a synchronizer pod may carry that SyncSettings does not read, with their
+# reader (the learner's counterpart is READ_ELSEWHERE in learner/config.py).
+SYNC_READ_ELSEWHERE = {
+    "DDILOCO_LOG_LEVEL": "`ddiloco synchronizer` (synchronizer/server.py): default of --log-level",
+}
+
+# Every optional knob set, to values none of which is a default of the receiving side, so an
+# env var that is missing or not read cannot pass for one that is.
+FULL: dict[str, Any] = {
+    "image": "registry.example.com/ddiloco:contract",
+    "imagePullPolicy": "Always",
+    "training": {
+        "model": "small",
+        "data": "/data/corpus.bin",
+        "innerSteps": 48,
+        "fragments": 8,
+        "overlapSteps": 3,
+        "innerLearningRate": 0.00025,
+        "maxSteps": 5000,
+        "maxTokens": 10_000_000_000,
+        "maxSeconds": 7200.5,
+    },
+    "synchronizer": {
+        "quorum": 3,
+        "graceGamma": 0.3,
+        "graceCapSteps": 1.5,
+        "merge": "mean",
+        "outerLearningRate": 0.8,
+        "outerMomentum": 0.6,
+        "maxStaleness": 7,
+        "resources": {"requests": {"cpu": "4", "memory": "16Gi"}},
+        "storage": {"size": "20Gi", "storageClassName": "fast"},
+    },
+    "learnerGroups": [
+        {
+            "name": "home",
+            "replicas": 2,
+            "resources": {"limits": {"nvidia.com/gpu": 1}},
+            "nodeSelector": {"nvidia.com/gpu.present": "true"},
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+            "priorityClassName": "low",
+        },
+        {"name": "empty", "replicas": 0},
+        {
+            "name": "region-a",
+            "replicas": 3,
+            "cluster": {
+                "kubeconfigSecret": {"name": "region-a-kubeconfig", "key": "config"},
+                "namespace": "ml",
+            },
+            "syncUrl": REMOTE_URL,
+        },
+    ],
+    "failurePolicy": {"maxReplacementsPerSlot": 3, "backoffSeconds": 2, "maxBackoffSeconds": 60},
+    "managedBy": api.MANAGED_BY_US,
+}
+MINIMAL: dict[str, Any] = {
+    "image": "ddiloco:dev",
+    "training": {"model": "tiny"},
+    "learnerGroups": [{"name": "a", "replicas": 2}],
+}
+ENTRY: dict[str, Any] = {
+    **MINIMAL,
+    "training": {"modelEntry": "ddiloco.learner.examples:char_mlp", "innerSteps": 12},
+}
+SPECS = {"full": FULL, "minimal": MINIMAL, "model-entry": ENTRY}
+
+
+def make_job(spec: dict[str, Any]) -> api.DecoupledDiLoCoJob:
+    body = {"metadata": {"name": "contract", "namespace": "team-a", "uid": "u-1"}, "spec": spec}
+    job = api.DecoupledDiLoCoJob.from_body(body)
+    assert api.validate(job.spec) == [], "the test's job must be one the apiserver admits"
+    return job
+
+
+@pytest.fixture(params=sorted(SPECS), ids=sorted(SPECS))
+def job(request: pytest.FixtureRequest) -> api.DecoupledDiLoCoJob:
+    return make_job(SPECS[request.param])
+
+
+def learner_pods(job: api.DecoupledDiLoCoJob) -> list[tuple[api.LearnerGroup, int, dict]]:
+    return [
+        (g, i, builders.build_learner_pod(job, g, i))
+        for g in job.spec.learner_groups
+        for i in range(g.replicas)
+    ]
+
+
+def sync_container(job: api.DecoupledDiLoCoJob) -> dict[str, Any]:
+    (container,) = builders.build_synchronizer_deployment(job)["spec"]["template"]["spec"][
+        "containers"
+    ]
+    return container
+
+
+def container_env(job: api.DecoupledDiLoCoJob, container: dict[str, Any]) -> dict[str, str]:
+    """name -> value as the process sees it; secret refs resolved through the operator's Secret."""
+    secrets = {builders.token_secret_name(job): builders.build_token_secret(job, TOKEN)}
+    env: dict[str, str] = {}
+    for var in container["env"]:
+        assert var["name"] not in env, f"{var['name']} is set twice"
+        assert set(var) in ({"name", "value"}, {"name", "valueFrom"}), var
+        if "value" in var:
+            assert isinstance(var["value"], str), var  # the API wants strings
+            env[var["name"]] = var["value"]
+            continue
+        ref = var["valueFrom"]["secretKeyRef"]
+        value = builders.secret_token(secrets[ref["name"]]) if ref["key"] == "token" else None
+        assert value is not None, f"{var['name']} refers to {ref}, which the operator never writes"
+        env[var["name"]] = value
+    return env
+
+
+def command_module(container: dict[str, Any]) -> Any:
+    """The module `ddiloco <subcommand>` runs (cli/main.py), for the container's command."""
+    command = container["command"]
+    assert command[0] == "ddiloco" and len(command) == 2, command
+    return importlib.import_module(SUBCOMMANDS[command[1]][0])
+
+
+def learner_config(job: api.DecoupledDiLoCoJob, pod: dict[str, Any]) -> LearnerConfig:
+    (container,) = pod["spec"]["containers"]
+    cli = command_module(container)
+    assert cli.__name__ == "ddiloco.learner.cli"
+    args = cli.parse(container.get("args", []))
+    return cli.build_config(args, environ=container_env(job, container), strict=True)
+
+
+def sync_env_names() -> dict[str, str]:
+    """Field -> the variable pydantic-settings reads it from (env_prefix + name, or an alias)."""
+    prefix = SyncSettings.model_config.get("env_prefix", "")
+    out = {}
+    for name, f in SyncSettings.model_fields.items():
+        alias = f.validation_alias or f.alias
+        out[name] = (alias if isinstance(alias, str) else prefix + name).upper()
+    return out
+
+
+def sync_settings(
+    monkeypatch: pytest.MonkeyPatch, job: api.DecoupledDiLoCoJob
+) -> tuple[SyncSettings, dict[str, Any]]:
+    container = sync_container(job)
+    server = command_module(container)
+    assert server.__name__ == "ddiloco.synchronizer.server"
+    # server.main turns these flags into overrides; the pod must not need any
+    args = vars(server.parse(container.get("args", [])))
+    assert [k for k, v in args.items() if v not in (None, False) and k != "log_level"] == []
+    for name in [k for k in os.environ if k.upper().startswith(PREFIX)]:
+        monkeypatch.delenv(name)
+    for name, value in container_env(job, container).items():
+        monkeypatch.setenv(name, value)
+    return SyncSettings(_env_file=None), container  # type: ignore[call-arg]
+
+
+# ---- names ---------------------------------------------------------------------------------
+
+
+def test_every_name_a_learner_pod_carries_is_read(job: api.DecoupledDiLoCoJob) -> None:
+    read = set(LearnerConfig.env_names().values()) | set(READ_ELSEWHERE)
+    for _, _, pod in learner_pods(job):
+        (container,) = pod["spec"]["containers"]
+        names = {v["name"] for v in container["env"] if v["name"].startswith(PREFIX)}
+        assert names - read == set(), pod["metadata"]["name"]
+        learner_config(job, pod)  # strict: would raise naming any unread DDILOCO_* name
+
+
+def test_every_name_the_synchronizer_pod_carries_is_read(job: api.DecoupledDiLoCoJob) -> None:
+    read = set(sync_env_names().values()) | set(SYNC_READ_ELSEWHERE)
+    names = {v["name"] for v in sync_container(job)["env"] if v["name"].startswith(PREFIX)}
+    assert names - read == set()
+
+
+def test_the_strict_learner_refuses_a_name_nothing_reads() -> None:
+    # what the name check above catches: e.g. the CRD's spelling instead of the learner's
+    job = make_job(FULL)
+    (container,) = learner_pods(job)[0][2]["spec"]["containers"]
+    env = container_env(job, container) | {"DDILOCO_INNER_STEPS": "48"}
+    with pytest.raises(ValueError, match="DDILOCO_INNER_STEPS"):
+        LearnerConfig.from_env(env, strict=True)
+    assert LearnerConfig.from_env(env).h == 48  # not strict: read from DDILOCO_H, the rest ignored
+
+
+def test_the_names_read_elsewhere_are_read_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddiloco.learner import cli
+    from ddiloco.synchronizer import server
+
+    assert set(READ_ELSEWHERE) == set(SYNC_READ_ELSEWHERE) == {"DDILOCO_LOG_LEVEL"}
+    monkeypatch.setenv("DDILOCO_LOG_LEVEL", "DEBUG")
+    assert cli.parse([]).log_level == "DEBUG"
+    assert server.parse([]).log_level == "DEBUG"
+    # and no LearnerConfig or SyncSettings field claims them too
+    assert not set(READ_ELSEWHERE) & set(LearnerConfig.env_names().values())
+    assert not set(SYNC_READ_ELSEWHERE) & set(sync_env_names().values())
+
+
+# ---- values --------------------------------------------------------------------------------
+
+
+def expected_learner(
+    job: api.DecoupledDiLoCoJob, group: api.LearnerGroup, index: int
+) -> dict[str, Any]:
+    """What the operator means for a learner slot, from the job alone (not from the builders)."""
+    t, default = job.spec.training, LearnerConfig()
+    svc = builders.build_synchronizer_service(job)
+    in_cluster = (
+        f"http://{svc['metadata']['name']}.{job.namespace}.svc:{svc['spec']['ports'][0]['port']}"
+    )
+    out = {
+        "token": TOKEN,
+        "sync_url": group.sync_url or in_cluster,
+        "learner_id": f"{group.name}-{index}",
+        "num_learners": sum(g.replicas for g in job.spec.learner_groups),
+        "model_entry": t.model_entry,
+        "data": t.data,
+        "h": t.inner_steps,
+        "num_fragments": t.fragments,
+        "tau": t.overlap_steps,
+        "inner_lr": t.inner_learning_rate or default.inner_lr,
+        "max_steps": t.max_steps or 0,
+        "max_tokens": t.max_tokens or 0,
+        "max_seconds": t.max_seconds or 0.0,
+    }
+    if t.model is not None:  # with a model entry the preset is not used (learner/task.py)
+        out["model"] = t.model
+    return out
+
+
+def test_each_learner_reads_what_the_operator_meant(job: api.DecoupledDiLoCoJob) -> None:
+    indices = []
+    for group, index, pod in learner_pods(job):
+        cfg = learner_config(job, pod)
+        want = expected_learner(job, group, index)
+        got = {k: getattr(cfg, k) for k in want}
+        assert got == want, pod["metadata"]["name"]
+        assert [type(got[k]) for k in want] == [type(want[k]) for k in want]
+        assert cfg.learner_id == pod["metadata"]["labels"][builders.LABEL_LEARNER_ID]
+        indices.append(cfg.learner_index)
+    # data shards: every slot its own, none left out
+    assert indices == list(range(job.spec.total_replicas()))
+
+
+def test_the_synchronizer_reads_what_the_operator_meant(
+    monkeypatch: pytest.MonkeyPatch, job: api.DecoupledDiLoCoJob
+) -> None:
+    settings, container = sync_settings(monkeypatch, job)
+    sync, t = job.spec.synchronizer, job.spec.training
+    (port,) = container["ports"]
+    (mount,) = container["volumeMounts"]
+    svc = builders.build_synchronizer_service(job)["spec"]["ports"][0]
+    want = {
+        "host": "0.0.0.0",
+        "port": port["containerPort"],
+        "state_dir": Path(mount["mountPath"]),
+        "quorum": sync.quorum,
+        "grace_gamma": sync.grace_gamma,
+        "grace_cap_steps": sync.grace_cap_steps,
+        "merge": sync.merge,
+        "outer_lr": sync.outer_learning_rate,
+        "outer_momentum": sync.outer_momentum,
+        "max_staleness": sync.max_staleness,
+        "tau": t.overlap_steps,  # the same tau the learners get
+        "counter_cap_steps": 4 * t.inner_steps,  # README: "counters capped at 4H"
+    }
+    assert {k: getattr(settings, k) for k in want} == want
+    assert settings.bearer_token() == TOKEN
+    assert svc["targetPort"] == port["name"] and svc["port"] == settings.port
+
+
+def test_the_jobs_set_no_value_to_a_default() -> None:
+    # the value tests above prove a knob travels only where its value is not also the
+    # receiving side's default. FULL sets every knob but modelEntry (exclusive with model):
+    # ENTRY sets that one.
+    full = make_job(FULL)
+    last = full.spec.learner_groups[-1]
+    want = expected_learner(full, last, last.replicas - 1)
+    want["model_entry"] = make_job(ENTRY).spec.training.model_entry
+    default = LearnerConfig()
+    for field, value in want.items():
+        assert getattr(default, field) != value, field
+    job = make_job(FULL)
+    sync_default = {k: f.default for k, f in SyncSettings.model_fields.items()}
+    spec_sync = job.spec.synchronizer.model_dump(exclude={"resources", "storage"})
+    renamed = {"outer_learning_rate": "outer_lr"}
+    for field, value in spec_sync.items():
+        assert sync_default[renamed.get(field, field)] != value, field
+    assert sync_default["tau"] != job.spec.training.overlap_steps
+    assert sync_default["counter_cap_steps"] != 4 * job.spec.training.inner_steps
+
+
+def test_the_jobs_here_make_the_builders_emit_every_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a name the builders drop when its value is None (an unset optional field) must still be
+    # set by one of the jobs above, or the name and value checks never see it
+    offered: dict[str, set[bool]] = {}
+    real = builders._env
+
+    def spy(pairs: dict[str, Any]) -> list[dict[str, Any]]:
+        for name, value in pairs.items():
+            offered.setdefault(name, set()).add(value is not None)
+        return real(pairs)
+
+    monkeypatch.setattr(builders, "_env", spy)
+    for spec in SPECS.values():
+        job = make_job(spec)
+        learner_pods(job)
+        sync_container(job)
+    assert "DDILOCO_MODEL_ENTRY" in offered and "DDILOCO_COUNTER_CAP_STEPS" in offered
+    assert sorted(name for name, seen in offered.items() if True not in seen) == []
+
+
+def test_the_counter_cap_follows_h(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without DDILOCO_COUNTER_CAP_STEPS the synchronizer caps every contribution at 96 steps
+    # (4H for H = 24 only): with H = 200 each ordinary hand-over would claim less than it did.
+    caps = {}
+    for h in (24, 200):
+        spec = {**MINIMAL, "training": {"model": "tiny", "innerSteps": h, "fragments": 4}}
+        caps[h] = sync_settings(monkeypatch, make_job(spec))[0].counter_cap_steps
+    assert caps == {24: 96, 200: 800}
+
+
+def test_the_builders_emit_only_strings_the_receivers_round_trip() -> None:
+    # str() of a float must parse back to the same float on both sides (no rounding on the way)
+    spec = {
+        **FULL,
+        "training": {**FULL["training"], "innerLearningRate": 1 / 3, "maxSeconds": 1e-3},
+    }
+    job = make_job(spec)
+    cfg = learner_config(job, learner_pods(job)[0][2])
+    assert (cfg.inner_lr, cfg.max_seconds) == (1 / 3, 1e-3)
