@@ -79,7 +79,7 @@ def beat(sync: Synchronizer, lid: str) -> None:
             tokens=[1, 1],
             base_versions=[0, 0],
             step_seconds=1.0,
-        )  # fmt: skip
+        )
     )
 
 
@@ -157,7 +157,9 @@ def test_accepted_updates_survive_a_crash_and_merge_once(tmp_path: Path) -> None
     # the weighted mean of a's summed progress (2, 0) and b's (0, 3): a has 20 steps and 200
     # tokens (weight 200^2/20 = 2000), b 10 and 100 (1000): (4/3, 1)
     assert torch.allclose(served(again, 1), torch.tensor([4 / 3, 1.0]))
-    third = make(tmp_path, clock, quorum=2, merge="mean")  # and after another restart nothing is replayed
+    third = make(
+        tmp_path, clock, quorum=2, merge="mean"
+    )  # and after another restart nothing is replayed
     assert third.status().fragments[1].tokens_pending == 0
     assert third.status().fragments[1].tokens_merged == 300
     assert torch.allclose(served(third, 1), torch.tensor([4 / 3, 1.0]))

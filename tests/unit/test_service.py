@@ -26,9 +26,7 @@ from ddiloco.synchronizer.protocol import (
 )
 from ddiloco.synchronizer.service import SyncError, Synchronizer
 
-LAYOUT = Layout(
-    fragments=[FragmentSpec(index=0, tensors=[TensorSpec(name="w", shape=[4])])]
-)
+LAYOUT = Layout(fragments=[FragmentSpec(index=0, tensors=[TensorSpec(name="w", shape=[4])])])
 
 
 class Clock:
