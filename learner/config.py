@@ -107,6 +107,9 @@ class LearnerConfig:
     poll_s: float = 0.5
     """Heartbeats are long polls: the synchronizer answers at once when a fragment merged
     or a round opened, else after this long (so also the longest heartbeat period)."""
+    drain_s: float = 30.0
+    """At the end of training, how long queued uploads may take to reach the synchronizer
+    (it may be restarting) before the learner exits with them undelivered."""
     log_path: str | None = None
     """Append one JSON line per step and per fragment event here."""
     log_every: int = 50
@@ -131,6 +134,7 @@ class LearnerConfig:
             "slow_factor": self.slow_factor >= 1.0,
             "max_steps": self.max_steps >= 0,
             "max_seconds": self.max_seconds >= 0,
+            "drain_s": self.drain_s >= 0,
             "max_tokens": self.max_tokens >= 0,
         }
         bad = [k for k, ok in checks.items() if not ok]

@@ -95,7 +95,7 @@ class DecoupledDiLoCo:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.left_at_close = self.streamer.close()
+        self.left_at_close = self.streamer.close(self.cfg.drain_s)
 
     @torch.no_grad()
     def _adopt(
