@@ -49,7 +49,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "-P", "--fragments", type=int, dest="num_fragments", help="P, number of fragments"
     )
-    ap.add_argument("--tau", type=int, help="tau, overlap steps")
     ap.add_argument(
         "--adoption",
         choices=["rebase", "overwrite"],

@@ -72,9 +72,6 @@ class LearnerConfig:
     """H: inner steps between two hand-overs of the same fragment."""
     num_fragments: int = 4
     """P: fragments the parameters are split into; one falls due every H/P steps."""
-    tau: int = 2
-    """tau: overlap steps. Checked (>= 1) but used by nothing in the learner, which never waits
-    for a merged fragment: the synchronizer's own tau (its DDILOCO_TAU) sizes the grace window."""
     adoption: Literal["overwrite", "rebase"] = "rebase"
     """What a learner does with a merged fragment that arrives. `overwrite` (the paper):
     theta_p <- Theta_p, dropping the steps it took on p since its last hand-over. `rebase`:
@@ -128,7 +125,6 @@ class LearnerConfig:
             "batch_size": self.batch_size >= 1,
             "h": self.h >= 1,
             "num_fragments": 1 <= self.num_fragments <= self.h,
-            "tau": self.tau >= 1,
             "mix_alpha": 0.0 <= self.mix_alpha < 1.0,
             "inner_lr": self.inner_lr > 0,
             "slow_factor": self.slow_factor >= 1.0,

@@ -161,8 +161,6 @@ class LocalRun:
             str(c.h),
             "-P",
             str(c.fragments),
-            "--tau",
-            str(c.tau),
             "--log-path",
             str(self.learner_log(lid)),
             "--log-every",

@@ -274,7 +274,6 @@ def build_learner_pod(
                 "DDILOCO_DATA": training.data,
                 "DDILOCO_H": training.inner_steps,
                 "DDILOCO_P": training.fragments,
-                "DDILOCO_TAU": training.overlap_steps,
                 "DDILOCO_INNER_LR": training.inner_learning_rate,
                 "DDILOCO_MAX_STEPS": training.max_steps,
                 "DDILOCO_MAX_TOKENS": training.max_tokens,

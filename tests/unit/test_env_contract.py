@@ -244,7 +244,6 @@ def expected_learner(
         "data": t.data,
         "h": t.inner_steps,
         "num_fragments": t.fragments,
-        "tau": t.overlap_steps,
         "inner_lr": t.inner_learning_rate or default.inner_lr,
         "max_steps": t.max_steps or 0,
         "max_tokens": t.max_tokens or 0,
@@ -288,7 +287,7 @@ def test_the_synchronizer_reads_what_the_operator_meant(
         "outer_lr": sync.outer_learning_rate,
         "outer_momentum": sync.outer_momentum,
         "max_staleness": sync.max_staleness,
-        "tau": t.overlap_steps,  # the same tau the learners get
+        "tau": t.overlap_steps,
         "counter_cap_steps": 4 * t.inner_steps,  # README: "counters capped at 4H"
     }
     assert {k: getattr(settings, k) for k in want} == want

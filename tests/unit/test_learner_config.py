@@ -26,7 +26,6 @@ def test_env_names_match_the_operator_contract() -> None:
         "DDILOCO_MODEL": "small",
         "DDILOCO_H": "24",
         "DDILOCO_P": "6",
-        "DDILOCO_TAU": "2",
         "DDILOCO_INNER_LR": "0.001",
         "DDILOCO_MAX_STEPS": "100",
         "DDILOCO_MAX_SECONDS": "30.5",
@@ -40,13 +39,7 @@ def test_env_names_match_the_operator_contract() -> None:
         3,
         8,
     )
-    assert (cfg.model, cfg.h, cfg.num_fragments, cfg.tau, cfg.inner_lr) == (
-        "small",
-        24,
-        6,
-        2,
-        0.001,
-    )
+    assert (cfg.model, cfg.h, cfg.num_fragments, cfg.inner_lr) == ("small", 24, 6, 0.001)
     assert (cfg.max_steps, cfg.max_seconds, cfg.max_tokens, cfg.data) == (
         100,
         30.5,
@@ -129,7 +122,6 @@ def test_mix_alpha_needs_overwrite() -> None:
     [
         ("num_fragments", 30),
         ("learner_index", 5),
-        ("tau", 0),
         ("slow_factor", 0.5),
         ("max_tokens", -1),
         ("adoption", "merge"),
