@@ -18,6 +18,9 @@ Assumptions (one set for all 30 cells; `ddiloco.simulator.paper` and `config.Fai
   reconfiguration, or after 200 s get their own 30 s regrow pause;
 - Decoupled DiLoCo, K = 1: a learner's pause stalls only that learner (no barrier), and the
   merge traffic inside a data centre is hidden by the overlap tau.
+
+The table is goodput only, so it skips the protocol replay that decides the merged-work
+ratio (`ddiloco simulate run` reports that one).
 """
 
 from __future__ import annotations

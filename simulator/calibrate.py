@@ -16,8 +16,12 @@ It then replays that scenario on the event loop, step by step: a learner compute
 of its mean duration; a kill loses the step in flight; a pause freezes the learner; learners
 never wait for each other or for merges (algorithm.md §4), whatever K is. The predicted
 goodput is what the replay computed over what it held (algorithm.md §9, the same formula
-as the report); it never reads the measured compute seconds. The merged-work ratio is
-predicted by replaying the round protocol on the replayed step times (`merges.py`).
+as the report); it never reads the measured compute seconds. The merged-work ratio (and
+the merges, late and refused updates) is predicted by running the synchronizer's rounds
+and the learners' hand-over and adoption rules on the replayed steps (`protocol.py`):
+each kill starts a new learner process, each pause silences its heartbeats, merges take
+the report's mean merge time, and merges in the 0.3 s the launcher waits after stopping
+the learners still count.
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ from typing import Any
 import numpy as np
 
 from ddiloco.simulator.engine import Event, EventLoop
-from ddiloco.simulator.merges import merged_work_ratio
+from ddiloco.simulator.protocol import Incarnation, Learner, ProtocolConfig, run_protocol
+
+DRAIN_S = 0.3
+"""`ddiloco local` waits this long after stopping the learners before reading the status."""
 
 
 @dataclass(frozen=True)
@@ -111,8 +118,11 @@ class Scenario:
     tau: int = 2
     grace: bool = True
     sync_s: float = 0.0
+    adoption: str = "rebase"
     measured_goodput: float | None = None
     measured_merged: float | None = None
+    measured_merges: int | None = None
+    measured_contributors: float | None = None
     name: str = ""
 
 
@@ -165,18 +175,24 @@ def scenario_from_report(
         sync_s=float(report.get("sync_seconds_mean") or 0.0),
         measured_goodput=report.get("goodput"),
         measured_merged=report.get("merged_work_ratio"),
+        measured_merges=report.get("merges"),
+        measured_contributors=report.get("mean_contributors"),
         name=name,
     )
 
 
 class _Replay:
-    """One learner on the event loop: steps back to back, except while down."""
+    """One learner on the event loop: steps back to back, except while down. Records the
+    completion time of every step, per process (a kill ends one, the restart begins the
+    next), for the protocol replay; a pause leaves the process silent, not ended."""
 
     def __init__(self, loop: EventLoop, sc: LearnerScenario, wall: float) -> None:
         self.loop, self.sc = loop, sc
         self.cycle_s = sc.step_s + sc.step_gap_s
         self.compute_s = 0.0
-        self.step_times: list[float] = []
+        self.processes: list[tuple[float, list[float], float | None]] = []
+        """(joined at, step completion times, killed at) of each process."""
+        self._killed = True  # no process yet: the first joins when the learner starts
         self._step_event: Event | None = None
         self._step_started = 0.0
         self._frozen_s = 0.0
@@ -186,8 +202,16 @@ class _Replay:
         loop.at(min(sc.startup_s, wall), self._up)
         self._downs = 1  # not started yet
 
+    @property
+    def step_times(self) -> list[float]:
+        return [t for _, times, _ in self.processes for t in times]
+
     def _down(self, killed: bool) -> None:
         self._downs += 1
+        if killed and not self._killed:  # the process dies; its replacement joins at _up
+            self._killed = True
+            join, times, _ = self.processes[-1]
+            self.processes[-1] = (join, times, self.loop.now)
         if self._downs > 1 or self._step_event is None:
             return
         now = self.loop.now
@@ -202,6 +226,10 @@ class _Replay:
     def _up(self) -> None:
         self._downs = max(0, self._downs - 1)
         if self._downs == 0 and self._step_event is None:
+            if self._killed:
+                self._killed = False
+                self._frozen_s = 0.0
+                self.processes.append((self.loop.now, [], None))
             self._begin_step(self.cycle_s - self._frozen_s)
             self._frozen_s = 0.0
 
@@ -213,45 +241,61 @@ class _Replay:
     def _step_done(self) -> None:
         self._step_event = None
         self.compute_s += self.sc.step_s
-        self.step_times.append(self.loop.now)
+        self.processes[-1][1].append(self.loop.now)
         self._begin_step(self.cycle_s)
 
     def finish(self) -> None:
         EventLoop.cancel(self._step_event)  # a step still in flight at the end does not count
 
+    def learner(self) -> Learner:
+        """This learner's processes and pauses, as the protocol replay takes them."""
+        return Learner(
+            self.sc.id,
+            self.sc.step_s,
+            [Incarnation(join, np.array(times), end=end) for join, times, end in self.processes],
+            silent=[(a, b) for a, b, killed in self.sc.down if not killed],
+        )
 
-def grace_window(sc: Scenario, gamma: float = 0.5) -> float:
-    """The synchronizer's grace window (algorithm.md §6.2, K = 1: no time to quorum):
-    gamma of the overlap left after the merge, capped at one step of the slowest learner."""
-    if not sc.grace or not sc.learners:
-        return 0.0
-    slowest = max(lr.step_s + lr.step_gap_s for lr in sc.learners)
-    return min(max(gamma * (sc.tau * slowest - sc.sync_s), 0.0), slowest)
 
-
-def replay(sc: Scenario) -> dict[str, Any]:
-    """Replay `sc`; predicted goodput, merged-work ratio and per-learner compute seconds."""
+def replay_steps(sc: Scenario) -> list[_Replay]:
+    """Replay the learners of `sc` to its wall time: their compute and step times."""
     loop = EventLoop()
     reps = [_Replay(loop, lr, sc.wall_s) for lr in sc.learners]
     loop.run(until=sc.wall_s)
     for r in reps:
         r.finish()
+    return reps
+
+
+def replay(sc: Scenario) -> dict[str, Any]:
+    """Replay `sc`; predicted goodput, merged-work ratio and per-learner compute seconds."""
+    reps = replay_steps(sc)
     held = sc.wall_s * len(reps)
     computed = sum(r.compute_s for r in reps)
-    merged = merged_work_ratio(
-        [np.array(r.step_times) for r in reps],
+    cfg = ProtocolConfig(
         fragments=sc.fragments,
         H=sc.H,
-        quorum=sc.quorum,
-        grace_s=grace_window(sc),
-        deliver_s=sc.sync_s,
+        quorum=max(1, min(sc.quorum, len(reps))),
+        grace=sc.grace,
+        tau=sc.tau,
+        adoption="overwrite" if sc.adoption == "overwrite" else "rebase",
+        sync_s=sc.sync_s,
+        drain_s=DRAIN_S,
     )
+    proto = run_protocol([r.learner() for r in reps], cfg, sc.wall_s)
     return {
         "name": sc.name,
         "goodput": computed / held if held else 0.0,
-        "merged_work_ratio": merged,
+        "merged_work_ratio": proto.merged_work_ratio,
+        "merges": proto.merges,
+        "late_updates": proto.late_updates,
+        "refused_updates": proto.refused_updates,
+        "mean_staleness": proto.mean_staleness,
+        "mean_contributors": proto.contributions / proto.merges if proto.merges else 0.0,
         "measured_goodput": sc.measured_goodput,
         "measured_merged_work_ratio": sc.measured_merged,
+        "measured_merges": sc.measured_merges,
+        "measured_mean_contributors": sc.measured_contributors,
         "learners": {r.sc.id: round(r.compute_s, 3) for r in reps},
         "startup_s": sc.learners[0].startup_s if sc.learners else 0.0,
         "step_gap_s": sc.learners[0].step_gap_s if sc.learners else 0.0,
@@ -270,15 +314,17 @@ def calibrate(path: str | Path, constants: MachineConstants | None = None) -> di
 def format_calibration(results: list[dict[str, Any]]) -> str:
     lines = [
         f"{'report':<24}{'measured':>10}{'simulated':>11}{'deviation':>11}"
-        f"{'merged meas.':>14}{'merged sim.':>13}"
+        f"{'merged meas.':>14}{'merged sim.':>13}{'merges meas.':>14}{'merges sim.':>13}"
     ]
     for r in results:
         meas = r["measured_goodput"]
         mm = r["measured_merged_work_ratio"]
         dev = r.get("deviation_points", math.nan)
+        merges = r.get("measured_merges")
         lines.append(
             f"{r['name']:<24}{(meas if meas is not None else math.nan):>10.1%}"
             f"{r['goodput']:>11.1%}{dev:>9.1f} pt"
             f"{(mm if mm is not None else math.nan):>14.1%}{r['merged_work_ratio']:>13.1%}"
+            f"{merges if merges is not None else '-':>14}{r['merges']:>13}"
         )
     return "\n".join(lines)

@@ -124,6 +124,11 @@ class RunConfig:
             )
         if self.chips < self.learners:
             raise ValueError(f"RunConfig.chips must be >= learners, got {self.chips}")
+        if self.fragments > self.H:
+            raise ValueError(
+                f"RunConfig.fragments must be <= H ({self.H}), got {self.fragments}: "
+                "the learner hands over at most one fragment per step"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

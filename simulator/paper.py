@@ -93,7 +93,7 @@ def paper_table(
             run = RunConfig(
                 chips=chips, learners=learners, quorum=1, horizon_s=horizon_s, seed=seed
             )
-            table[row][col] = simulate(strategy, run, fail).goodput
+            table[row][col] = simulate(strategy, run, fail, replay=False).goodput
     return table
 
 

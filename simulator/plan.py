@@ -5,9 +5,9 @@
 
 For each learner count M the fleet's failures are simulated once (learners are elastic
 jobs of N/M chips, `failures.Job`); every (K, H) is then scored on the same runs:
-goodput (a barrier when K = M, none otherwise), merged-work ratio (work lost by learners
-that miss rounds, `strategies.lost_to_missed_rounds`), and per-site traffic for every P
-(`network.decoupled_traffic`). Configurations whose mean traffic or peak (a fragment's
+goodput (a barrier when K = M, none otherwise), merged-work ratio (the protocol replayed on
+the learners' steps, `strategies.merged_work`, following PLAN_SAMPLE fragments with
+P = min(--fragments, H)), and per-site traffic for every P (`network.decoupled_traffic`). Configurations whose mean traffic or peak (a fragment's
 round trip within tau steps) exceeds the slowest link are dropped. Ranking: effective
 goodput (goodput x merged-work ratio), then lower peak bandwidth, smaller H, smaller K. Model quality is not
 simulated: larger H and smaller K trade quality the simulator cannot see (algorithm.md §10).
@@ -16,15 +16,14 @@ simulated: larger H and smaller K trade quality the simulator cannot see (algori
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Final
 
 from ddiloco.simulator.config import FailureConfig, NetworkConfig, RunConfig
 from ddiloco.simulator.network import decoupled_traffic
-from ddiloco.simulator.strategies import (
-    barrier_rounds,
-    lost_to_missed_rounds,
-    run_jobs,
-    split_chips,
-)
+from ddiloco.simulator.strategies import barrier_rounds, merged_work, run_jobs, split_chips
+
+PLAN_SAMPLE: Final[int] = 1
+"""Fragments the protocol replay follows per (M, K, H): the search replays dozens."""
 
 
 @dataclass(frozen=True)
@@ -61,8 +60,17 @@ def search(
         for k in sorted({1, max(1, m // 2), m}):
             for h in hs:
                 computed = barrier_rounds(jobs, h, run.horizon_s) if k == m else free
-                lost = 0.0 if k == m else lost_to_missed_rounds(jobs, k, h, fail.step_s)
-                merged = max(0.0, 1.0 - lost / max(computed, 1e-12))
+                merged = 1.0
+                if k < m:
+                    merged = merged_work(
+                        jobs,
+                        quorum=k,
+                        H=h,
+                        fragments=min(run.fragments, h),
+                        tau=run.tau,
+                        horizon=run.horizon_s,
+                        sample=PLAN_SAMPLE,
+                    ).merged_work_ratio
                 for p in fragments:
                     if p > h:
                         continue  # at most one fragment due per step

@@ -30,6 +30,10 @@ def run_summary(r: SimResult, extra: dict[str, float] | None = None) -> dict[str
         "pauses": r.pauses,
         "simulated_days": round(r.horizon_s / 86400, 3),
     }
+    if r.protocol is not None:
+        out["merges"] = r.protocol.merges
+        out["late_updates"] = r.protocol.late_updates
+        out["refused_updates"] = r.protocol.refused_updates
     out.update(extra or {})
     return out
 

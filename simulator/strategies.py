@@ -9,9 +9,12 @@ and Decoupled DiLoCo.
 - `elastic_dp`: one elastic job on all N chips: shrink on failure, regrow after repair.
 - `decoupled`: M learners of N/M chips, each an elastic job (algorithm.md §9). With
   quorum K < M nobody waits for anybody: goodput is the chip-weighted mean of the learners'.
-  A learner that is down while >= K others keep merging misses those rounds and, when it
-  comes back, overwrites the fragments it missed with the merged copies: its work on them
-  since its last contribution is lost (algorithm.md §4) - the merged-work ratio counts it.
+  Which of the computed steps reach a merge is decided by replaying the synchronizer's and
+  the learners' rules on the learners' steps (`protocol.py`): a learner paused by a
+  reconfiguration misses rounds, but its update, late by a version or two, merges into the
+  next round (max_staleness), and rebase adoption keeps its steps; the merged-work ratio
+  counts what is still lost (updates older than max_staleness, work not handed over by the
+  end). Its tokens are the chips behind each step (weak scaling).
 - `diloco`: the same learners under a barrier every H steps (K = M): a learner that is
   down holds everyone at the next merge.
 
@@ -23,6 +26,7 @@ Tests: `tests/unit/test_sim_strategies.py`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -31,8 +35,17 @@ import numpy as np
 from ddiloco.simulator.config import FailureConfig, RunConfig
 from ddiloco.simulator.engine import EventLoop
 from ddiloco.simulator.failures import Job
+from ddiloco.simulator.protocol import (
+    Incarnation,
+    Learner,
+    ProtocolConfig,
+    ProtocolResult,
+    run_protocol,
+)
 
 STRATEGIES: Final[tuple[str, ...]] = ("dp", "elastic_dp", "diloco", "decoupled")
+FLEET_SAMPLE: Final[int] = 4
+"""Fragments the protocol replay follows in a fleet run (see protocol.py `sample`)."""
 
 
 @dataclass
@@ -51,6 +64,8 @@ class SimResult:
     pauses: int
     events: int
     learner_goodput: list[float] = field(default_factory=list)
+    protocol: ProtocolResult | None = None
+    """What the protocol replay found (Decoupled DiLoCo only)."""
 
     @property
     def effective_goodput(self) -> float:
@@ -101,44 +116,35 @@ def _intervals(job: Job) -> np.ndarray:
     return np.array(job.run_intervals, dtype=float).reshape(-1, 3)
 
 
-def running_at(iv: np.ndarray, times: np.ndarray) -> np.ndarray:
-    """Whether a job with computing intervals `iv` (rows start, end, chips) computes at each
-    of `times`."""
-    i = np.searchsorted(iv[:, 0], times, side="right") - 1
-    ok = i >= 0
-    return ok & (iv[np.maximum(i, 0), 1] >= times)
+def learner_timelines(jobs: list[Job]) -> list[Learner]:
+    """Each job as one learner process for the protocol replay: a step completes every
+    step_s inside its computing intervals, with the chips then computing as its tokens.
+    An elastic job keeps its state (and heartbeats) through its reconfigurations."""
+    out = []
+    for j, job in enumerate(jobs):
+        iv = _intervals(job)
+        n = np.rint((iv[:, 1] - iv[:, 0]) / job.step_s).astype(int)
+        first = np.repeat(np.cumsum(n) - n, n)
+        k = np.arange(int(n.sum())) - first + 1
+        times = np.repeat(iv[:, 0], n) + k * job.step_s
+        tokens = np.repeat(iv[:, 2], n)
+        out.append(Learner(f"learner-{j}", job.step_s, [Incarnation(0.0, times, tokens)]))
+    return out
 
 
-def lost_to_missed_rounds(jobs: list[Job], quorum: int, H: int, grace_s: float) -> float:
-    """Chip-seconds of computed work overwritten because its learner missed merges."""
-    return lost_from_intervals(
-        [_intervals(j) for j in jobs], [j.step_s for j in jobs], quorum, H, grace_s
-    )
-
-
-def lost_from_intervals(
-    ivs: list[np.ndarray], step_s: list[float], quorum: int, H: int, grace_s: float
-) -> float:
-    """Work (chip-seconds) lost to missed merges, from each learner's computing intervals.
-
-    For every gap between two stretches of computing, if at least `quorum` other learners
-    were computing at its middle, the rounds due in the gap closed without this learner;
-    it loses its work on those fragments since its last contribution, about the gap's
-    length (at most H steps), less what the grace window lets it still deliver."""
-    lost = 0.0
-    for j, iv in enumerate(ivs):
-        if len(iv) < 2:
-            continue
-        gap = iv[1:, 0] - iv[:-1, 1]
-        mid = iv[:-1, 1] + gap / 2
-        others = sum(
-            (running_at(o, mid).astype(int) for k, o in enumerate(ivs) if k != j),
-            np.zeros(len(mid), dtype=int),
-        )
-        hit = (gap > grace_s) & (others >= quorum)
-        span = np.minimum(gap - grace_s, H * step_s[j])
-        lost += float((span * iv[:-1, 2])[hit].sum())
-    return lost
+def merged_work(
+    jobs: list[Job],
+    *,
+    quorum: int,
+    H: int,
+    fragments: int,
+    tau: int,
+    horizon: float,
+    sample: int | None = FLEET_SAMPLE,
+) -> ProtocolResult:
+    """Replay the protocol on the jobs' steps (merge traffic inside a data centre: no delays)."""
+    cfg = ProtocolConfig(fragments=fragments, H=H, quorum=quorum, tau=tau, sample=sample)
+    return run_protocol(learner_timelines(jobs), cfg, horizon)
 
 
 def barrier_rounds(jobs: list[Job], H: int, horizon: float, sync_s: float = 0.0) -> float:
@@ -182,8 +188,12 @@ def barrier_rounds(jobs: list[Job], H: int, horizon: float, sync_s: float = 0.0)
     return used
 
 
-def simulate(strategy: str, run: RunConfig, fail: FailureConfig) -> SimResult:
-    """Simulate `strategy` on the fleet of `run` under the failures of `fail`."""
+def simulate(
+    strategy: str, run: RunConfig, fail: FailureConfig, *, replay: bool = True
+) -> SimResult:
+    """Simulate `strategy` on the fleet of `run` under the failures of `fail`. With
+    `replay=False` Decoupled DiLoCo skips the protocol replay (goodput only; the merged-work
+    ratio reads nan)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     single = strategy in ("dp", "elastic_dp")
@@ -198,12 +208,21 @@ def simulate(strategy: str, run: RunConfig, fail: FailureConfig) -> SimResult:
     allocated = run.chips * run.horizon_s
     computed = sum(j.good_chip_s for j in jobs)
     quorum = learners if strategy == "diloco" else min(run.quorum, learners)
-    merged = 1.0
+    merged, protocol = 1.0, None
     if strategy == "diloco":
         computed = barrier_rounds(jobs, run.H, run.horizon_s)
-    elif strategy == "decoupled" and learners > 1:
-        lost = lost_to_missed_rounds(jobs, quorum, run.H, grace_s=fail.step_s)
-        merged = max(0.0, 1.0 - lost / max(computed, 1e-12))
+    elif strategy == "decoupled" and not replay:
+        merged = math.nan
+    elif strategy == "decoupled":
+        protocol = merged_work(
+            jobs,
+            quorum=quorum,
+            H=run.H,
+            fragments=run.fragments,
+            tau=run.tau,
+            horizon=run.horizon_s,
+        )
+        merged = protocol.merged_work_ratio
     return SimResult(
         strategy=strategy,
         chips=run.chips,
@@ -217,4 +236,5 @@ def simulate(strategy: str, run: RunConfig, fail: FailureConfig) -> SimResult:
         pauses=sum(j.pauses for j in jobs),
         events=events,
         learner_goodput=[j.goodput() for j in jobs],
+        protocol=protocol,
     )
