@@ -1,4 +1,4 @@
-"""The paper's goodput table (algorithm.md §10) reproduced by `ddiloco simulate`, side by
+"""The paper's goodput table (Douillard et al. 2026, the goodput table) reproduced by `ddiloco simulate`, side by
 side with the paper's numbers, and the largest deviation.
 
     .venv/bin/python bench/sim_paper_table.py                 # seed 0, 4 simulated days/cell

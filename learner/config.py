@@ -67,7 +67,7 @@ class LearnerConfig:
     grad_clip: float = 1.0
     """Clip the gradient norm to this (0 disables)."""
 
-    # --- Decoupled DiLoCo (algorithm.md §3-§4) ---
+    # --- Decoupled DiLoCo (the paper §3; README "How it fits together") ---
     h: int = 24
     """H: inner steps between two hand-overs of the same fragment."""
     num_fragments: int = 4

@@ -1,4 +1,4 @@
-"""Decoupled DiLoCo around an ordinary training loop (algorithm.md §4), like torchft's DiLoCo.
+"""Decoupled DiLoCo around an ordinary training loop (Douillard et al. 2026), like torchft's DiLoCo.
 
     with DecoupledDiLoCo(model, cfg, embedding=task.embedding_params) as diloco:
         for step in ...:

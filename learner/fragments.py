@@ -1,16 +1,16 @@
-"""Fragments: how the parameters split into P pieces, and when each piece is due.
+"""Fragments: how the parameters split into P pieces, and when each piece is first due.
 
     layout = partition(model.named_parameters(), num_fragments=4, embedding={"wte.weight"})
-    schedule = Schedule(h=24, num_fragments=4)
-    schedule.due(step)   # fragments to hand over after inner step `step`
+    Schedule(h=24, num_fragments=4).offset(p)   # step of p's first hand-over (0 means H)
 
-Partition (algorithm.md §3, paper): balanced tensor fragmentation. Embedding tensors form
+Partition (the paper's balanced tensor fragmentation). Embedding tensors form
 their own fragment(s), merged by plain averaging; every other tensor, largest first, goes
 whole into the fragment with the smallest running size, ties broken by name then index,
 so every learner computes the identical layout.
 
-Schedule: fragment p is due at steps t with t = o_p (mod H), o_p = p*H/P, so one
-fragment falls due every H/P steps. Steps count from 1 (the first inner step is step 1).
+Schedule: fragment p is first due at o_p = p*H/P (H for p = 0), so the fragments are spread
+H/P steps apart; after that the learner hands p over H steps after its previous hand-over
+of p, or earlier to answer a round's request (learner/diloco.py). Steps count from 1.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def partition(
 
 @dataclass(frozen=True)
 class Schedule:
-    """When each fragment is handed to the synchronizer (H inner steps apart per fragment)."""
+    """Where each fragment's hand-overs start: offsets p*H/P, spread evenly over H."""
 
     h: int
     num_fragments: int
@@ -77,6 +77,3 @@ class Schedule:
 
     def offset(self, p: int) -> int:
         return (p * self.h) // self.num_fragments
-
-    def due(self, step: int) -> list[int]:
-        return [p for p in range(self.num_fragments) if step % self.h == self.offset(p)]

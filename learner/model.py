@@ -11,7 +11,7 @@ reuses the token embedding matrix (one parameter, so a fragment holds it exactly
 
 Parameter names are stable and flat (``wte.weight``, ``wpe.weight``, ``blocks.0.attn.qkv.weight``,
 ...); ``is_embedding_param`` tells the embedding ones apart, since the synchronizer merges those by
-plain averaging (algorithm.md §6.3). Tests: ``pytest tests/unit/test_model_data.py``.
+plain averaging (the paper). Tests: ``pytest tests/unit/test_model_data.py``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
     for p, version, tensors in streamer.arrivals(): ...
     streamer.ledger()                  # per fragment: tokens put, accepted, refused, queued
 
-The training loop never waits on the network (algorithm.md §4): everything here runs in
+The training loop never waits on the network (the method's whole point): everything here runs in
 two daemon threads with their own HTTP/2 connections. When the synchronizer is away they
 retry with capped exponential backoff; when it comes back (or forgets this learner) they
 re-join. Every update carries work no other update carries (deltas are incremental), so

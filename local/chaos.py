@@ -4,7 +4,7 @@
     for event in schedule.events: ...   # ChaosEvent(at=7.3, action="kill", target="learner-1", ...)
     Schedule.from_json(schedule.to_json()) == schedule
 
-Actions (algorithm.md §9, scenarios 1-6):
+Actions (the chaos scenarios of bench/RESULTS.md, 1-6):
 
 - `kill`: SIGKILL a learner; its replacement arrives `delay` seconds later (long-tailed).
 - `pause`: SIGSTOP a learner, SIGCONT after `delay`.

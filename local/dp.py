@@ -5,7 +5,7 @@ gradients all-reduced every step over torch.distributed (gloo on loopback).
         --log-path run/learners/learner-1.jsonl
 
 Started by local/dp_run.py, one process per learner slot; bench/goodput.py compares it with
-Decoupled DiLoCo under the same chaos (algorithm.md §9: "a plain data-parallel baseline with
+Decoupled DiLoCo under the same chaos (the bench's baseline: "a plain data-parallel baseline with
 the same chaos schedule"). Same task (learner/task.py: model, shard `slot` of `slots`, batch
 seed), same AdamW, warm-up and clipping as a learner (learner/config.py defaults).
 
@@ -24,7 +24,7 @@ failure and redone, which the step log marks with `{"event": "start", "resume_st
 Step records are the learner's (`t`, `step`, `dt`, `loss`) plus `comm` (seconds inside the
 all-reduce, waiting included) and `bytes` (what a ring all-reduce moves for this rank).
 `dt` is compute only: forward, backward, optimizer step and the slow-factor sleep; the
-all-reduce is where a rank waits for the others, and algorithm.md §9 counts barrier waits
+all-reduce is where a rank waits for the others, and goodput (local/goodput.py) counts barrier waits
 against goodput.
 """
 

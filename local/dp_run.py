@@ -18,7 +18,7 @@ the schedule with the semantics of a synchronous job:
   like a slow one until a timeout far longer than our pauses). A synchronizer kill does not
   apply (there is none).
 
-Goodput is algorithm.md §9's, counted by local/goodput.py exactly as for the learners: each
+Goodput is counted by local/goodput.py exactly as for the learners: each
 slot holds its allocation for the whole run, busy time is forward, backward and optimizer
 time of steps that were not rolled back, outside SIGSTOPs. The global model's eval loss is
 measured on the checkpoint file as it is written, by a thread like local/evaluator.py.

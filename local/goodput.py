@@ -1,4 +1,4 @@
-"""Goodput accounting (algorithm.md §9), shared by `ddiloco local` and the baselines.
+"""Goodput accounting (the definition every figure uses), shared by `ddiloco local` and the baselines.
 
     spans = new_step_spans(records)                       # [(start, end)] of new inner steps
     busy = busy_seconds(spans, held=(t0, t1), idle=pauses)

@@ -6,7 +6,7 @@
     proxy.restore()                         # connections accepted and relayed again
     proxy.close()
 
-Chaos scenario 3 of algorithm.md §9 ("cut a learner off the network"), made real without
+Chaos scenario 3 of bench/RESULTS.md ("cut a learner off the network"), made real without
 root: the learner's process keeps running, its HTTP/2 connections die with a reset and every
 reconnect is reset until the cut ends, which is what a dropped route looks like to libcurl.
 One relay per learner; the learner is started with the relay's URL. Bytes are relayed by two

@@ -4,7 +4,7 @@ Sources: the learners' JSON-lines step logs (what each incarnation computed, and
 adopted merged fragments), the launcher's process timeline (kills, restarts, pauses), the
 synchronizer's final status (merges, tokens merged, bytes) and the evaluator's history.
 
-goodput (algorithm.md §9) = sum over slots of time spent executing inner steps, divided by
+goodput (local/goodput.py) = sum over slots of time spent executing inner steps, divided by
 the time each slot held its allocation (the whole run: a killed learner's slot is still
 allocated while it waits to be replaced, and a paused one is idle).
 """
@@ -69,7 +69,7 @@ def build_report(run: LocalRun) -> dict[str, Any]:
             if r.get("event") == "adopt" and r.get("version", 0) > 0:
                 key = (r["fragment"], r["version"])
                 merge_times[key] = min(merge_times.get(key, r["t"]), r["t"])
-        # A scavenged slot is held only between its add and its remove (algorithm.md §9).
+        # A scavenged slot is held only between its add and its remove.
         held_from = max(t0, run.added.get(child.name, t0))
         held_to = min(t1, run.removed.get(child.name, t1))
         if child.name in run.schedule.absent and child.name not in run.added:

@@ -9,7 +9,7 @@ builders (typed access to a job's spec) and the status the operator writes.
 
 Field names are the Python spelling of the camelCase YAML keys (`learner_groups` is
 `learnerGroups`). Each field's docstring becomes its CRD description: say the unit and the
-paper's symbol (algorithm.md §2) there. Validation that needs more than one field lives in
+paper's symbol (Douillard et al. 2026) there. Validation that needs more than one field lives in
 CEL rules (`x-kubernetes-validations`) so the apiserver refuses a bad job before the
 operator sees it; `validate()` below repeats the same checks for bodies that skipped them.
 """

@@ -14,8 +14,8 @@ another run instead.
 
 It then replays that scenario on the event loop, step by step: a learner computes steps
 of its mean duration; a kill loses the step in flight; a pause freezes the learner; learners
-never wait for each other or for merges (algorithm.md §4), whatever K is. The predicted
-goodput is what the replay computed over what it held (algorithm.md §9, the same formula
+never wait for each other or for merges (Douillard et al. 2026), whatever K is. The predicted
+goodput is what the replay computed over what it held (the paper's failure model, the same formula
 as the report); it never reads the measured compute seconds. The merged-work ratio (and
 the merges, late and refused updates) is predicted by running the synchronizer's rounds
 and the learners' hand-over and adoption rules on the replayed steps (`protocol.py`):

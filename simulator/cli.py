@@ -1,6 +1,6 @@
 """`ddiloco simulate`: the method at a scale no test machine has.
 
-    ddiloco simulate paper-table [--json] [--plot goodput.png]   # algorithm.md §10, reproduced
+    ddiloco simulate paper-table [--json] [--plot goodput.png]   # the paper's goodput table, reproduced
     ddiloco simulate run --chips 1200000 --learners 8 [--json]   # one fleet, all four methods
     ddiloco simulate wide-area [--json]                          # 12B over four 2-5 Gbps sites
     ddiloco simulate --plan --chips 600000 --link-gbps 10        # best M, K, P, H for a fleet

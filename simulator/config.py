@@ -4,7 +4,7 @@
     fail = FailureConfig(chip_mtbi_s=365 * 86400.0, slice_chips=16)
     run = RunConfig(chips=1_200_000, learners=8)
 
-`FailureConfig` holds the failure model of algorithm.md §9 and the pauses it causes;
+`FailureConfig` holds the paper's failure model and the pauses it causes;
 `RunConfig` one scenario (fleet size, M, K, P, H, tau, horizon, seed). Defaults are the
 assumptions under which `ddiloco simulate paper-table` reproduces the paper's goodput
 table; they are global physical constants, not per-cell fits (see `paper.py`).
@@ -55,7 +55,7 @@ class RepairConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class FailureConfig:
-    """The failure model (algorithm.md §9) and what a failure costs each kind of job.
+    """The failure model (Douillard et al. 2026) and what a failure costs each kind of job.
 
     Each chip fails as an independent Poisson process (mean time between interruptions
     `chip_mtbi_s`). A failure takes its whole slice (`slice_chips` chips) out of service

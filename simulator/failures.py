@@ -9,7 +9,7 @@
     job.goodput()
 
 A `Job` is anything that steps in lock-step: a whole data-parallel run, or one Decoupled
-DiLoCo learner (a learner is itself an elastic data-parallel job, algorithm.md §9).
+DiLoCo learner (a learner is itself an elastic data-parallel job, the paper's failure model).
 
 Failure model: each chip in service fails as a Poisson process (rate 1 / chip MTBI). A
 failure takes its slice out. The job notices it at the end of the step in flight, which

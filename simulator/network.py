@@ -8,7 +8,7 @@ moves 2(S-1)/S of the gradient through every site's link, so the slowest link se
 pace, plus 2(S-1) one-way latencies. We let the all-reduce overlap the whole step (bucketed
 backward), which favours the baseline: its step lasts max(compute, all-reduce).
 
-Decoupled DiLoCo (algorithm.md §3-§4) ships one fragment (1/P of the model) up and the
+Decoupled DiLoCo (Douillard et al. 2026) ships one fragment (1/P of the model) up and the
 merged copy down every H/P steps, in the background; it has tau steps to come back. A
 learner never waits, so its step lasts the compute time as long as its link carries the
 mean stream; if it cannot, merges fall behind (reported as utilisation above 1).

@@ -1,4 +1,4 @@
-"""The paper's goodput table (algorithm.md §10), reproduced by the simulator.
+"""The paper's goodput table (Douillard et al. 2026), reproduced by the simulator.
 
     ddiloco simulate paper-table            # ours next to the paper's, and the max deviation
     ddiloco simulate paper-table --json     # {"dp": {"150k": 0.72, ...}, "elastic_dp": ...}
@@ -24,7 +24,7 @@ physically sensible, not fitted per cell):
   with the next reconfiguration, or after 200 s get a dedicated 30 s regrow pause (adding
   slices means loading the model onto new hosts, slower than dropping some).
 - Decoupled DiLoCo with K = 1: learners never wait for each other or for the synchronizer
-  (algorithm.md §6.1-6.2), so a learner's failure pauses that learner only; merge traffic
+  (Douillard et al. 2026), so a learner's failure pauses that learner only; merge traffic
   inside a data centre is hidden by the overlap tau.
 - 4 simulated days per cell (2.4M chips: ~26k failures), seed 0.
 
@@ -66,7 +66,7 @@ ROW_LABELS: Final[dict[str, str]] = {
     "m16": "Decoupled, M = 16",
 }
 
-# algorithm.md §10, goodput with a chip MTBI of one year.
+# the paper's goodput table, goodput with a chip MTBI of one year.
 PAPER: Final[dict[str, dict[str, float]]] = {
     "dp": {"150k": 0.72, "300k": 0.57, "600k": 0.38, "1.2M": 0.27, "2.4M": 0.18},
     "elastic_dp": {"150k": 0.88, "300k": 0.80, "600k": 0.69, "1.2M": 0.58, "2.4M": 0.40},

@@ -10,7 +10,7 @@ the learners' steps, `strategies.merged_work`, following PLAN_SAMPLE fragments w
 P = min(--fragments, H)), and per-site traffic for every P (`network.decoupled_traffic`). Configurations whose mean traffic or peak (a fragment's
 round trip within tau steps) exceeds the slowest link are dropped. Ranking: effective
 goodput (goodput x merged-work ratio), then lower peak bandwidth, smaller H, smaller K. Model quality is not
-simulated: larger H and smaller K trade quality the simulator cannot see (algorithm.md §10).
+simulated: larger H and smaller K trade quality the simulator cannot see (Douillard et al. 2026).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ and Decoupled DiLoCo.
 
 - `dp`: one non-elastic job on all N chips: every failure stops it for a restart.
 - `elastic_dp`: one elastic job on all N chips: shrink on failure, regrow after repair.
-- `decoupled`: M learners of N/M chips, each an elastic job (algorithm.md §9). With
+- `decoupled`: M learners of N/M chips, each an elastic job (Douillard et al. 2026). With
   quorum K < M nobody waits for anybody: goodput is the chip-weighted mean of the learners'.
   Which of the computed steps reach a merge is decided by replaying the synchronizer's and
   the learners' rules on the learners' steps (`protocol.py`): a learner paused by a
@@ -18,7 +18,7 @@ and Decoupled DiLoCo.
 - `diloco`: the same learners under a barrier every H steps (K = M): a learner that is
   down holds everyone at the next merge.
 
-Goodput follows algorithm.md §9: chip-seconds spent on steps that completed, over
+Goodput follows the paper's failure model: chip-seconds spent on steps that completed, over
 chip-seconds allocated (every chip of the fleet, for the whole horizon).
 
 Tests: `tests/unit/test_sim_strategies.py`.

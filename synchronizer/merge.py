@@ -50,7 +50,7 @@ def contribution_weight(tokens: int, steps: int, how: Weighting = "tokens2_per_s
 
 def cap_counters(tokens: int, steps: int, max_steps: int) -> tuple[int, int]:
     """Cap the steps a contribution may claim, scaling tokens alike (a partitioned learner
-    cannot dominate one merge; algorithm.md §7)."""
+    cannot dominate one merge)."""
     if steps <= max_steps:
         return tokens, steps
     return round(tokens * max_steps / steps), max_steps

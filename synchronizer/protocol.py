@@ -220,7 +220,7 @@ class Status(_Msg):
     bytes_up: int
     bytes_down: int
     goodput: float | None
-    """Share of learner uptime spent computing inner steps (algorithm.md §9), None before data."""
+    """Share of learner uptime spent computing inner steps (local/goodput.py defines it for whole slots), None before data."""
     fragments: list[FragmentStatus]
     learners: list[LearnerStatus]
     xi: dict[str, float | None]

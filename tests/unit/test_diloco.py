@@ -1,4 +1,4 @@
-"""The learner's side of a round against a real synchronizer on loopback (algorithm.md §4).
+"""The learner's side of a round against a real synchronizer on loopback.
 
     pytest tests/unit/test_diloco.py
 

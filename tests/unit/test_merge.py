@@ -1,4 +1,4 @@
-"""Merge math (algorithm.md §6.3-§6.4): RDA, weighted mean, weights, outer Nesterov.
+"""Merge math: RDA, weighted mean, weights, outer Nesterov.
 
 pytest tests/unit/test_merge.py
 """

@@ -1,4 +1,4 @@
-"""Quorum + adaptive grace window, driven by an injected clock (algorithm.md §6.1-§6.2).
+"""Quorum + adaptive grace window, driven by an injected clock (the paper's Eq. 3).
 
 pytest tests/unit/test_rounds.py
 """

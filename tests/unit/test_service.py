@@ -1,4 +1,4 @@
-"""The synchronizer's rounds end to end in-process, on an injected clock (algorithm.md §5-§6).
+"""The synchronizer's rounds end to end in-process, on an injected clock.
 
     pytest tests/unit/test_service.py
 
