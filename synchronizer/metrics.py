@@ -35,6 +35,21 @@ class StatusCollector(Collector):
         yield CounterMetricFamily(
             "ddiloco_contributions_rejected", "Updates refused", value=s.contributions_rejected
         )
+        refusals = CounterMetricFamily(
+            "ddiloco_refusals", "Requests refused, by reason", labels=["reason"]
+        )
+        for reason, n in sorted(s.refusals.items()):
+            refusals.add_metric([reason], n)
+        yield refusals
+        yield CounterMetricFamily(
+            "ddiloco_merges_refused", "Merges refused as non-finite", value=s.merges_refused
+        )
+        pending = GaugeMetricFamily(
+            "ddiloco_tokens_pending", "Accepted tokens waiting in open rounds", labels=["fragment"]
+        )
+        for f in s.fragments:
+            pending.add_metric([str(f.index)], f.tokens_pending)
+        yield pending
         yield CounterMetricFamily("ddiloco_bytes_up", "Update bytes received", value=s.bytes_up)
         yield CounterMetricFamily("ddiloco_bytes_down", "Fragment bytes served", value=s.bytes_down)
         yield GaugeMetricFamily(

@@ -267,3 +267,23 @@ def test_policy_never_returns_a_non_finite_fragment() -> None:
     c = Contribution({"w": torch.tensor([1e3, 1e3])}, steps=1, tokens=1, base_version=0)
     with pytest.raises(ArithmeticError, match="non-finite"):
         policy.merge(spec, {"w": torch.zeros(2)}, {"w": torch.zeros(2)}, 0, [c])
+
+
+def test_refusals_are_counted_by_reason_and_exported(tmp_path: Path) -> None:
+    from ddiloco.synchronizer import metrics
+
+    clock = Clock()
+    sync = make(tmp_path, clock, max_update_ratio=2.0)
+    start(sync)
+    wrong_shape = codec.encode(
+        {"w": torch.zeros(3)},
+        UpdateMeta.from_metadata(codec.read_metadata(update("a", 1, A, step=9))).to_metadata(),
+    )
+    for payload in (update("a", 1, torch.full((2,), 1e3), step=10), wrong_shape):
+        with pytest.raises(PayloadError) as err:
+            sync.submit(payload)
+        sync.reject(err.value.kind)  # what the route's handler does with every refusal
+    sync.submit(update("a", 1, A, step=1))
+    text = metrics.render(sync.status).decode()
+    assert 'ddiloco_refusals_total{reason="invalid"} 2.0' in text
+    assert 'ddiloco_tokens_pending{fragment="1"} 100.0' in text
