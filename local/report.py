@@ -156,6 +156,8 @@ def build_report(run: LocalRun) -> dict[str, Any]:
         "sync_seconds_mean": status.xi.get("sync") or 0.0,
         "mean_contributors": round(status.mean_contributors, 3),
         "contributions_rejected": status.contributions_rejected,
+        # the rules the synchronizer says its fragments merge by, not the flag that asked
+        "merge_rules": sorted({f.merge for f in status.fragments}),
         "system_uptime": round(
             system_uptime(list(merge_times.values()), t0, t1, 2 * cfg.h * max(step_mean, 1e-3)), 4
         ),

@@ -33,6 +33,8 @@ def test_local_run_with_kill_chaos_keeps_merging_and_learning(tmp_path: Path) ->
         "12",  # not the default: tokens must be counted with the learners' batch
         "--chaos",
         "kill",
+        "--merge",
+        "mean",  # not the default: the flag must reach the synchronizer's merges
         "--report",
         str(report_path),
         "--out",
@@ -63,6 +65,7 @@ def test_local_run_with_kill_chaos_keeps_merging_and_learning(tmp_path: Path) ->
     assert 0.0 < r["goodput"] <= 1.0 and 0.0 < r["merged_work_ratio"] <= 1.0
     assert len(r["learners"]) == 3 and r["tokens_computed"] > r["tokens_merged"] > 0
     assert r["config"]["tokens_per_step"] == 12 * 64  # tiny's block size is 64
+    assert r["merge_rules"] == ["mean"]  # what the synchronizer ran, dense fragments included
     # merges continued through the kills: the global version kept rising after the first one
     first_kill = min(t for lr in r["learners"] for t in lr["kill_times"])
     versions_after = [v for t, _, v in r["eval_history"] if t > first_kill]
