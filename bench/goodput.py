@@ -118,6 +118,9 @@ def run_arm(
             )
         )
         report = run.run()
+        want = "mean" if arm.endswith("_mean") else "rda"
+        if want not in report["merge_rules"]:  # an arm that ran another arm's code is void
+            raise RuntimeError(f"{arm}: synchronizer merged by {report['merge_rules']}, not {want}")
         curve = decoupled_curve(run, report)
         staleness = float(run.status.mean_staleness)
     tokens = int(report["tokens_computed"])
@@ -130,6 +133,7 @@ def run_arm(
         "tokens_per_s": round(tokens / wall, 1) if wall else 0.0,
         "bytes_wire": int(report["bytes_up"]) + int(report["bytes_down"]),
         "mean_contributors": report["mean_contributors"],
+        "merge_rules": report.get("merge_rules", []),
         "mean_staleness": round(staleness, 3),
         "eval_loss_initial": report["eval_loss_initial"],
         "eval_loss_final": report["eval_loss_final"],
