@@ -4,6 +4,7 @@ Pure functions of the update and the fragment's durable state; nothing here chan
 or needs history that a restart erases (the order high-water marks and the norm history
 live in the fragment file and the pending log, see state.py).
 
+    meta = parse_update(payload, path_fragment, num_fragments)                # the header only
     verdict = admit(meta, version=fs.version, high_water=hw, max_staleness=4)  # before decoding
     norm = check_delta(delta, spec, theta_norm=..., recent=fs.norms, ...)        # after decoding
 
@@ -30,13 +31,41 @@ import torch
 
 from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
-from ddiloco.synchronizer.protocol import FragmentSpec, UpdateMeta
-from ddiloco.synchronizer.state import Order
+from ddiloco.synchronizer.protocol import FragmentSpec, Layout, UpdateMeta
+from ddiloco.synchronizer.state import FragmentState, Order
 
 NORM_HISTORY = 32
 """Recent accepted update norms kept per fragment for the relative guard."""
 MIN_HISTORY = 5
 """The relative guard needs this many recent norms."""
+
+
+def parse_update(payload: bytes, path_fragment: int | None, num_fragments: int) -> UpdateMeta:
+    """The update's metadata, from its safetensors header alone, or PayloadError."""
+    try:
+        meta = UpdateMeta.from_metadata(codec.read_metadata(payload))
+    except ValueError as e:
+        raise PayloadError(f"update metadata is invalid: {e}") from None
+    if path_fragment is not None and meta.fragment != path_fragment:
+        raise PayloadError(f"update says fragment {meta.fragment} but was sent to {path_fragment}")
+    if meta.fragment >= num_fragments:
+        raise PayloadError(f"fragment {meta.fragment} does not exist (0..{num_fragments - 1})")
+    if meta.steps == 0 or meta.tokens == 0:
+        raise PayloadError("update has no steps or no tokens behind it: it carries no work")
+    return meta
+
+
+def initial_fragments(layout: Layout, tensors: dict[str, torch.Tensor]) -> list[FragmentState]:
+    """The version-0 fragments of an init payload, checked against its layout."""
+    out = []
+    for spec in layout.fragments:
+        missing = [t.name for t in spec.tensors if t.name not in tensors]
+        if missing:
+            raise PayloadError(f"init payload lacks tensors {missing[:5]}")
+        params = {t.name: tensors[t.name].float().clone() for t in spec.tensors}
+        codec.check_fragment(params, spec)
+        out.append(FragmentState(params, {k: torch.zeros_like(v) for k, v in params.items()}))
+    return out
 
 
 def admit(

@@ -18,12 +18,12 @@ on copies, and refuses (returns None) a result that is not finite everywhere.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from ddiloco.synchronizer.protocol import FragmentSpec, MergeRule
+from ddiloco.synchronizer.protocol import FragmentSpec, MergeRule, UpdateMeta
 
 if TYPE_CHECKING:
     from ddiloco.synchronizer.config import SyncSettings
@@ -151,14 +151,38 @@ class NonFiniteMerge(ArithmeticError):
     """A merge whose result is not finite: it is never persisted nor served."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class Contribution:
-    """What one learner brought to a round: its summed progress and the counters behind it."""
+    """One learner's contribution to an open round: the sum of its updates since the last
+    merge (they carry progress since the previous hand-over, so deltas and counters add),
+    the oldest base among them, and the highest order (incarnation, learner_step)."""
 
     delta: Tensors
     steps: int
     tokens: int
     base_version: int
+    order: tuple[int, int] = (0, 0)
+    ids: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, meta: UpdateMeta, delta: Tensors) -> Contribution:
+        return cls(
+            {k: v.float() for k, v in delta.items()},
+            meta.steps,
+            meta.tokens,
+            meta.base_version,
+            meta.order(),
+            [meta.update_id()],
+        )
+
+    def absorb(self, meta: UpdateMeta, delta: Tensors) -> None:
+        for k, v in delta.items():
+            self.delta[k].add_(v.float())
+        self.steps += meta.steps
+        self.tokens += meta.tokens
+        self.base_version = min(self.base_version, meta.base_version)
+        self.order = max(self.order, meta.order())
+        self.ids.append(meta.update_id())
 
 
 @dataclass(frozen=True)

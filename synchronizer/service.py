@@ -25,13 +25,12 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from ddiloco.synchronizer import admission, codec, ledger
 from ddiloco.synchronizer.config import SyncSettings
-from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
+from ddiloco.synchronizer.errors import Refusal, SyncError
 from ddiloco.synchronizer.ledger import LearnerRecord
 from ddiloco.synchronizer.merge import Contribution, MergePolicy, NonFiniteMerge
 from ddiloco.synchronizer.protocol import (
@@ -55,42 +54,6 @@ HEADER_SLACK = 1 << 20
 """Bytes a safetensors header with metadata may add to a fragment's tensors."""
 
 __all__ = ["SyncError", "Synchronizer"]
-
-
-@dataclass
-class Pending:
-    """One learner's contribution to an open round: the sum of its updates since the last
-    merge (they carry progress since the previous hand-over, so deltas and counters add)."""
-
-    delta: dict[str, torch.Tensor]
-    steps: int
-    tokens: int
-    base_version: int
-    order: Order
-    ids: list[str] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, meta: UpdateMeta, delta: dict[str, torch.Tensor]) -> Pending:
-        return cls(
-            {k: v.float() for k, v in delta.items()},
-            meta.steps,
-            meta.tokens,
-            meta.base_version,
-            meta.order(),
-            [meta.update_id()],
-        )
-
-    def absorb(self, meta: UpdateMeta, delta: dict[str, torch.Tensor]) -> None:
-        for k, v in delta.items():
-            self.delta[k].add_(v.float())
-        self.steps += meta.steps
-        self.tokens += meta.tokens
-        self.base_version = min(self.base_version, meta.base_version)
-        self.order = max(self.order, meta.order())
-        self.ids.append(meta.update_id())
-
-    def contribution(self) -> Contribution:
-        return Contribution(self.delta, self.steps, self.tokens, self.base_version)
 
 
 class Synchronizer:
@@ -130,7 +93,7 @@ class Synchronizer:
         }
         self.totals.update({k: v for k, v in saved.get("totals", {}).items() if k != "rejected"})
         self.refusals: Counter[str] = Counter(saved.get("totals", {}).get("refusals", {}))
-        self.rounds: Rounds[Pending] = self._rounds(0)
+        self.rounds: Rounds[Contribution] = self._rounds(0)
         if self.layout is not None:
             self._adopt(self.store.load_fragments(self.layout))
             replayed = self._replay()
@@ -142,7 +105,7 @@ class Synchronizer:
             )
 
     # ---- setup -------------------------------------------------------------------
-    def _rounds(self, n: int) -> Rounds[Pending]:
+    def _rounds(self, n: int) -> Rounds[Contribution]:
         s = self.settings
         return Rounds(
             n,
@@ -245,19 +208,7 @@ class Synchronizer:
                 return InitResponse(
                     created=False, layout_digest=self.layout.digest(), versions=self.versions()
                 )
-            tensors = codec.decode(payload)
-            fragments = []
-            for spec in layout.fragments:
-                missing = [t.name for t in spec.tensors if t.name not in tensors]
-                if missing:
-                    raise PayloadError(f"init payload lacks tensors {missing[:5]}")
-                params = {t.name: tensors[t.name].float().clone() for t in spec.tensors}
-                codec.check_fragment(params, spec)
-                fragments.append(
-                    FragmentState(
-                        params=params, momentum={k: torch.zeros_like(v) for k, v in params.items()}
-                    )
-                )
+            fragments = admission.initial_fragments(layout, codec.decode(payload))
             for spec, fs in zip(layout.fragments, fragments, strict=True):
                 self.store.save_fragment(spec.index, fs)
             self.store.save_layout(layout)  # written last: its presence means "initialized"
@@ -284,25 +235,6 @@ class Synchronizer:
             self.totals["bytes_down"] += len(body)
         return version, body
 
-    def _meta(self, payload: bytes, path_fragment: int | None) -> UpdateMeta:
-        try:
-            meta = UpdateMeta.from_metadata(codec.read_metadata(payload))
-        except ValueError as e:
-            raise PayloadError(f"update metadata is invalid: {e}") from None
-        if path_fragment is not None and meta.fragment != path_fragment:
-            raise PayloadError(
-                f"update says fragment {meta.fragment} but was sent to {path_fragment}"
-            )
-        if self.layout is None:
-            raise SyncError(Refusal.NOT_INITIALIZED, "no global model yet: nothing to update")
-        if meta.fragment >= len(self.fragments):
-            raise PayloadError(
-                f"fragment {meta.fragment} does not exist (0..{len(self.fragments) - 1})"
-            )
-        if meta.steps == 0 or meta.tokens == 0:
-            raise PayloadError("update has no steps or no tokens behind it: it carries no work")
-        return meta
-
     def _high_water(self, p: int, learner_id: str) -> Order | None:
         """The highest order held for this learner and fragment, merged or pending."""
         marks = [self.fragments[p].high_water.get(learner_id)]
@@ -312,8 +244,9 @@ class Synchronizer:
         return max(known) if known else None
 
     def submit(self, payload: bytes, path_fragment: int | None = None) -> UpdateResponse:
-        meta = self._meta(payload, path_fragment)
-        assert self.layout is not None
+        if self.layout is None:
+            raise SyncError(Refusal.NOT_INITIALIZED, "no global model yet: nothing to update")
+        meta = admission.parse_update(payload, path_fragment, len(self.fragments))
         self._learner(meta.learner_id)
         p, s = meta.fragment, self.settings
         with self.frag_locks[p]:
@@ -353,7 +286,7 @@ class Synchronizer:
         with self.lock:
             pending = self.rounds.rounds[p].contributions.get(meta.learner_id)
             if pending is None:
-                pending = Pending.of(meta, delta)
+                pending = Contribution.of(meta, delta)
             else:
                 pending.absorb(meta, delta)
             self.rounds.add(p, meta.learner_id, pending, opens=opens)
@@ -411,7 +344,7 @@ class Synchronizer:
                     fs.params,
                     fs.momentum,
                     fs.version,
-                    [c.contribution() for c in taken.values()],
+                    list(taken.values()),
                 )
             except NonFiniteMerge as e:
                 with self.lock:
