@@ -3,70 +3,37 @@
     from ddiloco.synchronizer.app import create_app
     app = create_app(SyncSettings(token="t", state_dir=tmp))   # served by server.py over h2c
 
-Routes only translate HTTP: they authenticate, read the body, hand the work to the
-`Synchronizer` in a worker thread (tensor math never runs on the event loop) and turn its
-`SyncError`s into 4xx answers that say why. A background task merges due rounds.
+The routes (routes.py) only translate HTTP; this module builds the app around them: the
+lifespan that opens the `Synchronizer`, a background task that merges due rounds, and the
+exception handlers that make every refusal a 4xx whose JSON body is
+`{"error": <reason>, "detail": <why>}` (synchronizer/errors.py), whatever raised it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
-from collections.abc import AsyncIterator
-from typing import Annotated
+from collections.abc import AsyncIterator, Sequence
+from http import HTTPStatus
+from typing import Any, Final
 
-from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
-from ddiloco.synchronizer import metrics
 from ddiloco.synchronizer.config import SyncSettings, get_settings
-from ddiloco.synchronizer.errors import SyncError
-from ddiloco.synchronizer.protocol import (
-    API_PREFIX,
-    CONTENT_TYPE,
-    VERSION_HEADER,
-    Heartbeat,
-    HeartbeatResponse,
-    InitResponse,
-    JoinRequest,
-    JoinResponse,
-    Status,
-    UpdateResponse,
-)
+from ddiloco.synchronizer.errors import HTTP_STATUS, Refusal, SyncError
+from ddiloco.synchronizer.routes import public, v1
 from ddiloco.synchronizer.service import Synchronizer
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 8 << 30
 MERGE_TICK_S = 0.005
-
-
-def get_sync(request: Request) -> Synchronizer:
-    return request.app.state.sync
-
-
-SyncDep = Annotated[Synchronizer, Depends(get_sync)]
-
-
-def require_token(request: Request) -> None:
-    expected: str = request.app.state.token
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), expected.encode()):
-        raise HTTPException(
-            401, detail="missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
-        )
-
-
-async def read_body(request: Request) -> bytes:
-    chunks = bytearray()
-    async for chunk in request.stream():
-        chunks += chunk
-        if len(chunks) > MAX_BODY_BYTES:
-            raise HTTPException(413, detail=f"body larger than {MAX_BODY_BYTES} bytes")
-    return bytes(chunks)
+MAX_DETAIL: Final = 2000
+"""Characters of a validation error's detail (it never echoes the input)."""
+_BY_STATUS: Final = {401: Refusal.UNAUTHORIZED, 408: Refusal.TIMEOUT, 413: Refusal.TOO_LARGE}
 
 
 async def merge_loop(sync: Synchronizer) -> None:
@@ -84,6 +51,69 @@ async def merge_loop(sync: Synchronizer) -> None:
                 del running[p]
                 if task.exception() is not None:
                     log.error("Merge of fragment %d failed: %r", p, task.exception())
+
+
+def refusal(kind: Refusal | str, detail: str, status: int, **headers: str) -> JSONResponse:
+    if kind == Refusal.UNAUTHORIZED:
+        headers["WWW-Authenticate"] = "Bearer"
+    if kind in (Refusal.TOO_LARGE, Refusal.TIMEOUT):
+        headers["Connection"] = "close"  # HTTP/1.1: the rest of the body is never read
+    return JSONResponse({"error": str(kind), "detail": detail}, status, headers=headers)
+
+
+async def count(request: Request, kind: Refusal) -> None:
+    sync: Synchronizer | None = getattr(request.app.state, "sync", None)
+    if sync is not None:
+        await asyncio.to_thread(sync.reject, kind)
+
+
+def describe(errors: Sequence[Any]) -> str:
+    """A validation error's text: where and what, never the input (it may be bytes that are
+    not UTF-8, or a non-finite number, which no JSON can carry)."""
+    parts = []
+    for e in errors:
+        loc = ".".join(str(x) for x in e.get("loc", ()))
+        parts.append(f"{loc}: {e.get('msg', 'invalid')}")
+    return "; ".join(parts)[:MAX_DETAIL] or "request failed validation"
+
+
+def http_name(status: int) -> str:
+    """`not_found` for 404, `method_not_allowed` for 405, ..."""
+    try:
+        return HTTPStatus(status).name.lower()
+    except ValueError:
+        return "http_error"
+
+
+def add_handlers(app: FastAPI) -> None:
+    @app.exception_handler(SyncError)
+    async def _sync_error(request: Request, exc: SyncError) -> JSONResponse:
+        await count(request, exc.kind)
+        log.warning("Refused %s %s: %s", request.method, request.url.path, exc)
+        return refusal(exc.kind, str(exc), exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        await count(request, Refusal.INVALID)
+        detail = describe(exc.errors())
+        log.warning("Refused %s %s: %s", request.method, request.url.path, detail)
+        return refusal(Refusal.INVALID, detail, HTTP_STATUS[Refusal.INVALID])
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        # Starlette's 404/405, and FastAPI's 400 for a body it could not parse (an invalid one)
+        status = HTTP_STATUS[Refusal.INVALID] if exc.status_code == 400 else exc.status_code
+        kind: Refusal | str = _BY_STATUS.get(status) or (
+            Refusal.INVALID if status == 422 else http_name(status)
+        )
+        if isinstance(kind, Refusal):
+            await count(request, kind)
+        return refusal(kind, str(exc.detail), status, **(exc.headers or {}))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.error("Failed %s %s: %r", request.method, request.url.path, exc)
+        return JSONResponse({"error": "internal", "detail": "see the synchronizer's log"}, 500)
 
 
 def create_app(settings: SyncSettings | None = None) -> FastAPI:
@@ -110,57 +140,7 @@ def create_app(settings: SyncSettings | None = None) -> FastAPI:
                 await task
 
     app = FastAPI(title="ddiloco synchronizer", version="1", lifespan=lifespan)
-
-    @app.exception_handler(SyncError)
-    async def _sync_error(request: Request, exc: SyncError) -> JSONResponse:
-        request.app.state.sync.reject(exc.kind)
-        log.warning("Refused %s %s: %s", request.method, request.url.path, exc)
-        return JSONResponse({"error": str(exc.kind), "detail": str(exc)}, status_code=exc.status)
-
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def prometheus(sync: SyncDep) -> Response:
-        body = await asyncio.to_thread(metrics.render, sync.status)
-        return Response(body, media_type="text/plain; version=0.0.4")
-
-    v1 = [Depends(require_token)]
-
-    @app.post(f"{API_PREFIX}/join", dependencies=v1)
-    async def join(req: JoinRequest, sync: SyncDep) -> JoinResponse:
-        return await asyncio.to_thread(sync.join, req)
-
-    @app.put(f"{API_PREFIX}/init", dependencies=v1)
-    async def init(request: Request, sync: SyncDep) -> InitResponse:
-        return await asyncio.to_thread(sync.init, await read_body(request))
-
-    @app.get(f"{API_PREFIX}/fragments/{{p}}", dependencies=v1)
-    async def fragment(p: int, sync: SyncDep) -> Response:
-        version, body = await asyncio.to_thread(sync.fragment, p)
-        return Response(body, media_type=CONTENT_TYPE, headers={VERSION_HEADER: str(version)})
-
-    @app.post(f"{API_PREFIX}/fragments/{{p}}/updates", dependencies=v1)
-    async def update(p: int, request: Request, sync: SyncDep) -> UpdateResponse:
-        body = await read_body(request)
-        return await asyncio.to_thread(sync.submit, body, p)
-
-    @app.post(f"{API_PREFIX}/heartbeat", dependencies=v1)
-    async def heartbeat(hb: Heartbeat, request: Request, sync: SyncDep) -> HeartbeatResponse:
-        resp = await asyncio.to_thread(sync.heartbeat, hb)
-        deadline = asyncio.get_running_loop().time() + hb.wait_s
-        while not sync.news(hb, resp):
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(request.app.state.changed.wait(), timeout=left)
-            resp = sync.poll(hb.learner_id)
-        return resp
-
-    @app.get(f"{API_PREFIX}/status", dependencies=v1)
-    async def status(sync: SyncDep) -> Status:
-        return await asyncio.to_thread(sync.status)
-
+    add_handlers(app)
+    app.include_router(public)
+    app.include_router(v1)
     return app

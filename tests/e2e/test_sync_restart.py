@@ -3,7 +3,7 @@
     pytest tests/e2e/test_sync_restart.py -m e2e
 
 Shows: the versions resume where they were durably written (nothing a learner adopted is
-lost), merging continues from there, no update is applied twice, and the learner
+lost), merging continues from there, and the learner
 processes keep running throughout (they retry with backoff, they are never restarted).
 """
 
@@ -131,7 +131,8 @@ def test_synchronizer_killed_and_restarted_resumes_exactly(tmp_path: Path) -> No
     for p, fs in enumerate(store.load_fragments(layout)):
         assert fs.version == fs.merges  # one version per merge: none skipped, none doubled
         assert fs.version >= durable[p]
-        assert len(fs.applied) == len(set(fs.applied))  # no update merged twice
+        # both learners' work is in every fragment (exactly once: tests/e2e/test_ledger_e2e.py)
+        assert set(fs.high_water) == {"l0", "l1"}
     for c in learners:
         steps = [
             json.loads(x)["step"]

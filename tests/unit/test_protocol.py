@@ -175,6 +175,7 @@ def test_wrong_token_is_refused_everywhere(sync_server) -> None:
         with pytest.raises(SyncRefused) as err:
             call()
         assert err.value.status == 401
+        assert err.value.kind == "unauthorized"  # the JSON refusal body, parsed
     assert bad.healthy()  # /healthz needs no token (probes)
 
 
@@ -211,6 +212,36 @@ def test_heartbeat_long_poll_answers_when_a_round_opens(sync_server) -> None:
     timer.join()
     assert resp.requested == [1] or resp.versions[1] == 1  # woke on the round or its merge
     assert waited < 2.5
+
+
+def test_long_poll_never_blocks_the_event_loop(sync_server) -> None:
+    """A waiting heartbeat re-polls in a worker thread: while the synchronizer's lock is
+    held (as it is around a merge's bookkeeping), the server still answers everyone else."""
+    import threading
+
+    join_and_init(sync_server.client(), "a")
+    hb = Heartbeat(
+        learner_id="a",
+        step=1,
+        steps=[0, 0],
+        tokens=[0, 0],
+        base_versions=[0, 0],
+        step_seconds=0.01,
+        known_versions=[0, 0],
+        wait_s=3.0,
+    )
+    waiting = threading.Thread(target=lambda: sync_server.client().heartbeat(hb))
+    waiting.start()
+    time.sleep(0.3)  # the long poll now waits for news
+    probe = SyncClient(sync_server.url, sync_server.token, timeout=2)
+    with sync_server.sync.lock:
+        sync_server.sync.on_change()  # wakes it: it polls again, and waits for the lock
+        time.sleep(0.2)
+        t0 = time.perf_counter()
+        answered = probe.healthy()
+        elapsed = time.perf_counter() - t0
+    waiting.join(timeout=10)
+    assert answered and elapsed < 1.0, elapsed
 
 
 def test_openapi_is_published(sync_server) -> None:

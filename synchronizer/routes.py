@@ -1,0 +1,263 @@
+"""The synchronizer's HTTP routes: they only translate HTTP.
+
+Each handler authenticates, reads the body within its limit, calls the `Synchronizer` in a
+worker thread (its methods take locks and fsync: never on the event loop) and returns the
+answer; a refusal is a `SyncError`, which app.py turns into `{"error", "detail"}`.
+
+Bodies are guarded (`BodyGuard`, on every route of the router): a declared Content-Length
+over the route's limit is refused with 413 before a byte of the body is read, an undeclared
+(chunked) body is refused as soon as it passes the limit, and a body that sends nothing for
+`body_timeout_s` is refused with 408. JSON routes take at most `JSON_BODY_LIMIT`; the binary
+routes set theirs from the layout (`Synchronizer.body_limit`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+from collections.abc import Callable, Coroutine
+from typing import Annotated, Any, Final
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
+from starlette.types import Message, Receive
+
+from ddiloco.synchronizer import metrics
+from ddiloco.synchronizer.errors import Refusal, SyncError
+from ddiloco.synchronizer.protocol import (
+    API_PREFIX,
+    CONTENT_TYPE,
+    VERSION_HEADER,
+    Heartbeat,
+    HeartbeatResponse,
+    InitResponse,
+    JoinRequest,
+    JoinResponse,
+    Status,
+    UpdateResponse,
+)
+from ddiloco.synchronizer.service import HEADER_SLACK, Synchronizer
+
+JSON_BODY_LIMIT: Final = 4 << 20
+"""The largest JSON request body (a heartbeat of a few thousand fragments fits many times)."""
+UNKNOWN_FRAGMENT_LIMIT: Final = HEADER_SLACK
+"""An update to a fragment that does not exist (yet) is refused from its header alone."""
+
+
+class ErrorBody(BaseModel):
+    """Every refusal's body."""
+
+    error: str
+    """The reason (`errors.Refusal`; `not_found`/`method_not_allowed` for unknown routes)."""
+    detail: str
+    """Why, and what to do about it."""
+
+
+class BodyGuard:
+    """An ASGI `receive` that enforces a body limit and a per-chunk timeout.
+
+    The limit may be raised by the handler before it reads (`read_body`); the declared
+    Content-Length is checked at the first read, before waiting for any byte. The first
+    refusal is kept in `refused`, so it wins over whatever the framework makes of it."""
+
+    def __init__(self, receive: Receive, limit: int, timeout_s: float, declared: int | None):
+        self.receive = receive
+        self.limit = limit
+        self.timeout_s = timeout_s
+        self.declared = declared
+        self.seen = 0
+        self.done = False
+        self.refused: SyncError | None = None
+
+    def refuse(self, kind: Refusal, detail: str) -> SyncError:
+        self.refused = SyncError(kind, detail)
+        return self.refused
+
+    async def __call__(self) -> Message:
+        if self.done:  # the body is complete: later reads wait for the disconnect, unbounded
+            return await self.receive()
+        if self.declared is not None and self.declared > self.limit:
+            raise self.refuse(
+                Refusal.TOO_LARGE,
+                f"declared body of {self.declared} bytes is larger than the {self.limit} "
+                "bytes this route can need",
+            )
+        try:
+            message = await asyncio.wait_for(self.receive(), self.timeout_s)
+        except TimeoutError:
+            raise self.refuse(
+                Refusal.TIMEOUT,
+                f"the request body sent nothing for {self.timeout_s:g} s "
+                f"({self.seen} bytes arrived)",
+            ) from None
+        if message["type"] == "http.request":
+            self.seen += len(message.get("body", b""))
+            if self.seen > self.limit:
+                raise self.refuse(
+                    Refusal.TOO_LARGE,
+                    f"body is larger than the {self.limit} bytes this route can need",
+                )
+            self.done = not message.get("more_body", False)
+        return message
+
+
+def declared_length(request: Request) -> int | None:
+    value = request.headers.get("content-length")
+    if value is None or not (value.isascii() and value.isdigit()):
+        return None  # none, or malformed (the server's HTTP parser refuses those itself)
+    return int(value)
+
+
+class GuardedRoute(APIRoute):
+    """An APIRoute whose handler reads the request body through a `BodyGuard`."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            sync: Synchronizer = request.app.state.sync
+            guard = BodyGuard(
+                request.receive,
+                JSON_BODY_LIMIT,
+                sync.settings.body_timeout_s,
+                declared_length(request),
+            )
+            try:
+                return await handler(Request(request.scope, guard))
+            except Exception as e:
+                # FastAPI turns a failed JSON body read into a 400: say what really happened
+                if guard.refused is not None and e is not guard.refused:
+                    raise guard.refused from e
+                raise
+
+        return guarded
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, refused (413) beyond `limit` bytes or (408) when it stalls."""
+    guard = request.receive
+    if not isinstance(guard, BodyGuard):
+        raise TypeError("routes read bodies through GuardedRoute, which guards them")
+    guard.limit = limit
+    return await request.body()
+
+
+def get_sync(request: Request) -> Synchronizer:
+    return request.app.state.sync
+
+
+SyncDep = Annotated[Synchronizer, Depends(get_sync)]
+
+
+async def require_token(request: Request) -> None:
+    expected: str = request.app.state.token
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), expected.encode()):
+        raise SyncError(Refusal.UNAUTHORIZED, "missing or wrong bearer token")
+
+
+def _binary_body(what: str) -> dict[str, Any]:
+    schema = {"type": "string", "format": "binary", "contentMediaType": CONTENT_TYPE}
+    return {
+        "requestBody": {
+            "required": True,
+            "description": what,
+            "content": {CONTENT_TYPE: {"schema": schema}},
+        }
+    }
+
+
+ERRORS: Final[dict[int | str, dict[str, Any]]] = {
+    code: {"model": ErrorBody, "description": why}
+    for code, why in {
+        401: "unauthorized: missing or wrong bearer token",
+        404: "unknown_learner: POST /v1/join first",
+        408: "timeout: the body stopped arriving",
+        409: "not_initialized, stale or conflict",
+        413: "too_large: the body is larger than the route can need",
+        422: "invalid: malformed, non-finite, wrong shape or failed validation",
+    }.items()
+}
+
+public = APIRouter(route_class=GuardedRoute)
+v1 = APIRouter(
+    prefix=API_PREFIX,
+    route_class=GuardedRoute,
+    dependencies=[Depends(require_token)],
+    responses=ERRORS,
+)
+
+
+@public.get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@public.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+async def prometheus(sync: SyncDep) -> Response:
+    body = await asyncio.to_thread(metrics.render, sync.status)
+    return Response(body, media_type="text/plain; version=0.0.4")
+
+
+@v1.post("/join")
+async def join(req: JoinRequest, sync: SyncDep) -> JoinResponse:
+    return await asyncio.to_thread(sync.join, req)
+
+
+@v1.put("/init", openapi_extra=_binary_body("safetensors of the initial model, layout metadata"))
+async def init(request: Request, sync: SyncDep) -> InitResponse:
+    limit = await asyncio.to_thread(sync.body_limit, None)
+    return await asyncio.to_thread(sync.init, await read_body(request, limit))
+
+
+@v1.get(
+    "/fragments/{p}",
+    response_class=Response,
+    responses={200: {"content": {CONTENT_TYPE: {}}, "description": "the global fragment"}},
+)
+async def fragment(p: int, sync: SyncDep) -> Response:
+    version, body = await asyncio.to_thread(sync.fragment, p)
+    return Response(body, media_type=CONTENT_TYPE, headers={VERSION_HEADER: str(version)})
+
+
+def update_limit(sync: Synchronizer, p: int) -> int:
+    """Runs in a worker thread: the body limit of an update to fragment p."""
+    layout = sync.layout
+    if layout is None or not 0 <= p < len(layout.fragments):
+        return min(UNKNOWN_FRAGMENT_LIMIT, sync.body_limit(p))
+    return sync.body_limit(p)
+
+
+@v1.post(
+    "/fragments/{p}/updates",
+    openapi_extra=_binary_body("safetensors of the learner's progress on p, UpdateMeta metadata"),
+)
+async def update(p: int, request: Request, sync: SyncDep) -> UpdateResponse:
+    body = await read_body(request, await asyncio.to_thread(update_limit, sync, p))
+    return await asyncio.to_thread(sync.submit, body, p)
+
+
+@v1.post("/heartbeat")
+async def heartbeat(hb: Heartbeat, request: Request, sync: SyncDep) -> HeartbeatResponse:
+    """Long poll: answer at once if something is new for the learner, else as soon as a
+    fragment merges or a round opens, at the latest after `wait_s`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + hb.wait_s
+    changed: asyncio.Event = request.app.state.changed  # taken before polling: no lost wake-up
+    resp = await asyncio.to_thread(sync.heartbeat, hb)
+    while not Synchronizer.news(hb, resp):  # pure comparison of two answers, no lock
+        left = deadline - loop.time()
+        if left <= 0:
+            break
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), timeout=left)
+        changed = request.app.state.changed
+        resp = await asyncio.to_thread(sync.poll, hb.learner_id)
+    return resp
+
+
+@v1.get("/status")
+async def status(sync: SyncDep) -> Status:
+    return await asyncio.to_thread(sync.status)
