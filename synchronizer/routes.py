@@ -38,12 +38,10 @@ from ddiloco.synchronizer.protocol import (
     Status,
     UpdateResponse,
 )
-from ddiloco.synchronizer.service import HEADER_SLACK, Synchronizer
+from ddiloco.synchronizer.service import Synchronizer
 
 JSON_BODY_LIMIT: Final = 4 << 20
 """The largest JSON request body (a heartbeat of a few thousand fragments fits many times)."""
-UNKNOWN_FRAGMENT_LIMIT: Final = HEADER_SLACK
-"""An update to a fragment that does not exist (yet) is refused from its header alone."""
 
 
 class ErrorBody(BaseModel):
@@ -208,8 +206,7 @@ async def join(req: JoinRequest, sync: SyncDep) -> JoinResponse:
 
 @v1.put("/init", openapi_extra=_binary_body("safetensors of the initial model, layout metadata"))
 async def init(request: Request, sync: SyncDep) -> InitResponse:
-    limit = await asyncio.to_thread(sync.body_limit, None)
-    return await asyncio.to_thread(sync.init, await read_body(request, limit))
+    return await asyncio.to_thread(sync.init, await read_body(request, sync.body_limit(None)))
 
 
 @v1.get(
@@ -222,20 +219,12 @@ async def fragment(p: int, sync: SyncDep) -> Response:
     return Response(body, media_type=CONTENT_TYPE, headers={VERSION_HEADER: str(version)})
 
 
-def update_limit(sync: Synchronizer, p: int) -> int:
-    """Runs in a worker thread: the body limit of an update to fragment p."""
-    layout = sync.layout
-    if layout is None or not 0 <= p < len(layout.fragments):
-        return min(UNKNOWN_FRAGMENT_LIMIT, sync.body_limit(p))
-    return sync.body_limit(p)
-
-
 @v1.post(
     "/fragments/{p}/updates",
     openapi_extra=_binary_body("safetensors of the learner's progress on p, UpdateMeta metadata"),
 )
 async def update(p: int, request: Request, sync: SyncDep) -> UpdateResponse:
-    body = await read_body(request, await asyncio.to_thread(update_limit, sync, p))
+    body = await read_body(request, sync.body_limit(p))
     return await asyncio.to_thread(sync.submit, body, p)
 
 

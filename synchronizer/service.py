@@ -144,9 +144,13 @@ class Synchronizer:
         return [version for version, _ in self.served]
 
     def body_limit(self, p: int | None) -> int:
-        """The largest body the update route of fragment p (None: the init route) can need."""
-        if self.layout is None or p is None or not 0 <= p < len(self.layout.fragments):
+        """The largest body the update route of fragment p (None: the init route) can need;
+        pure and lock-free. An update before init, or to a fragment that does not exist, is
+        refused from its header alone."""
+        if p is None:
             return self.settings.max_init_bytes
+        if self.layout is None or not 0 <= p < len(self.layout.fragments):
+            return HEADER_SLACK
         return self.layout.fragments[p].numel() * 4 + HEADER_SLACK
 
     def _save_ledger(self) -> None:
