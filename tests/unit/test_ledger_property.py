@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ddiloco.learner.streaming import Entry, Outbox
+from ddiloco.learner.outbox import Entry, Outbox
 from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.errors import SyncError

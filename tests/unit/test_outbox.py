@@ -1,4 +1,4 @@
-"""The learner's outbox (learner/streaming.py): no hand-over is dropped, none overtakes another.
+"""The learner's outbox (learner/outbox.py) and its upload loop (learner/streaming.py): no hand-over is dropped, none overtakes another.
 
     pytest tests/unit/test_outbox.py
 
@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from ddiloco.learner.config import LearnerConfig
-from ddiloco.learner.streaming import OUTCOMES, Entry, Outbox, Streamer
+from ddiloco.learner.outbox import OUTCOMES, Entry, Outbox
+from ddiloco.learner.streaming import Streamer
 from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.client import SyncRefused, SyncUnavailable
 from ddiloco.synchronizer.protocol import FragmentSpec, Layout, TensorSpec, UpdateMeta

@@ -1,0 +1,161 @@
+"""The learner's outbox: every hand-over, kept in order until the synchronizer answers it.
+
+    outbox = Outbox(num_fragments)
+    outbox.put(meta, delta)          # the training loop: never blocks
+    entry = outbox.take(timeout)     # the upload thread: the head, now attempted
+    outbox.settle(entry, "accepted") # once the answer is definitive (else take it again)
+
+Deltas are incremental, so every update carries work no other carries and none may be
+dropped. Updates of a fragment that queue up behind an outage are summed into one (in
+float32, so no rounding is lost); one that was attempted is frozen and re-sent byte for
+byte, so the synchronizer's (incarnation, learner_step) high-water mark recognises it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from ddiloco.synchronizer import codec
+from ddiloco.synchronizer.protocol import UpdateMeta
+
+Tensors = dict[str, torch.Tensor]
+
+Outcome = Literal["accepted", "duplicate", "refused"]
+OUTCOMES: tuple[Outcome, ...] = ("accepted", "duplicate", "refused")
+
+
+@dataclass
+class Entry:
+    """One upload: a hand-over, or several of one fragment summed while none was attempted.
+    Once attempted it is frozen: its payload is encoded once and re-sent byte for byte."""
+
+    meta: UpdateMeta
+    delta: Tensors
+    handovers: int = 1
+    attempts: int = 0
+    payload: bytes | None = field(default=None, repr=False)
+
+    def encoded(self) -> bytes:
+        if self.payload is None:
+            self.payload = codec.encode(self.delta, metadata=self.meta.to_metadata())
+            self.delta = {}  # frozen from here on: the bytes are all a re-send needs
+        return self.payload
+
+
+_KINDS = [f"{k}_{n}" for k in (*OUTCOMES, "queued") for n in ("uploads", "steps", "tokens")]
+LEDGER_KEYS = ("put_handovers", "put_steps", "put_tokens", "summed", "attempts", *_KINDS)
+
+
+class Outbox:
+    """The uploads not yet answered, oldest first, and a ledger of what went through.
+
+    `put` sums an update into the queued entry of its fragment if that one was never
+    attempted (float32 sum; steps and tokens add; the older base_version and the newer
+    learner_step and incarnation), else appends it. The upload thread `take`s the head,
+    which marks it attempted, and `settle`s it once the synchronizer answers definitively;
+    until then it stays the head and is taken again, as is. Strict FIFO keeps each
+    fragment's updates in increasing (incarnation, learner_step) order. Thread-safe.
+
+    Ledger, per fragment: put_* (handed over) = accepted_* + duplicate_* + refused_* +
+    queued_* for steps and tokens, and put_handovers = summed + the *_uploads."""
+
+    def __init__(self, num_fragments: int = 0) -> None:
+        self.cond = threading.Condition()
+        self.entries: deque[Entry] = deque()
+        self.counts: dict[int, dict[str, int]] = {
+            p: dict.fromkeys(LEDGER_KEYS, 0) for p in range(num_fragments)
+        }
+        self.last_order: dict[int, tuple[int, int]] = {}
+
+    def _count(self, p: int) -> dict[str, int]:
+        return self.counts.setdefault(p, dict.fromkeys(LEDGER_KEYS, 0))
+
+    def put(self, meta: UpdateMeta, delta: Tensors) -> bool:
+        """Queue an update; True if it was summed into a queued one of its fragment."""
+        p = meta.fragment
+        with self.cond:
+            last = self.last_order.get(p)
+            if last is not None and meta.order() <= last:
+                raise ValueError(
+                    f"update of fragment {p} at {meta.order()} does not follow {last}: one "
+                    "learner's updates of a fragment must go out in increasing order"
+                )
+            same = [e for e in self.entries if e.meta.fragment == p]
+            into = same[-1] if same and same[-1].attempts == 0 and not same[-1].payload else None
+            if into is not None and set(delta) != set(into.delta):
+                raise ValueError(f"update of fragment {p} has other tensors than the queued one")
+            self.last_order[p] = meta.order()
+            c = self._count(p)
+            c["put_handovers"] += 1
+            c["put_steps"] += meta.steps
+            c["put_tokens"] += meta.tokens
+            if into is not None:
+                self._sum_into(into, meta, delta)
+                c["summed"] += 1
+                return True
+            self.entries.append(Entry(meta, dict(delta)))
+            self.cond.notify_all()
+            return False
+
+    @staticmethod
+    def _sum_into(e: Entry, meta: UpdateMeta, delta: Tensors) -> None:
+        e.delta = {k: e.delta[k].to(torch.float32) + delta[k].to(torch.float32) for k in delta}
+        e.meta = e.meta.model_copy(
+            update={
+                "steps": e.meta.steps + meta.steps,
+                "tokens": e.meta.tokens + meta.tokens,
+                "base_version": min(e.meta.base_version, meta.base_version),
+                "learner_step": meta.learner_step,
+                "incarnation": meta.incarnation,
+            }
+        )
+        e.handovers += 1
+
+    def take(self, timeout: float | None = None) -> Entry | None:
+        """The oldest entry, now attempted (never summed into again); None if none came."""
+        with self.cond:
+            if not self.cond.wait_for(lambda: bool(self.entries), timeout):
+                return None
+            head = self.entries[0]
+            head.attempts += 1
+            self._count(head.meta.fragment)["attempts"] += 1
+            return head
+
+    def settle(self, entry: Entry, outcome: Outcome) -> None:
+        """The synchronizer answered `entry` definitively: remove it and count the outcome."""
+        if outcome not in OUTCOMES:
+            raise ValueError(f"not a definitive outcome: {outcome!r}")
+        with self.cond:
+            if not self.entries or self.entries[0] is not entry:
+                raise ValueError("only the entry taken last (the head) can be settled")
+            self.entries.popleft()
+            c = self._count(entry.meta.fragment)
+            c[f"{outcome}_uploads"] += 1
+            c[f"{outcome}_steps"] += entry.meta.steps
+            c[f"{outcome}_tokens"] += entry.meta.tokens
+            self.cond.notify_all()
+
+    def queued(self) -> list[UpdateMeta]:
+        """Metadata of the entries waiting (the head first, possibly in flight)."""
+        with self.cond:
+            return [e.meta for e in self.entries]
+
+    def wait_empty(self, timeout: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: not self.entries, timeout)
+
+    def ledger(self) -> dict[int, dict[str, int]]:
+        """Per fragment: the counters above, queued_* being what waits now (in flight too)."""
+        with self.cond:
+            out = {p: dict(c) for p, c in sorted(self.counts.items())}
+            for e in self.entries:
+                row = out[e.meta.fragment]
+                row["queued_uploads"] += 1
+                row["queued_steps"] += e.meta.steps
+                row["queued_tokens"] += e.meta.tokens
+            return out
