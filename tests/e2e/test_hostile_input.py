@@ -16,14 +16,14 @@ import json
 import select
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
+from ddiloco.local.processes import terminate_all
 from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.client import SyncClient
 from ddiloco.synchronizer.protocol import (
@@ -96,31 +96,27 @@ class Sync:
 
 
 @pytest.fixture(scope="module")
-def sync(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sync]:
-    tmp = tmp_path_factory.mktemp("hostile")
-    port = free_port()
-    env = env_with(
-        DDILOCO_TOKEN=TOKEN,
+def sync(
+    tmp_path_factory: pytest.TempPathFactory, synchronizer_process: Callable[..., Any]
+) -> Iterator[Sync]:
+    proc = synchronizer_process(
+        tmp_path_factory.mktemp("hostile"),
+        TOKEN,
+        "--quorum",
+        "1",
+        "--no-grace",
         DDILOCO_BODY_TIMEOUT_S=str(BODY_TIMEOUT_S),
         DDILOCO_MAX_INIT_BYTES=str(MAX_INIT_BYTES),
     )
-    argv = ["--port", str(port), "--state-dir", str(tmp / "state"), "--quorum", "1"]
-    child = Child(
-        "synchronizer", ddiloco_command("synchronizer", *argv, "--no-grace"), env, tmp / "sync.log"
-    )
-    s = Sync(port, tmp / "sync.log")
-    child.start()
+    s = Sync(proc.port, proc.log)
     try:
-        deadline = time.time() + 60
-        while not s.client.healthy():
-            assert child.alive() and time.time() < deadline, s.log.read_text()[-3000:]
-            time.sleep(0.1)
+        proc.start()
         s.client.join(JoinRequest(learner_id="l0", layout_digest=LAYOUT.digest()))
         s.client.init(codec.encode(PARAMS, {LAYOUT_KEY: LAYOUT.model_dump_json()}))
         yield s
         assert "Traceback" not in s.log.read_text(), s.log.read_text()[-5000:]
     finally:
-        terminate_all([child])
+        terminate_all([proc.child])
 
 
 @pytest.fixture(autouse=True)

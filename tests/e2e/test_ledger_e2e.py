@@ -19,12 +19,14 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
-from ddiloco.synchronizer.client import SyncClient, SyncUnavailable
+from ddiloco.local.processes import terminate_all
+from ddiloco.synchronizer.client import SyncUnavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 TOKEN = "e2e-ledger"
@@ -52,53 +54,28 @@ def stop_record(log: Path) -> dict:
     raise AssertionError(f"{log} has no stop record")
 
 
-def test_killed_synchronizer_loses_no_accepted_update(tmp_path: Path) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    sync = Child(
-        "synchronizer",
-        ddiloco_command(
-            "synchronizer", "--port", str(port), "--state-dir", str(tmp_path / "state")
-        ),
-        env_with(DDILOCO_TOKEN=TOKEN, DDILOCO_QUORUM=str(M), DDILOCO_MAX_STALENESS="8"),
-        tmp_path / "sync.log",
-    )
+def test_killed_synchronizer_loses_no_accepted_update(
+    tmp_path: Path, synchronizer_process: Callable[..., Any], learner_process: Callable[..., Any]
+) -> None:
+    proc = synchronizer_process(tmp_path, TOKEN, DDILOCO_QUORUM=str(M), DDILOCO_MAX_STALENESS="8")
+    sync = proc.child
     learners = [
-        Child(
-            f"l{i}",
-            ddiloco_command(
-                "learner",
-                "--sync-url",
-                url,
-                "--learner-id",
-                f"l{i}",
-                "--learner-index",
-                str(i),
-                "--num-learners",
-                str(M),
-                "-H",
-                "8",
-                "-P",
-                str(P),
-                "--max-steps",
-                str(STEPS),
-                "--threads",
-                "1",
-                "--log-every",
-                "0",
-                "--log-path",
-                str(tmp_path / f"l{i}.jsonl"),
-            ),
-            env_with(
-                DDILOCO_TOKEN=TOKEN,
-                OMP_NUM_THREADS="1",
-                DDILOCO_SLOW_FACTOR="3" if i == 0 else "1",
-            ),
-            tmp_path / f"l{i}.log",
+        learner_process(
+            tmp_path,
+            proc,
+            i,
+            M,
+            "-H",
+            "8",
+            "-P",
+            str(P),
+            "--max-steps",
+            str(STEPS),
+            DDILOCO_SLOW_FACTOR="3" if i == 0 else "1",
         )
         for i in range(M)
     ]
-    client = SyncClient(url, TOKEN, timeout=5)
+    client = proc.client(timeout=5)
     try:
         sync.start()
         wait_for(client.healthy, 60, "the synchronizer")

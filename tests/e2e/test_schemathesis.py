@@ -20,8 +20,7 @@ from __future__ import annotations
 import http.client
 import json
 import math
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ import torch
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
-from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
+from ddiloco.local.processes import terminate_all
 from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.client import SyncClient
 from ddiloco.synchronizer.protocol import (
@@ -169,19 +168,14 @@ class Sync:
 
 
 @pytest.fixture(scope="module")
-def sync(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sync]:
+def sync(
+    tmp_path_factory: pytest.TempPathFactory, synchronizer_process: Callable[..., Any]
+) -> Iterator[Sync]:
     tmp = tmp_path_factory.mktemp("fuzz")
-    port = free_port()
-    argv = ["--port", str(port), "--state-dir", str(tmp / "state"), "--no-grace"]
-    env = env_with(DDILOCO_TOKEN=TOKEN, DDILOCO_BODY_TIMEOUT_S="2")
-    child = Child("synchronizer", ddiloco_command("synchronizer", *argv), env, tmp / "sync.log")
-    s = Sync(port, tmp / "sync.log")
-    child.start()
+    proc = synchronizer_process(tmp, TOKEN, "--no-grace", DDILOCO_BODY_TIMEOUT_S="2")
+    s = Sync(proc.port, proc.log)
     try:
-        deadline = time.time() + 60
-        while not s.client.healthy():
-            assert child.alive() and time.time() < deadline, s.log.read_text()[-3000:]
-            time.sleep(0.1)
+        proc.start()
         s.client.join(JoinRequest(learner_id="l0", layout_digest=LAYOUT.digest()))
         s.client.init(codec.encode(PARAMS, {LAYOUT_KEY: LAYOUT.model_dump_json()}))
         s.before = s.fragments()  # type: ignore[attr-defined]
@@ -189,7 +183,7 @@ def sync(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sync]:
         log = s.log.read_text()
         assert "Traceback" not in log and "Exception in ASGI" not in log, log[-5000:]
     finally:
-        terminate_all([child])
+        terminate_all([proc.child])
 
 
 OPERATIONS = [

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
-from ddiloco.synchronizer.client import SyncClient, SyncUnavailable
+from ddiloco.local.processes import terminate_all
+from ddiloco.synchronizer.client import SyncUnavailable
 from ddiloco.synchronizer.state import StateStore
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -47,47 +49,13 @@ def wait_for(pred, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_synchronizer_killed_and_restarted_resumes_exactly(tmp_path: Path) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    state = tmp_path / "state"
-    env = env_with(DDILOCO_TOKEN=TOKEN)
-    sync = Child(
-        "synchronizer",
-        ddiloco_command("synchronizer", "--port", str(port), "--state-dir", str(state)),
-        env,
-        tmp_path / "sync.log",
-    )
-    learners = [
-        Child(
-            f"l{i}",
-            ddiloco_command(
-                "learner",
-                "--sync-url",
-                url,
-                "--learner-id",
-                f"l{i}",
-                "--learner-index",
-                str(i),
-                "--num-learners",
-                "2",
-                "-H",
-                "12",
-                "-P",
-                "4",
-                "--threads",
-                "1",
-                "--log-every",
-                "0",
-                "--log-path",
-                str(tmp_path / f"l{i}.jsonl"),
-            ),
-            env_with(DDILOCO_TOKEN=TOKEN, OMP_NUM_THREADS="1"),
-            tmp_path / f"l{i}.log",
-        )
-        for i in range(2)
-    ]
-    client = SyncClient(url, TOKEN, timeout=5)
+def test_synchronizer_killed_and_restarted_resumes_exactly(
+    tmp_path: Path, synchronizer_process: Callable[..., Any], learner_process: Callable[..., Any]
+) -> None:
+    proc = synchronizer_process(tmp_path, TOKEN)
+    sync, state = proc.child, proc.state
+    learners = [learner_process(tmp_path, proc, i, 2, "-H", "12", "-P", "4") for i in range(2)]
+    client = proc.client(timeout=5)
     try:
         sync.start()
         wait_for(client.healthy, 60, "the synchronizer")
