@@ -138,6 +138,7 @@ def create_app(settings: SyncSettings | None = None) -> FastAPI:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            sync.close()
 
     app = FastAPI(title="ddiloco synchronizer", version="1", lifespan=lifespan)
     add_handlers(app)

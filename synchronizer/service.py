@@ -20,6 +20,7 @@ raises a `SyncError` whose message says why, and changes nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -356,15 +357,23 @@ class Synchronizer:
                     self.totals["merges_refused"] += 1
                 log.error("Refused merge of fragment %d: %s; its contributions wait", p, e)
                 return None
+            high_water = dict(fs.high_water)
             for learner_id, c in taken.items():
-                fs.high_water[learner_id] = max(c.order, fs.high_water.get(learner_id, c.order))
+                high_water[learner_id] = max(c.order, high_water.get(learner_id, c.order))
+            new = dataclasses.replace(fs, high_water=high_water)
             if outcome is not None:
-                fs.params, fs.momentum = outcome.params, outcome.momentum
-                fs.version += 1
-                fs.merges += 1
-                fs.tokens_merged += outcome.tokens
-                fs.contributions += outcome.contributors
-            self.store.save_fragment(p, fs)
+                new.params, new.momentum = outcome.params, outcome.momentum
+                new.version += 1
+                new.merges += 1
+                new.tokens_merged += outcome.tokens
+                new.contributions += outcome.contributors
+            try:
+                self.store.save_fragment(p, new)
+            except OSError:  # e.g. a full disk: nothing changed, the contributions wait
+                with self.lock:
+                    self.rounds.restore(p, taken)
+                raise
+            self.fragments[p] = fs = new  # in memory only once it is durable
             self.store.pending(p).clear()  # only now: the merge that consumed it is durable
             self.served[p] = self._encode(fs)
             with self.lock:

@@ -287,3 +287,27 @@ def test_refusals_are_counted_by_reason_and_exported(tmp_path: Path) -> None:
     text = metrics.render(sync.status).decode()
     assert 'ddiloco_refusals_total{reason="invalid"} 2.0' in text
     assert 'ddiloco_tokens_pending{fragment="1"} 100.0' in text
+
+
+def test_a_merge_that_cannot_be_written_changes_nothing_and_its_work_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = Clock()
+    sync = make(tmp_path, clock)
+    start(sync)
+    sync.submit(update("a", 1, A, step=10))
+    before = sync.fragment(1)
+
+    def disk_full(p: int, fs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sync.store, "save_fragment", disk_full)
+    with pytest.raises(OSError):
+        sync.merge(1)
+    assert sync.fragment(1) == before and sync.fragments[1].version == 0
+    assert sync.status().fragments[1].tokens_pending == 100
+    assert sync.submit(update("a", 1, A, step=10)).status == "duplicate"  # still held
+    monkeypatch.undo()
+    sync.submit(update("b", 1, B, step=10))  # the next round, with the waiting work in it
+    assert sync.merge(1) == 1
+    assert sync.status().fragments[1].tokens_merged == 200
