@@ -8,7 +8,9 @@ kubeconfig for it (key `kubeconfig` unless the group says otherwise). The client
 is cached by the Secret's resourceVersion, so editing the Secret takes effect on the next
 reconcile. A Secret that is missing or unusable raises `ClusterProblem`, which reconcile turns
 into a Degraded condition naming the Secret. Kubeconfig contents never reach a log line or a
-status message: problems say which Secret and what kind of problem, nothing more.
+status message: problems say which Secret and what kind of problem, nothing more. Only inline
+credentials are accepted (operator/kubeconfig.py): the operator never runs a Secret's exec
+plugin nor reads a file it names.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config import ConfigException
 
 from ddiloco.operator import conditions as c
+from ddiloco.operator.kubeconfig import KubeconfigRefused, api_client_from_kubeconfig
 from ddiloco.operator.plan import Target
 
 log = logging.getLogger(__name__)
@@ -118,8 +121,12 @@ def _client_from_secret(data: dict[str, str], key: str, where: str) -> ApiClient
             c.KUBECONFIG_SECRET_INVALID, f"{where} key {key!r} is not a kubeconfig (no clusters)"
         )
     try:
-        return kubernetes.config.new_client_from_config_dict(config)
-    except (ConfigException, KeyError, TypeError, ValueError, OSError) as e:
+        return api_client_from_kubeconfig(config)
+    except KubeconfigRefused as e:  # names the field, never its value
+        raise ClusterProblem(
+            c.KUBECONFIG_SECRET_INVALID, f"{where} key {key!r} is refused: {e}"
+        ) from None
+    except (KeyError, TypeError, ValueError, OSError) as e:
         raise ClusterProblem(
             c.KUBECONFIG_SECRET_INVALID,
             f"{where} key {key!r} is not a usable kubeconfig ({type(e).__name__})",

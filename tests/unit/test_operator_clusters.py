@@ -64,7 +64,7 @@ def test_a_valid_kubeconfig_becomes_a_client() -> None:
                 )
             },
             "kubeconfig",
-            "not a usable kubeconfig",
+            "no context named 'nope'",
         ),
     ],
 )

@@ -1,0 +1,130 @@
+"""A kubeconfig from a user's Secret, read as data and nothing else.
+
+    api = api_client_from_kubeconfig(config_dict, where="Secret team-a/region-a")
+
+The kubernetes client's own loader runs `exec` credential plugins and `auth-provider`s and
+reads `tokenFile`, `client-certificate`, `client-key` and `certificate-authority` paths: fed
+a namespace user's Secret, it would run their command as the operator and send the
+operator's own files (its ServiceAccount token) wherever they point. So a Secret's
+kubeconfig may hold only inline credentials and an explicit server:
+
+    cluster: server (https:// or http://), certificate-authority-data,
+             insecure-skip-tls-verify, tls-server-name
+    user:    token, or client-certificate-data with client-key-data
+
+Anything else (exec, auth-provider, tokenFile, file paths, proxy-url, impersonation,
+username/password) is refused with `KubeconfigRefused`, whose message names the field and
+never its value. The client is built directly from those values; the CA and client key go
+to private temporary files of ours, never to a path the user chose.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import tempfile
+from typing import Any
+
+from kubernetes.client import ApiClient, Configuration
+
+CLUSTER_FIELDS = {
+    "server",
+    "certificate-authority-data",
+    "insecure-skip-tls-verify",
+    "tls-server-name",
+}
+USER_FIELDS = {"token", "client-certificate-data", "client-key-data"}
+HARMLESS = {"extensions"}  # metadata the client ignores
+
+
+class KubeconfigRefused(ValueError):
+    """A kubeconfig this operator will not use; the message names the field, not its value."""
+
+
+def _named(config: dict[str, Any], kind: str, name: str) -> dict[str, Any]:
+    for entry in config.get(f"{kind}s") or []:
+        if isinstance(entry, dict) and entry.get("name") == name:
+            body = entry.get(kind)
+            if not isinstance(body, dict):
+                raise KubeconfigRefused(f"{kind} {name!r} has no {kind} map")
+            return body
+    raise KubeconfigRefused(f"no {kind} named {name!r}")
+
+
+def _context(config: dict[str, Any]) -> dict[str, Any]:
+    contexts = [e for e in config.get("contexts") or [] if isinstance(e, dict)]
+    current = config.get("current-context")
+    if current:
+        return _named(config, "context", str(current))
+    if len(contexts) == 1 and isinstance(contexts[0].get("context"), dict):
+        return contexts[0]["context"]
+    raise KubeconfigRefused("no current-context, and not exactly one context")
+
+
+def _only(body: dict[str, Any], allowed: set[str], what: str) -> None:
+    refused = sorted(set(body) - allowed - HARMLESS)
+    if refused:
+        raise KubeconfigRefused(
+            f"{what} sets {', '.join(refused)}: only inline credentials are accepted "
+            f"({', '.join(sorted(allowed))})"
+        )
+
+
+def _b64(value: object, field: str) -> bytes:
+    try:
+        return base64.b64decode(str(value), validate=True)
+    except (binascii.Error, ValueError):
+        raise KubeconfigRefused(f"{field} is not base64") from None
+
+
+def _private_file(data: bytes) -> str:
+    fd, path = tempfile.mkstemp(prefix="ddiloco-kube-")  # mode 0600
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return path
+
+
+def parse(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The (cluster, user) maps of the current context, checked field by field."""
+    ctx = _context(config)
+    _only(ctx, {"cluster", "user", "namespace"}, "context")
+    cluster = _named(config, "cluster", str(ctx.get("cluster")))
+    user = _named(config, "user", str(ctx.get("user")))
+    _only(cluster, CLUSTER_FIELDS, "cluster")
+    _only(user, USER_FIELDS, "user")
+    server = cluster.get("server")
+    if not isinstance(server, str) or not server.startswith(("https://", "http://")):
+        raise KubeconfigRefused("cluster server must be an explicit https:// (or http://) URL")
+    has_cert = "client-certificate-data" in user or "client-key-data" in user
+    if has_cert and not {"client-certificate-data", "client-key-data"} <= set(user):
+        raise KubeconfigRefused("user needs both client-certificate-data and client-key-data")
+    if "token" not in user and not has_cert:
+        raise KubeconfigRefused("user has no credentials (token or client certificate data)")
+    if "token" in user:
+        token = str(user["token"]).strip()
+        if not token or not token.isascii() or not token.isprintable() or " " in token:
+            raise KubeconfigRefused("user token is not a single printable ASCII word")
+        user = {**user, "token": token}
+    return cluster, user
+
+
+def api_client_from_kubeconfig(config: dict[str, Any]) -> ApiClient:
+    """A client for the current context's cluster, from inline credentials only."""
+    cluster, user = parse(config)
+    cfg = Configuration()
+    cfg.host = cluster["server"].rstrip("/")
+    cfg.verify_ssl = not bool(cluster.get("insecure-skip-tls-verify", False))
+    if "certificate-authority-data" in cluster:
+        ca = _b64(cluster["certificate-authority-data"], "certificate-authority-data")
+        cfg.ssl_ca_cert = _private_file(ca)
+    if "tls-server-name" in cluster:
+        cfg.tls_server_name = str(cluster["tls-server-name"])
+    if "token" in user:
+        cfg.api_key = {"authorization": f"Bearer {user['token']}"}
+    if "client-certificate-data" in user:
+        cfg.cert_file = _private_file(
+            _b64(user["client-certificate-data"], "client-certificate-data")
+        )
+        cfg.key_file = _private_file(_b64(user["client-key-data"], "client-key-data"))
+    return ApiClient(cfg)
