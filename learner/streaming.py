@@ -31,18 +31,15 @@ from dataclasses import dataclass
 import torch
 
 from ddiloco.learner.config import LearnerConfig
-from ddiloco.learner.outbox import Entry, Outbox
+from ddiloco.learner.outbox import Outbox
 from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.client import SyncClient, SyncRefused, SyncUnavailable
 from ddiloco.synchronizer.protocol import (
-    API_PREFIX,
-    CONTENT_TYPE,
     LAYOUT_KEY,
     Heartbeat,
     JoinRequest,
     Layout,
     UpdateMeta,
-    UpdateResponse,
 )
 
 log = logging.getLogger(__name__)
@@ -250,7 +247,8 @@ class Streamer:
                 continue
             meta = entry.meta
             try:
-                resp = self._upload(client, entry)
+                # encoded once: a re-send carries the same bytes
+                resp = client.post_update(meta.fragment, entry.encoded())
             except SyncRefused as e:
                 log.warning("Update %s refused, its work is lost: %s", meta.update_id(), e)
                 self.outbox.settle(entry, "refused")
@@ -267,10 +265,3 @@ class Streamer:
                 self.upload_results.put((meta.fragment, meta.base_version, resp.status))
                 backoff.ok()
             self._count(client)
-
-    @staticmethod
-    def _upload(client: SyncClient, entry: Entry) -> UpdateResponse:
-        """POST the entry's payload, encoded once, so a re-send carries the same bytes."""
-        path = f"{API_PREFIX}/fragments/{entry.meta.fragment}/updates"
-        _, _, body = client.request("POST", path, entry.encoded(), CONTENT_TYPE)
-        return UpdateResponse.model_validate_json(body)

@@ -4,7 +4,7 @@ Pure functions of the update and the fragment's durable state; nothing here chan
 or needs history that a restart erases (the order high-water marks and the norm history
 live in the fragment file and the pending log, see state.py).
 
-    meta = parse_update(payload, path_fragment, num_fragments)                # the header only
+    meta = parse_update(codec.read_header(payload), path_fragment, num_fragments)  # header only
     verdict = admit(meta, version=fs.version, high_water=hw, max_staleness=4)  # before decoding
     norm = check_delta(delta, spec, theta_norm=..., recent=fs.norms, ...)        # after decoding
 
@@ -40,10 +40,10 @@ MIN_HISTORY = 5
 """The relative guard needs this many recent norms."""
 
 
-def parse_update(payload: bytes, path_fragment: int | None, num_fragments: int) -> UpdateMeta:
-    """The update's metadata, from its safetensors header alone, or PayloadError."""
+def parse_update(header: codec.Header, path_fragment: int | None, num_fragments: int) -> UpdateMeta:
+    """The update's metadata, from its checked safetensors header alone, or PayloadError."""
     try:
-        meta = UpdateMeta.from_metadata(codec.read_metadata(payload))
+        meta = UpdateMeta.from_metadata(header.metadata)
     except ValueError as e:
         raise PayloadError(f"update metadata is invalid: {e}") from None
     if path_fragment is not None and meta.fragment != path_fragment:

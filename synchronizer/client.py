@@ -144,9 +144,12 @@ class SyncClient:
         return int(headers[VERSION_HEADER.lower()]), codec.decode(body)
 
     def upload(self, meta: UpdateMeta, delta: dict[str, torch.Tensor]) -> UpdateResponse:
-        payload = codec.encode(delta, metadata=meta.to_metadata())
+        return self.post_update(meta.fragment, codec.encode(delta, metadata=meta.to_metadata()))
+
+    def post_update(self, fragment: int, payload: bytes) -> UpdateResponse:
+        """POST an encoded update (a re-send posts the very same bytes)."""
         _, _, body = self.request(
-            "POST", f"{API_PREFIX}/fragments/{meta.fragment}/updates", payload, CONTENT_TYPE
+            "POST", f"{API_PREFIX}/fragments/{fragment}/updates", payload, CONTENT_TYPE
         )
         return UpdateResponse.model_validate_json(body)
 

@@ -188,9 +188,10 @@ def read_metadata(payload: bytes) -> dict[str, str]:
     return read_header(payload).metadata
 
 
-def decode(payload: bytes) -> dict[str, torch.Tensor]:
-    """The tensors of a payload whose header passed `read_header`; raises only PayloadError."""
-    header = read_header(payload)
+def decode(payload: bytes, header: Header | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a payload whose header passed `read_header` (pass it if already read);
+    raises only PayloadError."""
+    header = header or read_header(payload)
     try:
         tensors = st_load(bytes(payload))
     except Exception as e:  # the header was checked: this is a library disagreement

@@ -128,11 +128,12 @@ class Synchronizer:
         count = 0
         for p, fs in enumerate(self.fragments):
             for payload in self.store.pending(p).read():
-                meta = UpdateMeta.from_metadata(codec.read_metadata(payload))
+                header = codec.read_header(payload)
+                meta = UpdateMeta.from_metadata(header.metadata)
                 merged = fs.high_water.get(meta.learner_id)
                 if merged is not None and meta.order() <= merged:
                     continue  # merged before the crash; the log was not emptied yet
-                self._hold(p, meta, codec.decode(payload))
+                self._hold(p, meta, codec.decode(payload, header))
                 count += 1
         return count
 
@@ -205,7 +206,8 @@ class Synchronizer:
         )
 
     def init(self, payload: bytes) -> InitResponse:
-        layout = codec.layout_from_metadata(codec.read_metadata(payload))
+        header = codec.read_header(payload)
+        layout = codec.layout_from_metadata(header.metadata)
         with self.lock:
             if self.layout is not None:
                 if layout.digest() != self.layout.digest():
@@ -213,7 +215,7 @@ class Synchronizer:
                 return InitResponse(
                     created=False, layout_digest=self.layout.digest(), versions=self.versions()
                 )
-            fragments = admission.initial_fragments(layout, codec.decode(payload))
+            fragments = admission.initial_fragments(layout, codec.decode(payload, header))
             for spec, fs in zip(layout.fragments, fragments, strict=True):
                 self.store.save_fragment(spec.index, fs)
             self.store.save_layout(layout)  # written last: its presence means "initialized"
@@ -251,7 +253,8 @@ class Synchronizer:
     def submit(self, payload: bytes, path_fragment: int | None = None) -> UpdateResponse:
         if self.layout is None:
             raise SyncError(Refusal.NOT_INITIALIZED, "no global model yet: nothing to update")
-        meta = admission.parse_update(payload, path_fragment, len(self.fragments))
+        header = codec.read_header(payload)  # checked once, used twice
+        meta = admission.parse_update(header, path_fragment, len(self.fragments))
         self._learner(meta.learner_id)
         p, s = meta.fragment, self.settings
         with self.frag_locks[p]:
@@ -264,7 +267,7 @@ class Synchronizer:
             )
             if verdict == "duplicate":
                 return UpdateResponse(status="duplicate", fragment=p, round_version=fs.version)
-            delta = codec.decode(payload)
+            delta = codec.decode(payload, header)
             n = admission.check_delta(
                 delta,
                 self.layout.fragments[p],

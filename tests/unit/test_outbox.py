@@ -11,7 +11,6 @@ runs against a scripted stand-in for the synchronizer client (no network).
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
@@ -26,7 +25,13 @@ from ddiloco.learner.outbox import OUTCOMES, Entry, Outbox
 from ddiloco.learner.streaming import Streamer
 from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.client import SyncRefused, SyncUnavailable
-from ddiloco.synchronizer.protocol import FragmentSpec, Layout, TensorSpec, UpdateMeta
+from ddiloco.synchronizer.protocol import (
+    FragmentSpec,
+    Layout,
+    TensorSpec,
+    UpdateMeta,
+    UpdateResponse,
+)
 
 LAYOUT = Layout(
     fragments=[
@@ -195,7 +200,7 @@ class FakeClient:
     def __init__(self, *args: object, **kw: object) -> None:
         self.bytes_up = self.bytes_down = 0
 
-    def request(self, method: str, path: str, body: bytes, content_type: str):
+    def post_update(self, fragment: int, body: bytes) -> UpdateResponse:
         FakeClient.calls.append(body)
         m = UpdateMeta.from_metadata(codec.read_metadata(body))
         answer = FakeClient.script.pop(0)(m) if FakeClient.script else "accepted"
@@ -203,8 +208,7 @@ class FakeClient:
             raise SyncUnavailable("connection reset")
         if isinstance(answer, int):
             raise SyncRefused(answer, "stale", "too old")
-        reply = {"status": answer, "fragment": m.fragment, "round_version": 1}
-        return 200, {}, json.dumps(reply).encode()
+        return UpdateResponse(status=answer, fragment=m.fragment, round_version=1)
 
 
 @pytest.fixture
