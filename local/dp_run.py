@@ -224,8 +224,8 @@ class DPRun:
                     self.members.append(slot)
                     self.members.sort()
                     self.joined[slot] = time.time()
+                    self._publish()  # before the start: see below
                     self._start(child)
-                    self._publish()
                 else:
                     applied = False  # a fixed-size job cannot use a scavenged slot
             elif slot not in self.members or slot in self.down:
@@ -253,10 +253,14 @@ class DPRun:
         back = [s for s, at in self.down.items() if now >= at]
         for slot in back:
             del self.down[slot]
+        if back:
+            # Publish, then start: a warm spare reads the generation file within milliseconds,
+            # and one that still saw the old generation listing its slot would join that dead
+            # group while its peers wait for it in the new one (seen once in CI).
+            self._publish()
+        for slot in back:
             if slot in self.members:
                 self._start(self.ranks[slot])
-        if back:
-            self._publish()
 
     def _check_ranks(self, now: float) -> None:
         for slot in self.members:

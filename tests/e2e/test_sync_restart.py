@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 
 from ddiloco.local.processes import terminate_all
+from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.client import SyncUnavailable
+from ddiloco.synchronizer.protocol import UpdateMeta
 from ddiloco.synchronizer.state import StateStore
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -99,8 +101,19 @@ def test_synchronizer_killed_and_restarted_resumes_exactly(
     for p, fs in enumerate(store.load_fragments(layout)):
         assert fs.version == fs.merges  # one version per merge: none skipped, none doubled
         assert fs.version >= durable[p]
-        # both learners' work is in every fragment (exactly once: tests/e2e/test_ledger_e2e.py)
-        assert set(fs.high_water) == {"l0", "l1"}
+        # both learners' work reached every fragment: merged, or accepted and durably waiting
+        # in its open round when the run was stopped (a slow learner's last hand-over may not
+        # have met a quorum yet; exactly once: tests/e2e/test_ledger_e2e.py)
+        waiting = {
+            UpdateMeta.from_metadata(codec.read_header(r).metadata).learner_id
+            for r in store.pending(p).read()
+        }
+        assert set(fs.high_water) | waiting == {"l0", "l1"}, (
+            p,
+            fs.high_water,
+            waiting,
+            [ln for c in learners for ln in c.log_path.read_text().splitlines() if "stopped" in ln],
+        )
     for c in learners:
         steps = [
             json.loads(x)["step"]
