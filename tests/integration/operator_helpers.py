@@ -40,6 +40,7 @@ from kubernetes.client.exceptions import ApiException
 REPO = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO / "deploy" / "crds" / "ddiloco.dev_decoupleddilocojobs.yaml"
 EXAMPLES = REPO / "deploy" / "examples"
+RBAC = REPO / "deploy" / "rbac"
 GROUP, VERSION, PLURAL = "ddiloco.dev", "v1alpha1", "decoupleddilocojobs"
 RESYNC_S = "0.5"
 
@@ -225,6 +226,35 @@ def flat_kubeconfig(cluster: Any) -> str:
                 Path(ca).read_bytes()
             ).decode()
     return yaml.safe_dump(cfg)
+
+
+def token_kubeconfig(cluster: Any, token: str, namespace: str) -> str:
+    """A kubeconfig for `cluster` as the holder of `token`, CA inlined."""
+    return yaml.safe_dump(
+        {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {
+                    "name": cluster.name,
+                    "cluster": {
+                        "server": cluster.server,
+                        "certificate-authority-data": base64.b64encode(
+                            cluster.ca_file.read_bytes()
+                        ).decode(),
+                    },
+                }
+            ],
+            "users": [{"name": "sa", "user": {"token": token}}],
+            "contexts": [
+                {
+                    "name": "sa",
+                    "context": {"cluster": cluster.name, "user": "sa", "namespace": namespace},
+                }
+            ],
+            "current-context": "sa",
+        }
+    )
 
 
 def kubeconfig_secret(

@@ -11,46 +11,16 @@ the apiservers never answer 403 to the operator.
 
 from __future__ import annotations
 
-import base64
 from pathlib import Path
 from typing import Any
 
 import k8senv
 import operator_helpers as h
 import pytest
-import yaml
 from operator_helpers import cl_fixture, crd_fixture, operator_fixture  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.integration
-RBAC = h.REPO / "deploy" / "rbac"
-
-
-def token_kubeconfig(cluster: Any, token: str, namespace: str) -> str:
-    return yaml.safe_dump(
-        {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [
-                {
-                    "name": cluster.name,
-                    "cluster": {
-                        "server": cluster.server,
-                        "certificate-authority-data": base64.b64encode(
-                            cluster.ca_file.read_bytes()
-                        ).decode(),
-                    },
-                }
-            ],
-            "users": [{"name": "sa", "user": {"token": token}}],
-            "contexts": [
-                {
-                    "name": "sa",
-                    "context": {"cluster": cluster.name, "user": "sa", "namespace": namespace},
-                }
-            ],
-            "current-context": "sa",
-        }
-    )
+RBAC = h.RBAC
 
 
 def test_operator_runs_with_the_documented_rbac_only(
@@ -61,7 +31,7 @@ def test_operator_runs_with_the_documented_rbac_only(
         "home", "-n", "ddiloco-system", "create", "token", "ddiloco-operator"
     ).stdout.strip()
     home_cfg = tmp_path / "operator.kubeconfig"
-    home_cfg.write_text(token_kubeconfig(k8s.home, home_token, cl.ns))
+    home_cfg.write_text(h.token_kubeconfig(k8s.home, home_token, cl.ns))
     home_cfg.chmod(0o600)
     k8s.kubectl("region-a", "-n", cl.ns, "apply", "-f", str(RBAC / "remote-learners.yaml"))
     remote_token = k8s.kubectl(
@@ -71,7 +41,7 @@ def test_operator_runs_with_the_documented_rbac_only(
         cl,
         "region-a-kubeconfig",
         None,
-        text=token_kubeconfig(k8s.clusters["region-a"], remote_token, cl.ns),
+        text=h.token_kubeconfig(k8s.clusters["region-a"], remote_token, cl.ns),
     )
 
     op = h.Operator(home_cfg, cl.ns, tmp_path)
