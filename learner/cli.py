@@ -6,7 +6,11 @@
 Every option also reads from the environment (`DDILOCO_SYNC_URL`, `DDILOCO_LEARNER_ID`,
 `DDILOCO_H`, `DDILOCO_P`, ...; see config.py), which is how the operator configures pods.
 The token comes only from the environment or a file, never from a flag (it would show in
-`ps`). A `DDILOCO_*` variable that nothing reads is named in a warning at startup.
+`ps`); with a file (`--token-file`, DDILOCO_TOKEN_FILE) it rotates without a restart. An
+https `--sync-url` is verified against `--ca-file` (DDILOCO_CA_FILE; else the system trust
+store); `--client-cert` + `--client-key` (DDILOCO_CLIENT_CERT_FILE, DDILOCO_CLIENT_KEY_FILE)
+add a client certificate for mutual TLS. A `DDILOCO_*` variable that nothing reads is named
+in a warning at startup.
 """
 
 from __future__ import annotations
@@ -15,12 +19,11 @@ import argparse
 import logging
 import os
 from collections.abc import Mapping
-from pathlib import Path
 
 from ddiloco.learner.config import LearnerConfig
 
 # parse() options that are not LearnerConfig fields: main() handles them itself.
-NOT_CONFIG = ("token_file", "log_level")
+NOT_CONFIG = ("log_level",)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -28,11 +31,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         prog="ddiloco learner", description="Run one Decoupled DiLoCo learner."
     )
     # --- identity ---
-    ap.add_argument("--sync-url", help="synchronizer base URL (h2c)")
+    ap.add_argument("--sync-url", help="synchronizer base URL (http:// h2c, or https://)")
     ap.add_argument("--learner-id", help="stable id of this learner slot")
     ap.add_argument("--learner-index", type=int, help="index of this learner's data shard")
     ap.add_argument("--num-learners", type=int, help="M, number of learner slots (data shards)")
-    ap.add_argument("--token-file", help="file holding the job token (else env DDILOCO_TOKEN)")
+    ap.add_argument(
+        "--token-file", help="file holding the job token, re-read when it changes (else env)"
+    )
+    ap.add_argument("--ca-file", help="PEM CA that signed an https synchronizer's certificate")
+    ap.add_argument(
+        "--client-cert", dest="client_cert_file", help="PEM client certificate (mutual TLS)"
+    )
+    ap.add_argument("--client-key", dest="client_key_file", help="PEM key of --client-cert")
     # --- model and data ---
     ap.add_argument("--model", help="model preset: tiny, small, base, gpt2")
     ap.add_argument("--model-entry", help="module:function returning a Task (your model and data)")
@@ -84,8 +94,6 @@ def build_config(
 ) -> LearnerConfig:
     """The config `main` runs with: `environ` (default os.environ), then the flags in `args`."""
     overrides = {k: v for k, v in vars(args).items() if k not in NOT_CONFIG}
-    if args.token_file:
-        overrides["token"] = Path(args.token_file).read_text().strip()
     return LearnerConfig.from_env(environ, strict=strict, **overrides)
 
 
@@ -94,8 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     from ddiloco.learner.train import init_logging, train  # torch is imported only here
 
     cfg = build_config(args)
-    if not cfg.token:
-        raise SystemExit("ddiloco learner: no token: set DDILOCO_TOKEN or pass --token-file")
+    if not cfg.token and not cfg.token_file:
+        raise SystemExit(
+            "ddiloco learner: no token: set DDILOCO_TOKEN or DDILOCO_TOKEN_FILE (--token-file)"
+        )
+    try:
+        cfg.token_source()  # a token file that holds no token is refused here, by name
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"ddiloco learner: {e}") from None
     init_logging(args.log_level, cfg.learner_id)
     if unread := LearnerConfig.unread_env(os.environ):
         # not fatal: an older image under a newer operator must still train

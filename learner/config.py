@@ -13,7 +13,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from functools import cache
 from types import MappingProxyType, NoneType, UnionType
-from typing import Any, Final, Literal, Union, get_args, get_origin, get_type_hints
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Final,
+    Literal,
+    Union,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
+
+if TYPE_CHECKING:
+    from ddiloco.synchronizer.auth import Tokens
+    from ddiloco.synchronizer.tls import ClientTLS
 
 ENV_PREFIX: Final = "DDILOCO_"
 ENV_ALIASES: Final[Mapping[str, str]] = MappingProxyType({"h": "H", "num_fragments": "P"})
@@ -36,9 +49,18 @@ _FALSE: Final = ("0", "false", "no", "off")
 class LearnerConfig:
     # --- identity and synchronizer ---
     sync_url: str = "http://127.0.0.1:8470"
-    """Base URL of the synchronizer (h2c)."""
+    """Base URL of the synchronizer: http:// (h2c) or https:// (TLS, HTTP/2 by ALPN)."""
     token: str = field(default="", repr=False)
     """Per-job bearer token (a Secret in Kubernetes); never logged."""
+    token_file: str | None = None
+    """A file holding the token instead (a mounted Secret): its first non-empty line is sent,
+    and the file is re-read when it changes and on a 401 before retrying (token rotation)."""
+    ca_file: str | None = None
+    """PEM CA to verify an https synchronizer against (the system trust store without it)."""
+    client_cert_file: str | None = None
+    """PEM client certificate for mutual TLS (with `client_key_file`)."""
+    client_key_file: str | None = None
+    """PEM private key of `client_cert_file`."""
     learner_id: str = "learner-0"
     """Stable id of this learner slot; a replacement with the same id takes its place."""
     learner_index: int = 0
@@ -133,6 +155,11 @@ class LearnerConfig:
             "drain_s": self.drain_s >= 0,
             "max_tokens": self.max_tokens >= 0,
         }
+        if (self.client_cert_file is None) != (self.client_key_file is None):
+            raise ValueError(
+                "invalid learner config: set both client_cert_file and client_key_file "
+                "(DDILOCO_CLIENT_CERT_FILE, DDILOCO_CLIENT_KEY_FILE) or neither"
+            )
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
             k = bad[0]
@@ -143,6 +170,23 @@ class LearnerConfig:
                 f"invalid learner config: mix_alpha={self.mix_alpha!r} needs "
                 f"adoption='overwrite' (adoption={self.adoption!r} does not mix)"
             )
+
+    def token_source(self) -> Tokens:
+        """What the learner authenticates with: `token` when set, else `token_file` (re-read
+        as it changes). ValueError when there is neither, or the file holds no token."""
+        from ddiloco.synchronizer.auth import StaticTokens, TokenFile
+
+        if self.token:
+            return StaticTokens(self.token)
+        if self.token_file:
+            return TokenFile(self.token_file)
+        raise ValueError("no token: set DDILOCO_TOKEN or DDILOCO_TOKEN_FILE")
+
+    def client_tls(self) -> ClientTLS:
+        """The TLS files SyncClient uses for an https `sync_url`."""
+        from ddiloco.synchronizer.tls import ClientTLS
+
+        return ClientTLS(self.ca_file, self.client_cert_file, self.client_key_file)
 
     @classmethod
     def env_names(cls) -> dict[str, str]:

@@ -15,7 +15,9 @@ none is dropped: the `Outbox` keeps them in order, sums updates of a fragment th
 behind an outage into one, and re-sends one whose answer was lost (timeout, reset, 5xx)
 as is, same metadata and same bytes, until the synchronizer says accepted or duplicate.
 A refused update (4xx: stale base, bad payload) is not retried; its work is lost, and
-counted as refused in the ledger.
+counted as refused in the ledger. A 401 is not the update's fault (a token being rotated:
+the client re-reads its token file first), so that update is kept and re-sent like one
+that met an outage.
 """
 
 from __future__ import annotations
@@ -83,9 +85,12 @@ class Streamer:
         self.bytes_down = 0
         self.incarnation = 0
         self.threads: list[threading.Thread] = []
+        # one token source for both threads: a rotated token file is re-read once for both
+        self.tokens = cfg.token_source()
+        self.tls = cfg.client_tls()
 
-    def _client(self) -> SyncClient:
-        return SyncClient(self.cfg.sync_url, self.cfg.token)
+    def _client(self, http2: bool = True) -> SyncClient:
+        return SyncClient(self.cfg.sync_url, self.tokens, http2=http2, tls=self.tls)
 
     # ---- startup -----------------------------------------------------------------
     def join(self, client: SyncClient) -> list[int]:
@@ -237,10 +242,7 @@ class Streamer:
             self.stop_event.wait(backoff.fail())
 
     def _upload_loop(self) -> None:
-        client, backoff = (
-            SyncClient(self.cfg.sync_url, self.cfg.token, http2=self.cfg.upload_http2),
-            Backoff(),
-        )
+        client, backoff = self._client(http2=self.cfg.upload_http2), Backoff()
         while not self.stop_event.is_set():
             entry = self.outbox.take(timeout=0.1)
             if entry is None:
@@ -250,6 +252,15 @@ class Streamer:
                 # encoded once: a re-send carries the same bytes
                 resp = client.post_update(meta.fragment, entry.encoded())
             except SyncRefused as e:
+                if e.status == 401:
+                    # not the update's fault: a token being rotated (the client already
+                    # re-read the file). Keep the update and send it again, like an outage.
+                    wait = backoff.fail()
+                    if entry.attempts == 1 or entry.attempts % 20 == 0:
+                        log.warning("Update %s unauthorized; re-sending: %s", meta.update_id(), e)
+                    self.stop_event.wait(wait)
+                    self._count(client)
+                    continue
                 log.warning("Update %s refused, its work is lost: %s", meta.update_id(), e)
                 self.outbox.settle(entry, "refused")
                 self.upload_results.put((meta.fragment, meta.base_version, e.kind))

@@ -3,6 +3,8 @@
     ddiloco local                                   # 4 learners, tiny GPT, 60 s, stdlib corpus
     ddiloco local --learners 3 --max-seconds 60 --seed 1 --report r.json
     ddiloco local --chaos kill                      # SIGKILL a learner every ~12 s, restart it
+    ddiloco local --tls                             # HTTPS (h2 by ALPN), the run's own CA
+    ddiloco local --mtls                            # ... and client certificates (mutual TLS)
 
 It prints a live table while it runs, then a summary, and writes <out>/report.json and
 <out>/report.png (eval loss over time; per-learner computing / waiting / dead timeline).
@@ -90,6 +92,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=0,
         help="pre-started learner processes that replace killed ones (skips the torch import)",
     )
+    ap.add_argument(
+        "--tls",
+        action="store_true",
+        help="HTTPS between learners and synchronizer: a CA and certificates in <out>/tls",
+    )
+    ap.add_argument(
+        "--mtls", action="store_true", help="mutual TLS: --tls plus a client cert per learner"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, help="run directory (default runs/local-<time>)")
     ap.add_argument("--report", type=Path, help="also copy the JSON report here")
@@ -164,10 +174,17 @@ def summary(report: dict[str, Any]) -> Table:
         ("bytes up / down", f"{report['bytes_up']:,} / {report['bytes_down']:,}"),
         ("learner restarts", str(report["learner_restarts"])),
         ("wall seconds", f"{report['wall_seconds']:.1f}"),
+        ("TLS", _tls_row(report.get("tls") or {})),
     ]
     for k, v in rows:
         t.add_row(k, v)
     return t
+
+
+def _tls_row(t: dict[str, Any]) -> str:
+    if not t.get("enabled"):
+        return "off (h2c)"
+    return f"{'mutual' if t.get('mutual') else 'on'} ({t.get('http_version') or '?'})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,10 +211,14 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=args.batch_size,
         inner_lr=args.inner_lr,
         warm_spares=args.warm_spares,
+        tls=args.tls,
+        mtls=args.mtls,
         **({"out": args.out} if args.out else {}),
     )
+    tls_on = "mtls" if cfg.mtls else "on" if cfg.tls else "off"
     console.print(
-        f"ddiloco local: {cfg.learners} learners, K={cfg.quorum}, chaos={cfg.chaos}, out={cfg.out}"
+        f"ddiloco local: {cfg.learners} learners, K={cfg.quorum}, chaos={cfg.chaos}, "
+        f"tls={tls_on}, out={cfg.out}"
     )
     interactive = console.is_terminal and not args.quiet
     if interactive:

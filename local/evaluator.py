@@ -13,7 +13,7 @@ import time
 import torch
 
 from ddiloco.learner.task import build_task
-from ddiloco.synchronizer.client import SyncClient, SyncRefused, SyncUnavailable
+from ddiloco.synchronizer.client import ClientTLS, SyncClient, SyncRefused, SyncUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,7 @@ class GlobalEvaluator:
         sync_url: str,
         token: str,
         *,
+        tls: ClientTLS | None = None,
         preset: str,
         data: str | None,
         model_entry: str | None,
@@ -39,7 +40,7 @@ class GlobalEvaluator:
             preset=preset, data=data, model_entry=model_entry, seed=seed, batch_size=batch_size
         )
         self.params = dict(self.task.model.named_parameters())
-        self.client = SyncClient(sync_url, token)
+        self.client = SyncClient(sync_url, token, tls=tls)
         self.every_s = every_s
         self.history: list[tuple[float, float, int]] = []
         # Every learner starts from this same seeded model (version 0 of every fragment).

@@ -2,11 +2,18 @@
 
     run = LocalRun(LocalConfig(learners=3, max_seconds=60, chaos="kill", seed=1))
     report = run.run()          # dict, also written to <out>/report.json
+    LocalConfig(tls=True)       # HTTPS (HTTP/2 by ALPN) between learners and synchronizer
+    LocalConfig(mtls=True)      # ... and a client certificate for every learner (mutual TLS)
 
 It starts the synchronizer, waits for /healthz, starts the learners, applies the chaos
 schedule (kills and restarts, pauses, a slow half, a synchronizer kill), measures the
 global model's eval loss as it goes, stops everything at the budget, and hands the
 timeline to report.py. Nothing here trains: the children do.
+
+With `tls` the run issues its own CA (synchronizer/tls.py) into <out>/tls: ca.crt, a server
+certificate for 127.0.0.1 and localhost, and with `mtls` a client certificate per learner
+slot (CN = its id) and one for the launcher's own calls; key files are 0600 and the CA's key
+is never written (every certificate the run needs is issued up front).
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ from typing import Any
 from ddiloco.local.chaos import Schedule, learner_ids, make_schedule
 from ddiloco.local.netcut import CutProxy
 from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
-from ddiloco.synchronizer.client import SyncClient
+from ddiloco.synchronizer import tls
+from ddiloco.synchronizer.client import ClientTLS, SyncClient
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +74,15 @@ class LocalConfig:
     warm_spares: int = 0
     """Pre-warmed spare learner processes standing by to replace killed ones (local/spare.py);
     0 restarts a killed learner as a fresh process."""
+    tls: bool = False
+    """Serve the synchronizer over HTTPS (a CA of the run's own); learners verify it."""
+    mtls: bool = False
+    """Mutual TLS: also a client certificate per learner, required by the synchronizer.
+    Implies `tls`."""
 
     def __post_init__(self) -> None:
+        if self.mtls:
+            self.tls = True
         if self.learners < 1:
             raise ValueError(f"learners must be >= 1, got {self.learners}")
         if not 1 <= self.quorum <= self.learners:
@@ -86,7 +101,12 @@ class LocalRun:
         self.out.mkdir(parents=True, exist_ok=True)
         self.token = secrets.token_urlsafe(24)
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.tls_dir = self.out / "tls"
+        self.client_tls = self._issue_certificates() if cfg.tls else None
+        scheme = "https" if cfg.tls else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        self.http_version = ""
+        """The protocol the launcher's last status call came over (HTTP/2 expected)."""
         self.schedule = cfg.schedule or make_schedule(
             cfg.chaos, learners=cfg.learners, seconds=cfg.max_seconds or 120.0, seed=cfg.seed
         )
@@ -113,6 +133,27 @@ class LocalRun:
         self.evaluator: Any = None
         self.status: Any = None
 
+    def _issue_certificates(self) -> ClientTLS:
+        """The run's CA, the synchronizer's certificate and (mtls) every client's; returns
+        the launcher's own client files."""
+        d = self.tls_dir
+        ca = tls.issue_ca(f"ddiloco local {self.out.name}", days=7)
+        tls.write_pem(ca.cert_pem, d / "ca.crt")
+        tls.write_pair(
+            tls.issue_server(ca, ["localhost"], ["127.0.0.1"], days=7),
+            d / "server.crt",
+            d / "server.key",
+        )
+        if not self.cfg.mtls:
+            return ClientTLS(ca_file=d / "ca.crt")
+        for lid in [*learner_ids(self.cfg.learners), "launcher"]:
+            tls.write_pair(tls.issue_client(ca, lid, days=7), d / f"{lid}.crt", d / f"{lid}.key")
+        return ClientTLS(d / "ca.crt", d / "launcher.crt", d / "launcher.key")
+
+    def client(self, timeout: float = 60.0) -> SyncClient:
+        """A SyncClient for the launcher's own calls (health, status), TLS files included."""
+        return SyncClient(self.url, self.token, timeout=timeout, tls=self.client_tls)
+
     def _sync_child(self) -> Child:
         c = self.cfg
         argv = ddiloco_command(
@@ -130,6 +171,11 @@ class LocalRun:
         )
         if not c.grace:
             argv.append("--no-grace")
+        if c.tls:
+            argv += ["--tls-cert", str(self.tls_dir / "server.crt")]
+            argv += ["--tls-key", str(self.tls_dir / "server.key")]
+        if c.mtls:
+            argv += ["--tls-client-ca", str(self.tls_dir / "ca.crt")]
         env = env_with(
             DDILOCO_TOKEN=self.token,
             DDILOCO_TAU=str(c.tau),
@@ -178,6 +224,11 @@ class LocalRun:
             argv += ["--model", c.model]
         if c.data:
             argv += ["--data", c.data]
+        if c.tls:  # flags, not env: a warm spare takes the slot's argv (local/spare.py)
+            argv += ["--ca-file", str(self.tls_dir / "ca.crt")]
+        if c.mtls:
+            argv += ["--client-cert", str(self.tls_dir / f"{lid}.crt")]
+            argv += ["--client-key", str(self.tls_dir / f"{lid}.key")]
         env = env_with(DDILOCO_TOKEN=self.token, OMP_NUM_THREADS="1")
         return Child(lid, argv, env, self.out / "logs" / f"{lid}.log")
 
@@ -222,7 +273,7 @@ class LocalRun:
         return min(times) if times else None
 
     def _wait_healthy(self, timeout: float = 60.0) -> None:
-        client = SyncClient(self.url, self.token)
+        client = self.client(timeout=5.0)
         deadline = time.time() + timeout
         while not client.healthy():
             if not self.sync.alive():
@@ -325,6 +376,7 @@ class LocalRun:
             self.evaluator = GlobalEvaluator(
                 self.url,
                 self.token,
+                tls=self.client_tls,
                 preset=c.model,
                 data=c.data,
                 model_entry=c.model_entry,
@@ -363,7 +415,10 @@ class LocalRun:
             self._wait_healthy()  # a restarted one may still be starting (imports, state)
             time.sleep(0.3)  # last merges of updates the learners flushed on SIGTERM
             self.evaluator.evaluate()
-            self.status = SyncClient(self.url, self.token).status()
+            client = self.client()
+            self.status = client.status()
+            self.http_version = client.http_version
+            client.close()
         finally:
             terminate_all(children)
             for proxy in self.proxies.values():

@@ -163,6 +163,12 @@ def build_report(run: LocalRun) -> dict[str, Any]:
         ),
         "eval_history": [(round(t - t0, 3), round(loss, 5), v) for t, loss, v in history],
         "chaos_applied": run.applied,
+        "tls": {
+            "enabled": cfg.tls,
+            "mutual": cfg.mtls,
+            "url": run.url,
+            "http_version": run.http_version,
+        },
         "spares": {
             "taken": run.spares.taken,
             "started": run.spares.started,
@@ -191,6 +197,8 @@ def build_report(run: LocalRun) -> dict[str, Any]:
             "inner_lr": cfg.inner_lr,
             "outer_lr": cfg.outer_lr,
             "outer_momentum": cfg.outer_momentum,
+            "tls": cfg.tls,
+            "mtls": cfg.mtls,
         },
         "learners": learners,
     }

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from http import HTTPStatus
 from typing import Any, Final
@@ -22,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ddiloco.synchronizer.config import SyncSettings, get_settings
 from ddiloco.synchronizer.errors import HTTP_STATUS, Refusal, SyncError
@@ -116,13 +118,28 @@ def add_handlers(app: FastAPI) -> None:
         return JSONResponse({"error": "internal", "detail": "see the synchronizer's log"}, 500)
 
 
+class ProtocolCounter:
+    """ASGI middleware: counts HTTP requests by (scheme, HTTP version) into `counts`, which
+    /metrics shows as `ddiloco_http_requests_total{scheme="https",version="2"}` (so that
+    one can see what learners negotiated: h2c, h2 over TLS by ALPN, or HTTP/1.1)."""
+
+    def __init__(self, app: ASGIApp, counts: Counter[tuple[str, str]]) -> None:
+        self.app = app
+        self.counts = counts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            self.counts[(str(scope.get("scheme", "http")), str(scope.get("http_version", "")))] += 1
+        await self.app(scope, receive, send)
+
+
 def create_app(settings: SyncSettings | None = None) -> FastAPI:
     settings = settings or get_settings()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.sync = sync = await asyncio.to_thread(Synchronizer, settings)
-        app.state.token = settings.bearer_token()
+        app.state.tokens = settings.tokens()
         loop = asyncio.get_running_loop()
         app.state.changed = asyncio.Event()
 
@@ -141,6 +158,8 @@ def create_app(settings: SyncSettings | None = None) -> FastAPI:
             sync.close()
 
     app = FastAPI(title="ddiloco synchronizer", version="1", lifespan=lifespan)
+    app.state.protocols = Counter()
+    app.add_middleware(ProtocolCounter, counts=app.state.protocols)
     add_handlers(app)
     app.include_router(public)
     app.include_router(v1)

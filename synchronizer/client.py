@@ -2,10 +2,18 @@
 
     client = SyncClient("http://127.0.0.1:8470", token)
     version, tensors = client.fragment(3)
+    client = SyncClient("https://sync:8470", TokenFile(path), tls=ClientTLS(ca_file="ca.crt"))
 
 libcurl speaks h2c by prior knowledge and moves large bodies from C; httpx's pure-Python
 h2 stack measured ~5x slower on the same server (architecture.md). One `SyncClient` per
 thread: a curl handle is not thread-safe, and each keeps its own HTTP/2 connection.
+
+TLS: an https URL negotiates HTTP/2 (or HTTP/1.1 with `http2=False`) by ALPN. The server is
+verified against `ClientTLS.ca_file` (the learner's DDILOCO_CA_FILE), else the system trust
+store, hostname included; `cert_file` + `key_file` (DDILOCO_CLIENT_CERT_FILE,
+DDILOCO_CLIENT_KEY_FILE) present a client certificate for mutual TLS. The token is a string
+or a token source (auth.py): with a `TokenFile` each request sends its current first line, and
+a 401 re-reads the file and retries once when the token changed (rotation).
 
 Errors: `SyncUnavailable` when the synchronizer cannot be reached or answers 5xx (retry
 later), `SyncRefused` for a 4xx, carrying the server's reason (do not retry as is).
@@ -15,6 +23,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from typing import TypeVar
 
 import pycurl
@@ -22,6 +31,7 @@ import torch
 from pydantic import BaseModel
 
 from ddiloco.synchronizer import codec
+from ddiloco.synchronizer.auth import StaticTokens, Tokens
 from ddiloco.synchronizer.protocol import (
     API_PREFIX,
     CONTENT_TYPE,
@@ -35,6 +45,9 @@ from ddiloco.synchronizer.protocol import (
     UpdateMeta,
     UpdateResponse,
 )
+from ddiloco.synchronizer.tls import ClientTLS
+
+__all__ = ["ClientTLS", "SyncClient", "SyncRefused", "SyncUnavailable"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -51,19 +64,40 @@ class SyncRefused(RuntimeError):
         self.status, self.kind, self.detail = status, kind, detail
 
 
+HTTP_VERSIONS = {
+    pycurl.CURL_HTTP_VERSION_1_0: "HTTP/1.0",
+    pycurl.CURL_HTTP_VERSION_1_1: "HTTP/1.1",
+    pycurl.CURL_HTTP_VERSION_2_0: "HTTP/2",
+}
+
+
 class SyncClient:
-    """One HTTP/2 connection to the synchronizer; counts the bytes it moves."""
+    """One HTTP/2 connection to the synchronizer; counts the bytes it moves. `http_version`
+    is the protocol the last response came over ("HTTP/2", "HTTP/1.1")."""
 
     def __init__(
-        self, base_url: str, token: str, *, timeout: float = 60.0, http2: bool = True
+        self,
+        base_url: str,
+        token: str | Tokens,
+        *,
+        timeout: float = 60.0,
+        http2: bool = True,
+        tls: ClientTLS | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        self.token = token
+        self.tokens: Tokens = StaticTokens(token) if isinstance(token, str) else token
         self.timeout = timeout
         self.http2 = http2
+        self.tls = tls or ClientTLS()
+        self.https = self.base_url.lower().startswith("https://")
         self.curl = pycurl.Curl()
         self.bytes_up = 0
         self.bytes_down = 0
+        self.http_version = ""
+
+    @property
+    def token(self) -> str:
+        return self.tokens.current()
 
     def close(self) -> None:
         self.curl.close()
@@ -74,6 +108,39 @@ class SyncClient:
         path: str,
         body: bytes | None = None,
         content_type: str = "application/json",
+    ) -> tuple[int, dict[str, str], bytes]:
+        """One request; on a 401 with a token file that changed since, once more."""
+        token = self.tokens.current()
+        try:
+            return self._perform(method, path, body, content_type, token)
+        except SyncRefused as e:
+            if e.status != 401 or not self.tokens.refresh() or self.tokens.current() == token:
+                raise
+            return self._perform(method, path, body, content_type, self.tokens.current())
+
+    def _http_version(self) -> int:
+        if not self.http2:
+            return pycurl.CURL_HTTP_VERSION_1_1
+        # h2c by prior knowledge in cleartext; over TLS, h2 by ALPN (1.1 if the server lacks it)
+        return (
+            pycurl.CURL_HTTP_VERSION_2TLS
+            if self.https
+            else pycurl.CURL_HTTP_VERSION_2_PRIOR_KNOWLEDGE
+        )
+
+    def _set_tls(self, c: pycurl.Curl) -> None:
+        c.setopt(pycurl.SSL_VERIFYPEER, 1)
+        c.setopt(pycurl.SSL_VERIFYHOST, 2)
+        if self.tls.ca_file is not None:
+            c.setopt(pycurl.CAINFO, os.fspath(self.tls.ca_file))
+        if self.tls.cert_file is not None and self.tls.key_file is not None:
+            c.setopt(pycurl.SSLCERT, os.fspath(self.tls.cert_file))
+            c.setopt(pycurl.SSLCERTTYPE, "PEM")
+            c.setopt(pycurl.SSLKEY, os.fspath(self.tls.key_file))
+            c.setopt(pycurl.SSLKEYTYPE, "PEM")
+
+    def _perform(
+        self, method: str, path: str, body: bytes | None, content_type: str, token: str
     ) -> tuple[int, dict[str, str], bytes]:
         c = self.curl
         c.reset()
@@ -86,15 +153,12 @@ class SyncClient:
                 headers[name.strip().lower()] = value.strip()
 
         c.setopt(pycurl.URL, self.base_url + path)
-        c.setopt(
-            pycurl.HTTP_VERSION,
-            pycurl.CURL_HTTP_VERSION_2_PRIOR_KNOWLEDGE
-            if self.http2
-            else pycurl.CURL_HTTP_VERSION_1_1,
-        )
+        c.setopt(pycurl.HTTP_VERSION, self._http_version())
+        if self.https:
+            self._set_tls(c)
         c.setopt(
             pycurl.HTTPHEADER,
-            [f"Authorization: Bearer {self.token}", f"Content-Type: {content_type}", "Expect:"],
+            [f"Authorization: Bearer {token}", f"Content-Type: {content_type}", "Expect:"],
         )
         c.setopt(pycurl.WRITEDATA, out)
         c.setopt(pycurl.HEADERFUNCTION, on_header)
@@ -113,6 +177,7 @@ class SyncClient:
         except pycurl.error as e:
             raise SyncUnavailable(f"{method} {path}: {e.args[-1]}") from None
         status = int(c.getinfo(pycurl.RESPONSE_CODE))
+        self.http_version = HTTP_VERSIONS.get(int(c.getinfo(pycurl.INFO_HTTP_VERSION)), "?")
         payload = out.getvalue()
         self.bytes_up += len(body or b"")
         self.bytes_down += len(payload)

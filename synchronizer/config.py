@@ -2,6 +2,11 @@
 
     DDILOCO_TOKEN=s3cret DDILOCO_STATE_DIR=/var/lib/ddiloco DDILOCO_QUORUM=1 ddiloco synchronizer
 
+TLS (issue 12 §4): DDILOCO_TLS_CERT_FILE and DDILOCO_TLS_KEY_FILE (both or neither) serve
+HTTPS, ALPN h2 and http/1.1 on the one port; DDILOCO_TLS_CLIENT_CA_FILE also requires a client
+certificate signed by that CA (mutual TLS). Tokens: DDILOCO_TOKEN, or DDILOCO_TOKEN_FILE whose
+every non-empty line is accepted and which is re-read when it changes (rotation, auth.py).
+
 Every knob of the merge service lives here, with the paper's symbol where it has one
 (the paper's §3; README "How it fits together"). `get_settings()` is cached; tests build `SyncSettings(...)` directly.
 """
@@ -15,6 +20,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ddiloco.synchronizer.auth import StaticTokens, TokenFile, Tokens
 from ddiloco.synchronizer.protocol import MergeRule
 
 DEFAULT_PORT = 8470
@@ -29,11 +35,20 @@ class SyncSettings(BaseSettings):
     host: str = "127.0.0.1"
     """Address to bind; 0.0.0.0 in a pod."""
     port: int = Field(DEFAULT_PORT, ge=0, le=65535)
-    """TCP port; HTTP/2 cleartext (h2c, prior knowledge) and HTTP/1.1 on the same port."""
+    """TCP port; HTTP/2 cleartext (h2c, prior knowledge) and HTTP/1.1 on the same port, or
+    with TLS on, HTTPS with ALPN h2 and http/1.1."""
     token: SecretStr | None = None
     """Per-job bearer token every learner call must carry (the operator puts it in a Secret)."""
     token_file: Path | None = None
-    """Alternative to `token`: a file holding it (a mounted Secret)."""
+    """Alternative to `token`: a file of tokens (a mounted Secret), one per non-empty line, all
+    accepted; re-read when it changes, so a token rotates without a restart ("new\\nold" while
+    learners move over, then "new")."""
+    tls_cert_file: Path | None = None
+    """PEM server certificate (chain); with `tls_key_file`, serve HTTPS instead of h2c."""
+    tls_key_file: Path | None = None
+    """PEM private key of `tls_cert_file`."""
+    tls_client_ca_file: Path | None = None
+    """PEM CA: require a client certificate it signed (mutual TLS). Needs TLS on."""
     state_dir: Path = Path("ddiloco-state")
     """Where global fragments, outer momentum, versions, pending updates and the learner
     ledger persist."""
@@ -100,11 +115,31 @@ class SyncSettings(BaseSettings):
             )
         return self
 
-    def bearer_token(self) -> str:
+    @model_validator(mode="after")
+    def _tls_files(self) -> SyncSettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("set both DDILOCO_TLS_CERT_FILE and DDILOCO_TLS_KEY_FILE, or neither")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError(
+                "DDILOCO_TLS_CLIENT_CA_FILE (mutual TLS) needs DDILOCO_TLS_CERT_FILE and "
+                "DDILOCO_TLS_KEY_FILE"
+            )
+        return self
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
+
+    def tokens(self) -> Tokens:
+        """The accepted tokens: fixed (`token`) or read from `token_file` as it changes."""
         if self.token is not None:
-            return self.token.get_secret_value()
+            return StaticTokens(self.token.get_secret_value())
         assert self.token_file is not None
-        return self.token_file.read_text().strip()
+        return TokenFile(self.token_file)
+
+    def bearer_token(self) -> str:
+        """The (first) token in force now."""
+        return self.tokens().current()
 
 
 @lru_cache

@@ -5,7 +5,7 @@ curl -s http://127.0.0.1:8470/metrics | grep ddiloco_
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -81,7 +81,28 @@ class StatusCollector(Collector):
                 )
 
 
-def render(status: Callable[[], Status]) -> bytes:
+class ProtocolCollector(Collector):
+    """HTTP requests served, by scheme (http, https) and HTTP version (1.1, 2)."""
+
+    def __init__(self, counts: Mapping[tuple[str, str], int]) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "ddiloco_http_requests",
+            "HTTP requests served, by scheme and HTTP version",
+            labels=["scheme", "version"],
+        )
+        for (scheme, version), n in sorted(self.counts.items()):
+            family.add_metric([scheme, version], n)
+        yield family
+
+
+def render(
+    status: Callable[[], Status], protocols: Mapping[tuple[str, str], int] | None = None
+) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatusCollector(status))
+    if protocols is not None:
+        registry.register(ProtocolCollector(protocols))
     return generate_latest(registry)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, Final
 
@@ -25,6 +24,7 @@ from pydantic import BaseModel
 from starlette.types import Message, Receive
 
 from ddiloco.synchronizer import metrics
+from ddiloco.synchronizer.auth import Tokens, token_matches
 from ddiloco.synchronizer.errors import Refusal, SyncError
 from ddiloco.synchronizer.protocol import (
     API_PREFIX,
@@ -150,9 +150,9 @@ SyncDep = Annotated[Synchronizer, Depends(get_sync)]
 
 
 async def require_token(request: Request) -> None:
-    expected: str = request.app.state.token
+    tokens: Tokens = request.app.state.tokens
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), expected.encode()):
+    if scheme.lower() != "bearer" or not token_matches(given.strip(), tokens.accepted()):
         raise SyncError(Refusal.UNAUTHORIZED, "missing or wrong bearer token")
 
 
@@ -194,8 +194,9 @@ async def healthz() -> dict[str, str]:
 
 
 @public.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
-async def prometheus(sync: SyncDep) -> Response:
-    body = await asyncio.to_thread(metrics.render, sync.status)
+async def prometheus(request: Request, sync: SyncDep) -> Response:
+    protocols = dict(getattr(request.app.state, "protocols", {}))
+    body = await asyncio.to_thread(metrics.render, sync.status, protocols)
     return Response(body, media_type="text/plain; version=0.0.4")
 
 

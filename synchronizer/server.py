@@ -1,9 +1,16 @@
-"""`ddiloco synchronizer`: serve the synchronizer over HTTP/2 cleartext (and HTTP/1.1).
+"""`ddiloco synchronizer`: serve the synchronizer over HTTP/2 (and HTTP/1.1), h2c or TLS.
 
     DDILOCO_TOKEN=s3cret ddiloco synchronizer --state-dir /tmp/ddiloco-state --port 8470
+    DDILOCO_TOKEN_FILE=/run/secrets/token ddiloco synchronizer \
+        --tls-cert server.crt --tls-key server.key [--tls-client-ca ca.crt]
 
 Settings come from the environment (`DDILOCO_*`, see config.py); the few flags here
-override them. uvicorn >= 0.54 with its zttp protocol serves h2c by prior knowledge.
+override them. uvicorn >= 0.54 with its zttp protocol serves h2c by prior knowledge when TLS
+is off. With DDILOCO_TLS_CERT_FILE + DDILOCO_TLS_KEY_FILE (`--tls-cert`, `--tls-key`; both or
+neither) the same port serves HTTPS instead, and uvicorn's zttp dispatcher picks HTTP/2 or
+HTTP/1.1 per connection from ALPN (h2, http/1.1). DDILOCO_TLS_CLIENT_CA_FILE (`--tls-client-ca`)
+also requires a client certificate signed by that CA (mutual TLS). The bearer token is checked
+either way; DDILOCO_TOKEN_FILE is re-read when it changes (token rotation, auth.py).
 """
 
 from __future__ import annotations
@@ -11,9 +18,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import ssl
+from collections.abc import Callable
+from typing import Any
 
 import uvicorn
 
+from ddiloco.synchronizer import tls
 from ddiloco.synchronizer.app import create_app
 from ddiloco.synchronizer.config import SyncSettings
 
@@ -35,8 +46,35 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--merge", choices=["rda", "mean"], help="non-embedding merge rule (env DDILOCO_MERGE)"
     )
     ap.add_argument("--http1", action="store_true", help="serve HTTP/1.1 only (comparison runs)")
+    ap.add_argument(
+        "--tls-cert", help="PEM server certificate: serve HTTPS (DDILOCO_TLS_CERT_FILE)"
+    )
+    ap.add_argument("--tls-key", help="PEM key of --tls-cert (env DDILOCO_TLS_KEY_FILE)")
+    ap.add_argument(
+        "--tls-client-ca",
+        help="PEM CA: require client certificates it signed, mutual TLS "
+        "(env DDILOCO_TLS_CLIENT_CA_FILE)",
+    )
     ap.add_argument("--log-level", default=os.environ.get("DDILOCO_LOG_LEVEL", "INFO"))
     return ap.parse_args(argv)
+
+
+def tls_factory(
+    settings: SyncSettings, *, http1_only: bool = False
+) -> Callable[[uvicorn.Config, Callable[[], ssl.SSLContext]], ssl.SSLContext]:
+    """uvicorn's `ssl_context_factory`: our context (TLS >= 1.2, ALPN, optional mTLS)."""
+    assert settings.tls_cert_file is not None and settings.tls_key_file is not None
+    cert, key, client_ca = (
+        settings.tls_cert_file,
+        settings.tls_key_file,
+        settings.tls_client_ca_file,
+    )
+
+    def factory(_config: uvicorn.Config, _default: Callable[[], ssl.SSLContext]) -> ssl.SSLContext:
+        alpn = ["http/1.1"] if http1_only else tls.ALPN_PROTOCOLS
+        return tls.server_context(cert, key, client_ca_file=client_ca, alpn=alpn)
+
+    return factory
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,13 +89,19 @@ def main(argv: list[str] | None = None) -> int:
             "quorum": args.quorum,
             "merge": args.merge,
             "grace": False if args.no_grace else None,
+            "tls_cert_file": args.tls_cert,
+            "tls_key_file": args.tls_key,
+            "tls_client_ca_file": args.tls_client_ca,
         }.items()
         if v is not None
     }
     settings = SyncSettings(**overrides)
-    shown = settings.model_dump(exclude={"token", "token_file"})
+    settings.tokens()  # refuse a missing or empty token file now, by name
+    shown = settings.model_dump(exclude={"token"})  # paths only: never a token or a key
     logging.getLogger("ddiloco.synchronizer").info("Starting synchronizer config=%s", shown)
-    http = {"http": "h11"} if args.http1 else {"http": "zttp", "http2": True}
+    http: dict[str, Any] = {"http": "h11"} if args.http1 else {"http": "zttp", "http2": True}
+    if settings.tls:
+        http["ssl_context_factory"] = tls_factory(settings, http1_only=args.http1)
     config = uvicorn.Config(
         create_app(settings),
         host=settings.host,
