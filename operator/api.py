@@ -32,11 +32,14 @@ API_VERSION: Final = f"{GROUP}/{VERSION}"
 # The value of spec.managedBy that means "this operator" (the default when unset). Any other
 # value hands the job to that controller, e.g. Kueue's MultiKueue, and we leave it alone.
 MANAGED_BY_US: Final = "ddiloco.dev/operator"
-MAX_JOB_NAME: Final = 40  # children append "-synchronizer-state", "-<group>-<index>"
+MAX_JOB_NAME: Final = 40  # children append "-synchronizer-state", "-<group>-<index>"; names.py
 MAX_GROUP_NAME: Final = 16
 MAX_GROUPS: Final = 16
 MAX_REPLICAS: Final = 512
 DNS_LABEL: Final = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+MAX_SLOT_DETAIL: Final = 32  # status.slots lists at most this many unhealthy slots
+# A DNS name (optionally a wildcard's "*." first label) or an IPv4/IPv6 address, for a SAN.
+EXTERNAL_NAME: Final = r"^(\*\.)?[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?$|^[0-9A-Fa-f:.]+$"
 
 # A Kubernetes resource quantity ("500m", "16Gi", 1): int or string, as the core API has it.
 Quantity = Annotated[int | str, WithJsonSchema({"x-kubernetes-int-or-string": True})]
@@ -134,6 +137,12 @@ class Training(_Model):
     """Token budget per learner; unset means no token limit."""
     max_seconds: float | None = Field(None, gt=0)
     """Time budget per learner pod (seconds of training); unset means no time limit."""
+    data_shards: int | None = Field(None, ge=1, le=MAX_GROUPS * MAX_REPLICAS)
+    """Number of disjoint parts the training data is cut into; each learner slot trains one
+    part, the same one for the slot's whole life (replacements included). Set it to the most
+    learners the job will scale to: scaling within it never restarts a learner. Unset: the
+    total replicas when the job starts, raised (restarting every learner on its new part) when
+    a scale-up exceeds it. Changing it restarts every learner on its new part."""
 
 
 class Storage(_Model):
@@ -143,6 +152,49 @@ class Storage(_Model):
     """Requested capacity of the PersistentVolumeClaim."""
     storage_class_name: str | None = None
     """StorageClass of the claim; unset uses the cluster default, "" asks for no class."""
+
+
+class IssuerRef(_Model):
+    """A cert-manager issuer (cert-manager.io/v1 Certificate `spec.issuerRef`)."""
+
+    name: str = Field(min_length=1, max_length=253)
+    """Name of the Issuer (in the job's namespace) or ClusterIssuer."""
+    kind: Literal["Issuer", "ClusterIssuer"] = "Issuer"
+    """Issuer kind."""
+    group: str = Field("cert-manager.io", min_length=1, max_length=253)
+    """API group of the issuer; other groups are external issuers cert-manager supports."""
+
+
+class Tls(_Model):
+    """TLS between learners and the synchronizer (HTTPS: HTTP/2 by ALPN, and HTTP/1.1)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.issuer) || self.issuer != 'cert-manager' || "
+                    "has(self.issuerRef)",
+                    "message": "synchronizer.tls.issuer cert-manager needs "
+                    "synchronizer.tls.issuerRef",
+                },
+            ]
+        }
+    )
+
+    enabled: bool = True
+    """Serve HTTPS; false serves HTTP/2 cleartext (h2c), for a network you trust end to end."""
+    issuer: Literal["operator", "cert-manager"] = "operator"
+    """Who issues the server certificate: the operator, from a CA it makes for the job (Secret
+    <job>-ca, which never leaves this cluster), or cert-manager (a Certificate for issuerRef;
+    its CRDs must be installed). Either way it lands in Secret <job>-tls."""
+    issuer_ref: IssuerRef | None = None
+    """The cert-manager issuer, for issuer cert-manager."""
+    mutual: bool = False
+    """Mutual TLS: every learner slot gets a client certificate (CN = its learner id) from the
+    job's CA, and the synchronizer refuses connections without one."""
+    certificate_days: int = Field(90, ge=1, le=3650)
+    """Validity of the certificates the operator issues (days); each is renewed once less than
+    a third of its validity is left. The job's CA lives ten times as long."""
 
 
 class Synchronizer(_Model):
@@ -167,6 +219,17 @@ class Synchronizer(_Model):
     """Resources of the synchronizer container."""
     storage: Storage = Storage()
     """The synchronizer's state volume."""
+    tls: Tls = Tls()
+    """HTTPS for the synchronizer: certificates, who issues them, mutual TLS."""
+    external_names: list[
+        Annotated[str, Field(min_length=1, max_length=253, pattern=EXTERNAL_NAME)]
+    ] = Field(default_factory=list, max_length=32)
+    """Extra DNS names or IP addresses for the server certificate: the addresses learners in
+    other clusters reach the synchronizer at (a load balancer, a DNS name). The hosts of the
+    learner groups' https syncUrls are added without being listed here."""
+    token_rotation_grace_seconds: float = Field(300.0, ge=0, le=86_400)
+    """After a token rotation (annotation ddiloco.dev/rotate-token), how long the old token
+    stays accepted beside the new one (seconds), so every learner re-reads its Secret first."""
 
 
 class SecretKeyRef(_Model):
@@ -187,6 +250,12 @@ class Cluster(_Model):
     """Namespace in the remote cluster; defaults to the job's namespace name."""
 
 
+INSECURE_MESSAGE: Final = (
+    "a learner group in another cluster needs an https:// syncUrl (its token and updates "
+    "cross the network); set insecure: true on the group to allow http://"
+)
+
+
 class LearnerGroup(_Model):
     """A set of interchangeable learner slots in one cluster (e.g. one region's GPUs)."""
 
@@ -197,7 +266,13 @@ class LearnerGroup(_Model):
                     "rule": "!has(self.cluster) || has(self.syncUrl)",
                     "message": "a learner group in another cluster needs a syncUrl: the home "
                     "cluster's Service name does not resolve there",
-                }
+                },
+                {
+                    "rule": "!has(self.cluster) || !has(self.syncUrl) || "
+                    "self.syncUrl.startsWith('https://') || "
+                    "(has(self.insecure) && self.insecure)",
+                    "message": INSECURE_MESSAGE,
+                },
             ]
         }
     )
@@ -218,6 +293,9 @@ class LearnerGroup(_Model):
     """PriorityClass of the learner pods (preemptible fleets use a low one)."""
     sync_url: str | None = Field(None, max_length=1024, pattern=r"^https?://")
     """Synchronizer URL for this group's pods; defaults to the in-cluster Service URL."""
+    insecure: bool = False
+    """Allow an http:// syncUrl for a group in another cluster: its token and traffic then
+    cross the network in clear text. Without it such a group needs an https:// syncUrl."""
 
 
 class FailurePolicy(_Model):
@@ -240,6 +318,12 @@ class JobSpec(_Model):
                 {
                     "rule": "self.synchronizer.quorum <= self.learnerGroups.map(g, g.replicas).sum()",
                     "message": "synchronizer.quorum must not exceed the total replicas of learnerGroups",
+                },
+                {
+                    "rule": "!has(self.training.dataShards) || "
+                    "self.learnerGroups.map(g, g.replicas).sum() <= self.training.dataShards",
+                    "message": "the total replicas of learnerGroups must not exceed "
+                    "training.dataShards: every learner slot needs its own data shard",
                 },
                 {
                     "rule": "has(self.managedBy) == has(oldSelf.managedBy) && "
@@ -292,8 +376,21 @@ class Condition(_Model):
     """metadata.generation the condition was computed from."""
 
 
+class FailedSlots(_Model):
+    """Slots of a group whose last pod failed and is not replaced yet, by reason and time."""
+
+    slots: str
+    """Slot indexes as ranges, as a Job's completedIndexes: "0-3,7"."""
+    reason: str
+    """Why their last pod went away: Evicted, Preempted, OOMKilled, Error, Deleted, ..."""
+    time: str = Field(json_schema_extra={"format": "date-time"})
+    """When the failure was seen (the replacement backoff counts from it)."""
+
+
 class GroupStatus(_Model):
-    """Observed state of one learner group."""
+    """Observed state of one learner group, with the bookkeeping of its slots in compact form
+    (a few fields per group, not an object per slot, so the status stays small at the CRD's
+    largest spec)."""
 
     name: str
     """Group name."""
@@ -309,23 +406,31 @@ class GroupStatus(_Model):
     """Learner pods that are Ready."""
     replaced: int = 0
     """Replacements made in this group since the job started."""
+    shards: list[int] = Field(default_factory=list)
+    """Data shard of each slot, by slot index (of status.dataShards): allocated once per slot,
+    kept by its replacements, freed when the slot is scaled away."""
+    slot_replacements: list[int] = Field(default_factory=list)
+    """Replacement pods made for each slot, by slot index; empty while none was replaced."""
+    live_slots: str = ""
+    """Slots whose current pod the operator has seen, as ranges ("0-3,7"): one that vanishes
+    from there was deleted, a failure."""
+    failed_slots: list[FailedSlots] = Field(default_factory=list)
+    """Slots whose pod failed and whose replacement is pending (backoff) or refused (limit)."""
 
 
 class SlotStatus(_Model):
-    """Bookkeeping for one learner slot; it lets replacement survive an operator restart."""
+    """A learner slot that is not healthy: its pod failed and is not replaced yet."""
 
     id: str
     """Learner id, "<group>-<index>"."""
-    pod_uid: str | None = None
-    """UID of the slot's current pod, once seen."""
-    failed_uid: str | None = None
-    """UID of a pod whose failure was seen and whose replacement is pending."""
     replacements: int = 0
-    """Replacement pods created for this slot."""
+    """Replacement pods made for this slot so far."""
     last_failure_reason: str | None = None
-    """Why the last pod went away: Evicted, Preempted, Failed, Deleted, ..."""
+    """Why the last pod went away: Evicted, Preempted, OOMKilled, Error, Deleted, ..."""
     last_failure_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
     """When the last failure was seen."""
+    limit_reached: bool = False
+    """The slot used up failurePolicy.maxReplacementsPerSlot and stays empty."""
 
 
 class SynchronizerStatus(_Model):
@@ -358,12 +463,19 @@ class JobStatus(_Model):
     ready_learners: int | None = None
     """Learner pods that are Ready, in all groups."""
     groups: list[GroupStatus] = Field(default_factory=list)
-    """Per-group counts."""
+    """Per-group counts and slot bookkeeping."""
     slots: list[SlotStatus] = Field(
         default_factory=list,
+        max_length=MAX_SLOT_DETAIL,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["id"]},
     )
-    """Per-slot replacement bookkeeping."""
+    """Up to 32 slots that are not healthy (a failed pod not replaced yet), those at the
+    replacement limit first; status.groups has every slot's counts."""
+    unhealthy_slots: int | None = None
+    """Slots that are not healthy, in all groups (status.slots lists up to 32 of them)."""
+    data_shards: int | None = None
+    """Data shards the training data is cut into (spec.training.dataShards, or the total
+    replicas when the job started); every learner trains shard groups[].shards[i] of these."""
     synchronizer: SynchronizerStatus | None = None
     """The synchronizer's endpoint and readiness."""
     global_version: int | None = None
@@ -387,8 +499,9 @@ class DecoupledDiLoCoJob(_Model):
                     "message": f"metadata.name must be at most {MAX_JOB_NAME} characters",
                 },
                 {
-                    "rule": "self.metadata.name.matches('^[a-z]')",
-                    "message": "metadata.name must start with a letter (it names a Service)",
+                    "rule": f"self.metadata.name.matches('{DNS_LABEL}')",
+                    "message": "metadata.name must be a DNS-1035 label: lower-case letters, "
+                    "digits and '-', starting with a letter, no '.' (it names a Service)",
                 },
             ]
         }
@@ -467,6 +580,23 @@ def validate(spec: JobSpec) -> list[str]:
         for g in spec.learner_groups
         if g.cluster is not None and g.sync_url is None
     ]
+    problems += [
+        f"learner group {g.name}: {INSECURE_MESSAGE}"
+        for g in spec.learner_groups
+        if g.cluster is not None
+        and g.sync_url is not None
+        and not g.sync_url.startswith("https://")
+        and not g.insecure
+    ]
+    tls = spec.synchronizer.tls
+    if tls.issuer == "cert-manager" and tls.issuer_ref is None:
+        problems.append("synchronizer.tls.issuer cert-manager needs synchronizer.tls.issuerRef")
+    shards = spec.training.data_shards
+    if shards is not None and spec.total_replicas() > shards:
+        problems.append(
+            f"the total replicas of learnerGroups ({spec.total_replicas()}) must not exceed "
+            f"training.dataShards ({shards}): every learner slot needs its own data shard"
+        )
     names = [g.name for g in spec.learner_groups]
     if len(set(names)) != len(names):
         problems.append("learnerGroups names must be unique")

@@ -1,7 +1,8 @@
 """Send a plan's actions to the clusters, and delete a job's objects (the finalizer's work).
 
-    send(api_client, action, timeout=10)
-    left = delete_job_objects(api_client, job, target, timeout=10)
+    send(api_client, action, timeout=(5, 10))
+    left = delete_job_objects(api_client, job, target, timeout=(5, 10))
+    why = foreign(api_client, job, action, timeout)  # after a create got 409: whose is it?
 
 Thin translations to kubernetes client calls; failures propagate as the client raises them
 (ApiException, connection errors), and runtime.py decides what they mean.
@@ -10,7 +11,7 @@ Thin translations to kubernetes client calls; failures propagate as the client r
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import kubernetes
 from kubernetes.client import ApiClient
@@ -19,6 +20,8 @@ from kubernetes.client.exceptions import ApiException
 from ddiloco.operator import api as ddapi
 from ddiloco.operator import builders
 from ddiloco.operator.plan import Action, Target
+
+Timeout: TypeAlias = float | tuple[float, float]  # seconds, or (connect, read)
 
 
 def get_or_none(call: Callable[[], Any]) -> Any:
@@ -32,51 +35,127 @@ def get_or_none(call: Callable[[], Any]) -> Any:
 
 
 def delete_job_objects(
-    client: ApiClient, job: ddapi.DecoupledDiLoCoJob, tgt: Target, timeout: float
+    client: ApiClient, job: ddapi.DecoupledDiLoCoJob, tgt: Target, timeout: Timeout
 ) -> int:
-    """Delete the job's objects in one target; return how many of its pods still exist."""
+    """Delete the job's objects in one target; return how many of its pods still exist.
+
+    Only objects the job made: pods are selected by the job's uid, and each named object
+    (token Secret; at home the synchronizer's Deployment, Service and claim) is read first and
+    deleted only if it carries the job's uid (label or ownerReference), with the uid it was
+    read with as a precondition, so a same-named object of someone else's is never touched."""
     core, apps = kubernetes.client.CoreV1Api(client), kubernetes.client.AppsV1Api(client)
     ns = tgt.namespace
-    pods = core.list_namespaced_pod(
-        ns, label_selector=builders.learner_selector(job), _request_timeout=timeout
-    ).items
-    mine = [p for p in pods if (p.metadata.labels or {}).get(builders.LABEL_JOB_UID) == job.uid]
+    kw: dict[str, Any] = {"_request_timeout": timeout}
+    pods = core.list_namespaced_pod(ns, label_selector=builders.learner_selector(job), **kw).items
+    mine = [p for p in pods if builders.made_by(job, p.metadata)]
     deletes: list[Callable[[], Any]] = [
         lambda p=p: core.delete_namespaced_pod(
-            p.metadata.name,
-            ns,
-            _request_timeout=timeout,
-            body={"preconditions": {"uid": p.metadata.uid}},
+            p.metadata.name, ns, body={"preconditions": {"uid": p.metadata.uid}}, **kw
         )
         for p in mine
         if not p.metadata.deletion_timestamp
     ]
-    secret = get_or_none(
-        lambda: core.read_namespaced_secret(
-            builders.token_secret_name(job), ns, _request_timeout=timeout
+    named: list[tuple[Callable[..., Any], Callable[..., Any], str]] = [
+        (
+            core.read_namespaced_secret,
+            core.delete_namespaced_secret,
+            builders.token_secret_name(job),
         )
-    )
-    if secret is not None and (secret.metadata.labels or {}).get(builders.LABEL_JOB_UID) == job.uid:
-        deletes.append(
-            lambda: core.delete_namespaced_secret(
-                builders.token_secret_name(job), ns, _request_timeout=timeout
-            )
-        )
+    ]
     if tgt.secret is None:  # the home cluster also holds the synchronizer
-        name = builders.synchronizer_name(job)
-        deletes += [
-            lambda: apps.delete_namespaced_deployment(name, ns, _request_timeout=timeout),
-            lambda: core.delete_namespaced_service(name, ns, _request_timeout=timeout),
-            lambda: core.delete_namespaced_persistent_volume_claim(
-                builders.state_claim_name(job), ns, _request_timeout=timeout
+        named += [
+            (
+                apps.read_namespaced_deployment,
+                apps.delete_namespaced_deployment,
+                builders.synchronizer_name(job),
+            ),
+            (
+                core.read_namespaced_service,
+                core.delete_namespaced_service,
+                builders.synchronizer_name(job),
+            ),
+            (
+                core.read_namespaced_persistent_volume_claim,
+                core.delete_namespaced_persistent_volume_claim,
+                builders.state_claim_name(job),
             ),
         ]
-    for delete in deletes:
-        get_or_none(delete)
+    for read, delete, name in named:
+        obj = get_or_none(lambda read=read, name=name: read(name, ns, **kw))
+        if obj is not None and builders.made_by(job, obj.metadata):
+            deletes.append(
+                lambda delete=delete, name=name, uid=obj.metadata.uid: delete(
+                    name, ns, body={"preconditions": {"uid": uid}}, **kw
+                )
+            )
+    # the TLS Secrets (certs.py): CA, server certificate, trust bundle, client certificates
+    labelled = core.list_namespaced_secret(
+        ns, label_selector=f"{builders.LABEL_JOB}={job.name}", **kw
+    )
+    deletes += [
+        lambda s=s: core.delete_namespaced_secret(
+            s.metadata.name, ns, body={"preconditions": {"uid": s.metadata.uid}}, **kw
+        )
+        for s in labelled.items
+        if builders.made_by(job, s.metadata) and s.metadata.name != builders.token_secret_name(job)
+    ]
+    if (
+        tgt.secret is None
+        and job.spec is not None
+        and job.spec.synchronizer.tls.issuer == "cert-manager"
+    ):
+        cert = get_or_none(
+            lambda: _certificate_api(client, "get", ns, builders.certificate_name(job), timeout)
+        )
+        if cert is not None and builders.made_by(job, cert.get("metadata")):
+            deletes.append(
+                lambda: _certificate_api(
+                    client, "delete", ns, builders.certificate_name(job), timeout
+                )
+            )
+    for call in deletes:
+        try:
+            call()
+        except ApiException as e:
+            if e.status not in (404, 409):  # gone already; 409: replaced by another uid
+                raise
     return len(mine)
 
 
-def send(client: ApiClient, action: Action, timeout: float) -> None:
+def foreign(
+    client: ApiClient, job: ddapi.DecoupledDiLoCoJob, action: Action, timeout: Timeout
+) -> str | None:
+    """After a create answered 409 AlreadyExists: None if the object there is the job's (made
+    in an earlier pass), else a message naming the object that holds the name."""
+    core, apps = kubernetes.client.CoreV1Api(client), kubernetes.client.AppsV1Api(client)
+    read = {
+        "Pod": core.read_namespaced_pod,
+        "Secret": core.read_namespaced_secret,
+        "Service": core.read_namespaced_service,
+        "PersistentVolumeClaim": core.read_namespaced_persistent_volume_claim,
+        "Deployment": apps.read_namespaced_deployment,
+        "Certificate": lambda name, ns, **kw: _Meta(
+            _certificate_api(client, "get", ns, name, kw["_request_timeout"])
+        ),
+    }[action.kind]
+    ns = action.target.namespace
+    obj = get_or_none(lambda: read(action.name, ns, _request_timeout=timeout))
+    if obj is None:
+        return None  # gone meanwhile: the next pass creates it
+    ours = builders.made_by(job, obj.metadata)
+    if ours and action.kind == "Pod" and action.body is not None:
+        want = action.body["metadata"]["labels"]
+        have = obj.metadata.labels or {}
+        ours = all(have.get(k) == want[k] for k in (builders.LABEL_GROUP, builders.LABEL_SLOT))
+    if ours:
+        return None
+    return (
+        f"{action.kind} {ns}/{action.name} in {action.target.label} exists and was not "
+        f"created by this job (no {builders.LABEL_JOB_UID}={job.uid}); it is left as it is"
+    )
+
+
+def send(client: ApiClient, action: Action, timeout: Timeout) -> None:
     """Perform one Action against the API it targets."""
     core, apps = kubernetes.client.CoreV1Api(client), kubernetes.client.AppsV1Api(client)
     ns, name, body = action.target.namespace, action.name, action.body
@@ -93,6 +172,10 @@ def send(client: ApiClient, action: Action, timeout: float) -> None:
         "Deployment": apps.replace_namespaced_deployment,
     }
     delete = {"Pod": core.delete_namespaced_pod, "Secret": core.delete_namespaced_secret}
+    if action.kind == "Certificate":  # cert-manager's, through the custom objects API
+        verb = {"create": "create", "replace": "replace", "delete": "delete"}[action.verb]
+        _certificate_api(client, verb, ns, name, timeout, body)
+        return
     if action.verb == "create":
         create[action.kind](ns, body, **kw)
     elif action.verb == "replace":
@@ -104,3 +187,31 @@ def send(client: ApiClient, action: Action, timeout: float) -> None:
         if action.grace_seconds is not None:
             opts["gracePeriodSeconds"] = action.grace_seconds
         delete[action.kind](name, ns, body=opts, **kw)
+
+
+class _Meta:
+    """A custom object's dict with `.metadata`, as the client's models have it."""
+
+    def __init__(self, obj: dict[str, Any]) -> None:
+        self.metadata = obj.get("metadata") or {}
+
+
+def _certificate_api(
+    client: ApiClient,
+    verb: str,
+    ns: str,
+    name: str,
+    timeout: Timeout,
+    body: dict[str, Any] | None = None,
+) -> Any:
+    """get, create, replace or delete a cert-manager Certificate (cert-manager.io/v1)."""
+    api = kubernetes.client.CustomObjectsApi(client)
+    args = ("cert-manager.io", "v1", ns, "certificates")
+    kw: dict[str, Any] = {"_request_timeout": timeout}
+    if verb == "get":
+        return api.get_namespaced_custom_object(*args, name, **kw)
+    if verb == "create":
+        return api.create_namespaced_custom_object(*args, body, **kw)
+    if verb == "replace":
+        return api.replace_namespaced_custom_object(*args, name, body, **kw)
+    return api.delete_namespaced_custom_object(*args, name, **kw)

@@ -6,7 +6,15 @@
 Pure functions of the job (and, for Secrets, the token): no API calls, no clock. reconcile.py
 decides which of them to create; clusters.py sends them. The synchronizer and learner are
 configured only through environment variables (the contract of `ddiloco synchronizer` and
-`ddiloco learner`); the token reaches them through a Secret, never through the pod spec.
+`ddiloco learner`); the token, certificates and keys reach them as files of mounted Secrets,
+never through the pod spec, so a rotated token or a renewed certificate arrives without a new
+pod (the kubelet updates mounted Secrets in place; environment variables it never updates).
+
+TLS (issue 12 §4; operator/certs.py issues and renews): Secret `<job>-tls` holds the
+synchronizer's server certificate (tls.crt, tls.key, ca.crt), `<job>-trust` the CA bundle a
+learner verifies it against (ca.crt; with mutual TLS also client-ca.crt, what the synchronizer
+verifies learners against), in the home namespace and in every remote one, and with mutual
+TLS `<pod>-client` each learner slot's client certificate.
 """
 
 from __future__ import annotations
@@ -21,6 +29,14 @@ from ddiloco.operator.api import DecoupledDiLoCoJob, LearnerGroup
 SYNC_PORT: Final = 8470
 STATE_DIR: Final = "/var/lib/ddiloco"
 TOKEN_KEY: Final = "token"
+TOKEN_DIR: Final = "/var/run/ddiloco/token"
+TLS_DIR: Final = "/var/run/ddiloco/tls"
+TRUST_DIR: Final = "/var/run/ddiloco/trust"
+CLIENT_DIR: Final = "/var/run/ddiloco/client"
+CA_KEY: Final = "ca.crt"  # the CA bundle, in every TLS Secret (cert-manager's key name)
+CLIENT_CA_KEY: Final = "client-ca.crt"  # in <job>-trust with mutual TLS
+CERT_KEY: Final = "tls.crt"
+KEY_KEY: Final = "tls.key"
 
 # Labels: the recommended app.kubernetes.io set, plus ours to select a job's objects. The job's
 # uid tells a pod of this job from a leftover of an earlier job with the same name.
@@ -29,8 +45,16 @@ LABEL_JOB_UID: Final = "ddiloco.dev/job-uid"
 LABEL_GROUP: Final = "ddiloco.dev/group"
 LABEL_SLOT: Final = "ddiloco.dev/slot"
 LABEL_LEARNER_ID: Final = "ddiloco.dev/learner-id"
+# A learner pod's data shard ("<shard>-of-<count>") and which incarnation of its slot it is (0
+# for the first pod, n for the n-th replacement): reconcile.py reads both back from the pod.
+LABEL_DATA_SHARD: Final = "ddiloco.dev/data-shard"
+LABEL_ATTEMPT: Final = "ddiloco.dev/attempt"
 LABEL_COMPONENT: Final = "app.kubernetes.io/component"
 ANNOTATION_SPEC_HASH: Final = "ddiloco.dev/spec-hash"
+# On the synchronizer's pod template: a digest of the certificates it serves and trusts. The
+# synchronizer loads them at startup, so a renewed certificate rolls its pod (the token, which
+# it re-reads, does not).
+ANNOTATION_TLS_REVISION: Final = "ddiloco.dev/tls-revision"
 MANAGED_BY: Final = "ddiloco-operator"
 
 
@@ -42,6 +66,31 @@ def synchronizer_name(job: DecoupledDiLoCoJob) -> str:
     return f"{job.name}-synchronizer"
 
 
+def ca_secret_name(job: DecoupledDiLoCoJob) -> str:
+    """The job's CA, certificate and key: home namespace only."""
+    return f"{job.name}-ca"
+
+
+def tls_secret_name(job: DecoupledDiLoCoJob) -> str:
+    """The synchronizer's server certificate (kubernetes.io/tls); cert-manager's secretName."""
+    return f"{job.name}-tls"
+
+
+def trust_secret_name(job: DecoupledDiLoCoJob) -> str:
+    """CA certificates only (no key): what learners verify the synchronizer against."""
+    return f"{job.name}-trust"
+
+
+def certificate_name(job: DecoupledDiLoCoJob) -> str:
+    """The cert-manager Certificate, with tls.issuer cert-manager."""
+    return f"{job.name}-tls"
+
+
+def client_secret_name(job: DecoupledDiLoCoJob, group: str, index: int) -> str:
+    """A learner slot's client certificate (mutual TLS); it outlives the slot's pods."""
+    return f"{learner_pod_name(job, group, index)}-client"
+
+
 def state_claim_name(job: DecoupledDiLoCoJob) -> str:
     return f"{job.name}-synchronizer-state"
 
@@ -51,11 +100,39 @@ def learner_id(group: str, index: int) -> str:
 
 
 def learner_pod_name(job: DecoupledDiLoCoJob, group: str, index: int) -> str:
-    return f"{job.name}-{group}-{index}"
+    """`<job>-<group>-<index>-<tag>`, a DNS label of at most 63 characters.
+
+    The tag, 5 base32 characters of a hash of the job's uid and the group, keeps names of
+    different jobs apart: without it job `p-col` (group `a-b`) and job `p-col-a` (group `b`)
+    would both need pod `p-col-a-b-0`, and a new job would meet the leftovers of an older one
+    of the same name. It is a function of the job's uid, so a slot keeps its name across
+    operator restarts. A long job and group name is cut before the index; the tag still tells
+    the slots apart. Should two names meet anyway, the pod that exists is not the job's, and
+    the operator refuses to use it (runtime.py) instead of adopting it.
+    """
+    digest = hashlib.sha256(f"{job.uid}/{group}".encode()).digest()
+    tail = f"-{index}-{base64.b32encode(digest).decode()[:5].lower()}"
+    return f"{job.name}-{group}"[: 63 - len(tail)].rstrip("-") + tail
 
 
 def synchronizer_service_url(job: DecoupledDiLoCoJob) -> str:
-    return f"http://{synchronizer_name(job)}.{job.namespace}.svc:{SYNC_PORT}"
+    scheme = "https" if job.spec.synchronizer.tls.enabled else "http"
+    return f"{scheme}://{synchronizer_name(job)}.{job.namespace}.svc:{SYNC_PORT}"
+
+
+def service_dns_names(job: DecoupledDiLoCoJob) -> list[str]:
+    """The names the synchronizer Service answers to inside its cluster."""
+    svc, ns = synchronizer_name(job), job.namespace
+    return [svc, f"{svc}.{ns}", f"{svc}.{ns}.svc", f"{svc}.{ns}.svc.cluster.local"]
+
+
+def uses_tls(job: DecoupledDiLoCoJob, group: LearnerGroup) -> bool:
+    """Whether this group's learners talk TLS to this job's synchronizer (verified by its CA)."""
+    return job.spec.synchronizer.tls.enabled and sync_url_for(job, group).startswith("https://")
+
+
+def uses_client_cert(job: DecoupledDiLoCoJob, group: LearnerGroup) -> bool:
+    return uses_tls(job, group) and job.spec.synchronizer.tls.mutual
 
 
 def sync_url_for(job: DecoupledDiLoCoJob, group: LearnerGroup) -> str:
@@ -63,8 +140,25 @@ def sync_url_for(job: DecoupledDiLoCoJob, group: LearnerGroup) -> str:
 
 
 def learner_selector(job: DecoupledDiLoCoJob) -> str:
-    """Label selector for the job's learner pods, in any cluster."""
-    return f"{LABEL_JOB}={job.name},{LABEL_COMPONENT}=learner"
+    """Label selector for the job's learner pods, in any cluster: by the job's uid, so that
+    pods of another job of the same name (an older one, or one of another home namespace
+    sharing a remote namespace) are never seen, let alone deleted."""
+    return f"{LABEL_JOB_UID}={job.uid},{LABEL_COMPONENT}=learner"
+
+
+def made_by(job: DecoupledDiLoCoJob, meta: Any) -> bool:
+    """True if an object's metadata (a dict as the API sends it, or a client model's
+    V1ObjectMeta) says this job made it: its job-uid label, or an ownerReference to the job.
+    The operator changes and deletes only such objects; one without is someone else's."""
+    if meta is None:
+        return False
+    if isinstance(meta, dict):
+        labels = meta.get("labels") or {}
+        refs = [r.get("uid") for r in meta.get("ownerReferences") or []]
+    else:
+        labels = meta.labels or {}
+        refs = [r.uid for r in meta.owner_references or []]
+    return bool(job.uid) and (labels.get(LABEL_JOB_UID) == job.uid or job.uid in refs)
 
 
 def labels(job: DecoupledDiLoCoJob, component: str) -> dict[str, str]:
@@ -100,17 +194,73 @@ def _metadata(
 
 
 def build_token_secret(
-    job: DecoupledDiLoCoJob, token: str, namespace: str | None = None, owned: bool = True
+    job: DecoupledDiLoCoJob,
+    token: str,
+    namespace: str | None = None,
+    owned: bool = True,
+    annotations: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The bearer token learners present to the synchronizer; copied into remote clusters."""
+    """The bearer token learners present to the synchronizer; copied into remote clusters.
+    During a rotation it holds two lines, "new\nold" (operator/tokens.py)."""
+    meta = _metadata(job, token_secret_name(job), "token", namespace or job.namespace, owned)
+    if annotations:
+        meta["annotations"] = dict(annotations)
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": _metadata(
-            job, token_secret_name(job), "token", namespace or job.namespace, owned
-        ),
+        "metadata": meta,
         "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def build_tls_secret(
+    job: DecoupledDiLoCoJob,
+    name: str,
+    data: dict[str, bytes],
+    namespace: str | None = None,
+    owned: bool = True,
+    annotations: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """A Secret of PEM files: type kubernetes.io/tls when it holds tls.crt and tls.key."""
+    meta = _metadata(job, name, "tls", namespace or job.namespace, owned)
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    kind = "kubernetes.io/tls" if {CERT_KEY, KEY_KEY} <= set(data) else "Opaque"
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": kind,
+        "metadata": meta,
+        "data": {k: base64.b64encode(v).decode() for k, v in sorted(data.items())},
+    }
+
+
+def build_certificate(
+    job: DecoupledDiLoCoJob, dns_names: list[str], ip_addresses: list[str]
+) -> dict[str, Any]:
+    """A cert-manager Certificate for the synchronizer, writing Secret <job>-tls. The
+    secretTemplate puts the job's labels on that Secret, so the operator finds it like its own."""
+    tls = job.spec.synchronizer.tls
+    assert tls.issuer_ref is not None
+    spec: dict[str, Any] = {
+        "secretName": tls_secret_name(job),
+        "secretTemplate": {"labels": labels(job, "tls")},
+        "commonName": dns_names[0],
+        "dnsNames": dns_names,
+        "usages": ["digital signature", "key encipherment", "server auth"],
+        "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"},
+        "issuerRef": tls.issuer_ref.model_dump(by_alias=True),
+    }
+    if ip_addresses:
+        spec["ipAddresses"] = ip_addresses
+    meta = _metadata(job, certificate_name(job), "tls", job.namespace)
+    meta["annotations"] = {ANNOTATION_SPEC_HASH: spec_hash(spec)}
+    return {
+        "apiVersion": "cert-manager.io/v1",
+        "kind": "Certificate",
+        "metadata": meta,
+        "spec": spec,
     }
 
 
@@ -120,11 +270,44 @@ def secret_token(secret: dict[str, Any] | None) -> str | None:
     return base64.b64decode(data).decode() if data else None
 
 
-def _token_env(job: DecoupledDiLoCoJob) -> dict[str, Any]:
-    return {
-        "name": "DDILOCO_TOKEN",
-        "valueFrom": {"secretKeyRef": {"name": token_secret_name(job), "key": TOKEN_KEY}},
-    }
+def _secret_volume(name: str, secret: str) -> dict[str, Any]:
+    # 0440 + the pod's fsGroup: readable by the image's user, not by the world
+    return {"name": name, "secret": {"secretName": secret, "defaultMode": 0o440}}
+
+
+def _mount(name: str, path: str) -> dict[str, Any]:
+    # never subPath: a subPath mount is not updated when the Secret changes
+    return {"name": name, "mountPath": path, "readOnly": True}
+
+
+def _files(
+    job: DecoupledDiLoCoJob, group: LearnerGroup | None, index: int = 0
+) -> tuple[dict[str, str], list[dict[str, Any]], list[dict[str, Any]]]:
+    """The env, volumes and mounts of the Secret files a container reads: the synchronizer's
+    (group None) or a learner slot's."""
+    env = {"DDILOCO_TOKEN_FILE": f"{TOKEN_DIR}/{TOKEN_KEY}"}
+    volumes = [_secret_volume("token", token_secret_name(job))]
+    mounts = [_mount("token", TOKEN_DIR)]
+    tls = job.spec.synchronizer.tls
+    if group is None and tls.enabled:
+        env["DDILOCO_TLS_CERT_FILE"] = f"{TLS_DIR}/{CERT_KEY}"
+        env["DDILOCO_TLS_KEY_FILE"] = f"{TLS_DIR}/{KEY_KEY}"
+        volumes.append(_secret_volume("tls", tls_secret_name(job)))
+        mounts.append(_mount("tls", TLS_DIR))
+        if tls.mutual:
+            env["DDILOCO_TLS_CLIENT_CA_FILE"] = f"{TRUST_DIR}/{CLIENT_CA_KEY}"
+            volumes.append(_secret_volume("trust", trust_secret_name(job)))
+            mounts.append(_mount("trust", TRUST_DIR))
+    elif group is not None and uses_tls(job, group):
+        env["DDILOCO_CA_FILE"] = f"{TRUST_DIR}/{CA_KEY}"
+        volumes.append(_secret_volume("trust", trust_secret_name(job)))
+        mounts.append(_mount("trust", TRUST_DIR))
+        if uses_client_cert(job, group):
+            env["DDILOCO_CLIENT_CERT_FILE"] = f"{CLIENT_DIR}/{CERT_KEY}"
+            env["DDILOCO_CLIENT_KEY_FILE"] = f"{CLIENT_DIR}/{KEY_KEY}"
+            volumes.append(_secret_volume("client", client_secret_name(job, group.name, index)))
+            mounts.append(_mount("client", CLIENT_DIR))
+    return env, volumes, mounts
 
 
 def _env(pairs: dict[str, Any]) -> list[dict[str, Any]]:
@@ -145,7 +328,10 @@ def build_synchronizer_service(job: DecoupledDiLoCoJob) -> dict[str, Any]:
                     "port": SYNC_PORT,
                     "targetPort": "http",
                     "protocol": "TCP",
-                    "appProtocol": "kubernetes.io/h2c",
+                    # HTTPS (h2 by ALPN) with TLS on, else HTTP/2 cleartext
+                    "appProtocol": "https"
+                    if job.spec.synchronizer.tls.enabled
+                    else "kubernetes.io/h2c",
                 }
             ],
         },
@@ -175,13 +361,17 @@ COUNTER_CAP_H: Final = 4
 and merge"; `ddiloco local` sets the same). Its own default, 96, is 4H only for H = 24."""
 
 
-def build_synchronizer_deployment(job: DecoupledDiLoCoJob) -> dict[str, Any]:
-    """One synchronizer pod (Recreate: never two writing the same state volume)."""
+def build_synchronizer_deployment(
+    job: DecoupledDiLoCoJob, tls_revision: str | None = None
+) -> dict[str, Any]:
+    """One synchronizer pod (Recreate: never two writing the same state volume).
+    `tls_revision` (certs.py) names the certificates it serves; a new one rolls the pod."""
     spec, sync = job.spec, job.spec.synchronizer
+    files, volumes, mounts = _files(job, None)
     env = [
-        _token_env(job),
         *_env(
             {
+                **files,
                 "DDILOCO_HOST": "0.0.0.0",
                 "DDILOCO_STATE_DIR": STATE_DIR,
                 "DDILOCO_PORT": SYNC_PORT,
@@ -197,7 +387,12 @@ def build_synchronizer_deployment(job: DecoupledDiLoCoJob) -> dict[str, Any]:
             }
         ),
     ]
-    probe = {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10}
+    probe: dict[str, Any] = {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10}
+    if sync.tls.enabled:
+        probe["httpGet"]["scheme"] = "HTTPS"  # the kubelet does not verify the certificate
+    if sync.tls.enabled and sync.tls.mutual:
+        # the kubelet has no client certificate to present: check that the port accepts
+        probe = {"tcpSocket": {"port": "http"}, "periodSeconds": 10}
     container = {
         "name": "synchronizer",
         "image": spec.image,
@@ -208,10 +403,10 @@ def build_synchronizer_deployment(job: DecoupledDiLoCoJob) -> dict[str, Any]:
         "readinessProbe": {**probe, "periodSeconds": 5},
         "livenessProbe": {**probe, "failureThreshold": 6},
         "resources": sync.resources.to_k8s(),
-        "volumeMounts": [{"name": "state", "mountPath": STATE_DIR}],
+        "volumeMounts": [{"name": "state", "mountPath": STATE_DIR}, *mounts],
     }
     selector = {LABEL_JOB: job.name, LABEL_COMPONENT: "synchronizer"}
-    template = {
+    template: dict[str, Any] = {
         "metadata": {"labels": labels(job, "synchronizer")},
         "spec": {
             "containers": [container],
@@ -221,10 +416,13 @@ def build_synchronizer_deployment(job: DecoupledDiLoCoJob) -> dict[str, Any]:
             # for it on storage classes that mount volumes root-owned.
             "securityContext": {"runAsNonRoot": True, "fsGroup": IMAGE_UID},
             "volumes": [
-                {"name": "state", "persistentVolumeClaim": {"claimName": state_claim_name(job)}}
+                {"name": "state", "persistentVolumeClaim": {"claimName": state_claim_name(job)}},
+                *volumes,
             ],
         },
     }
+    if tls_revision:
+        template["metadata"]["annotations"] = {ANNOTATION_TLS_REVISION: tls_revision}
     deployment_spec = {
         "replicas": 0 if spec.suspend else 1,
         "strategy": {"type": "Recreate"},
@@ -242,7 +440,8 @@ def build_synchronizer_deployment(job: DecoupledDiLoCoJob) -> dict[str, Any]:
 
 
 def global_index(job: DecoupledDiLoCoJob, group: LearnerGroup, index: int) -> int:
-    """Position of a slot among all learners, for data sharding (groups in spec order)."""
+    """Position of a slot among all learners (groups in spec order): the data shard a fresh
+    job's allocation gives the slot. A running job's shards are in its status (reconcile.py)."""
     offset = 0
     for g in job.spec.learner_groups:
         if g.name == group.name:
@@ -257,18 +456,30 @@ def build_learner_pod(
     index: int,
     namespace: str | None = None,
     owned: bool = True,
+    *,
+    shard: tuple[int, int] | None = None,
+    attempt: int = 0,
 ) -> dict[str, Any]:
-    """One learner slot. restartPolicy Never: a failed pod is replaced whole, by the operator."""
+    """One learner slot. restartPolicy Never: a failed pod is replaced whole, by the operator.
+
+    `shard` is (data shard, shard count), as reconcile.py allocated it for the slot; unset, a
+    fresh job's allocation (`global_index` of the total replicas). `attempt` numbers the slot's
+    pods (0, then one more per replacement). On failure the container's last log lines become
+    its termination message (FallbackToLogsOnError), which the LearnerFailed event carries.
+    """
     spec, training = job.spec, job.spec.training
+    if shard is None:
+        shard = (global_index(job, group, index), max(1, spec.total_replicas()))
     lid = learner_id(group.name, index)
+    files, volumes, mounts = _files(job, group, index)
     env = [
-        _token_env(job),
         *_env(
             {
+                **files,
                 "DDILOCO_SYNC_URL": sync_url_for(job, group),
                 "DDILOCO_LEARNER_ID": lid,
-                "DDILOCO_LEARNER_INDEX": global_index(job, group, index),
-                "DDILOCO_NUM_LEARNERS": spec.total_replicas(),
+                "DDILOCO_LEARNER_INDEX": shard[0],
+                "DDILOCO_NUM_LEARNERS": shard[1],
                 "DDILOCO_MODEL": training.model,
                 "DDILOCO_MODEL_ENTRY": training.model_entry,
                 "DDILOCO_DATA": training.data,
@@ -284,7 +495,15 @@ def build_learner_pod(
     meta = _metadata(
         job, learner_pod_name(job, group.name, index), "learner", namespace or job.namespace, owned
     )
-    meta["labels"].update({LABEL_GROUP: group.name, LABEL_SLOT: str(index), LABEL_LEARNER_ID: lid})
+    meta["labels"].update(
+        {
+            LABEL_GROUP: group.name,
+            LABEL_SLOT: str(index),
+            LABEL_LEARNER_ID: lid,
+            LABEL_DATA_SHARD: f"{shard[0]}-of-{shard[1]}",
+            LABEL_ATTEMPT: str(attempt),
+        }
+    )
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "enableServiceLinks": False,
@@ -297,8 +516,13 @@ def build_learner_pod(
                 "command": ["ddiloco", "learner"],
                 "env": env,
                 "resources": group.resources.to_k8s(),
+                "volumeMounts": mounts,
+                "terminationMessagePolicy": "FallbackToLogsOnError",
             }
         ],
+        "volumes": volumes,
+        # the Secret files are 0440: readable through the group by the image's user
+        "securityContext": {"fsGroup": IMAGE_UID},
     }
     if group.node_selector:
         pod_spec["nodeSelector"] = dict(group.node_selector)

@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import kopf  # imported late so `ddiloco operator --help` is instant
 
+    from ddiloco.operator import redact
+
+    redact.install()  # before the first log line: no record may carry a credential
     kopf.configure(verbose=args.verbose or cfg.log_level.upper() == "DEBUG")
     logging.getLogger("ddiloco").setLevel("DEBUG" if args.verbose else cfg.log_level.upper())
     # The kubernetes client's loggers ("client", urllib3) stay at WARNING even with --verbose:

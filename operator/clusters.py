@@ -1,7 +1,10 @@
 """API clients for the clusters a job spans: the operator's own, and remote ones.
 
-    clusters = Clusters(home_api_client(), request_timeout=10)
+    clusters = Clusters(home_api_client(), timeout=10)
     api = clusters.client(target, secret_namespace="team-a")    # raises ClusterProblem
+    ...
+    except Exception as e:
+        problem = clusters.failed(target, "team-a", e)           # a ClusterProblem to report
 
 A learner group in another cluster or region names a Secret, in the job's namespace, holding a
 kubeconfig for it (key `kubeconfig` unless the group says otherwise). The client built from it
@@ -11,30 +14,54 @@ into a Degraded condition naming the Secret. Kubeconfig contents never reach a l
 status message: problems say which Secret and what kind of problem, nothing more. Only inline
 credentials are accepted (operator/kubeconfig.py): the operator never runs a Secret's exec
 plugin nor reads a file it names.
+
+A cluster that does not answer. Every request has a connect and a read timeout and at most
+one retry, of a failed connect (`request_timeout`, `RETRIES`). A call that fails so (refused,
+reset, timed out) marks the cluster down: for a backoff period (2 s, doubling to 30 s) its
+`client()` raises the ClusterProblem at once, without a call, and a background thread probes
+it (GET /version) when the period ends; the first answer brings it back. So a frozen
+apiserver (TCP connects succeed, nothing answers) costs one timeout per outage, not one per
+call and pass, and the home cluster and the other regions go on being reconciled every tick.
+A changed kubeconfig Secret is tried again at once. (A thread pool per pass would bound one
+pass by the slowest cluster's timeout, every pass; skipping the dead cluster bounds it once.)
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import json
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Final
 
 import kubernetes
+import urllib3
 import yaml
 from kubernetes.client import ApiClient, Configuration
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config import ConfigException
 
 from ddiloco.operator import conditions as c
-from ddiloco.operator.kubeconfig import KubeconfigRefused, api_client_from_kubeconfig
+from ddiloco.operator import redact
+from ddiloco.operator.kubeconfig import RETRIES, KubeconfigRefused, api_client_from_kubeconfig
 from ddiloco.operator.plan import Target
 
 log = logging.getLogger(__name__)
 
-UNREACHABLE_ERRORS: Final = (OSError, kubernetes.client.exceptions.OpenApiException)
+# What a call raises when the other end does not answer: a refused or reset connection
+# (OSError), and urllib3's own errors, which are not OSErrors (MaxRetryError wrapping a
+# NewConnectionError or ReadTimeoutError, ProtocolError, ...). The kubernetes client reports
+# a TLS failure as an ApiException with status 0.
+UNREACHABLE_ERRORS: Final = (
+    OSError,
+    urllib3.exceptions.HTTPError,
+    kubernetes.client.exceptions.OpenApiException,
+)
+BACKOFF_S: Final = (2.0, 30.0)  # the first and the longest pause before probing again
+CONNECT_TIMEOUT_S: Final = 5.0
 
 
 class ClusterProblem(Exception):
@@ -45,6 +72,19 @@ class ClusterProblem(Exception):
         self.reason, self.message = reason, message
 
 
+def request_timeout(seconds: float) -> tuple[float, float]:
+    """(connect, read) timeouts of one request; the TLS handshake counts as connecting, so a
+    stopped apiserver whose kernel still accepts connections is noticed after `connect`."""
+    return (min(seconds, CONNECT_TIMEOUT_S), seconds)
+
+
+def unreachable(e: BaseException) -> bool:
+    """True if a call failed without an answer from the apiserver."""
+    if isinstance(e, ApiException):
+        return not e.status
+    return isinstance(e, OSError | urllib3.exceptions.HTTPError)
+
+
 def home_api_client() -> ApiClient:
     """The operator's own cluster: in-cluster credentials, else $KUBECONFIG / ~/.kube/config."""
     cfg = Configuration()
@@ -52,6 +92,8 @@ def home_api_client() -> ApiClient:
         kubernetes.config.load_incluster_config(client_configuration=cfg)
     except ConfigException:
         kubernetes.config.load_kube_config(client_configuration=cfg)
+    cfg.retries = RETRIES
+    redact.register_client(cfg)
     return ApiClient(cfg)
 
 
@@ -61,17 +103,33 @@ class _Cached:
     client: ApiClient
 
 
+@dataclass
+class _Down:
+    """A cluster that did not answer: no calls until `until`, then one probe at a time."""
+
+    version: str  # of the Secret whose client failed; a new version is tried at once
+    client: ApiClient
+    problem: ClusterProblem
+    delay: float
+    until: float
+    probing: bool = False
+
+
 class Clusters:
     """Clients per target; thread-safe (kopf runs sync handlers in a thread pool)."""
 
-    def __init__(self, home: ApiClient) -> None:
+    def __init__(self, home: ApiClient, timeout: float = 10.0) -> None:
         self.home = home
+        self.timeout = request_timeout(timeout)
         self._cache: dict[tuple[str, str, str], _Cached] = {}
+        self._down: dict[tuple[str, str, str], _Down] = {}
         self._lock = threading.Lock()
+        redact.register_client(home.configuration)
 
     def client(self, target: Target, secret_namespace: str, allow_stale: bool = False) -> ApiClient:
         """The client for a target. With allow_stale, a vanished Secret's last client is used
-        (cleanup during a namespace deletion, when the Secret may go before the job)."""
+        (cleanup during a namespace deletion, when the Secret may go before the job). Raises
+        ClusterProblem for a broken Secret, and for a cluster that is down (module doc)."""
         if target.secret is None:
             return self.home
         ref = target.secret
@@ -79,19 +137,21 @@ class Clusters:
         where = f"Secret {secret_namespace}/{ref.name}"
         try:
             secret = kubernetes.client.CoreV1Api(self.home).read_namespaced_secret(
-                ref.name, secret_namespace
+                ref.name, secret_namespace, _request_timeout=self.timeout
             )
         except ApiException as e:
             if e.status == 404:
                 with self._lock:
                     cached = self._cache.get(key)
                 if allow_stale and cached is not None:
+                    self._refuse_if_down(key, cached.version)
                     return cached.client
                 raise ClusterProblem(
                     c.KUBECONFIG_SECRET_MISSING, f"{where} was not found"
                 ) from None
             raise
         version = secret.metadata.resource_version or ""
+        self._refuse_if_down(key, version)
         with self._lock:
             cached = self._cache.get(key)
             if cached is not None and cached.version == version:
@@ -104,6 +164,65 @@ class Clusters:
             old.client.close()
             log.info("Reloaded kubeconfig from %s", where)
         return client
+
+    def failed(self, target: Target, secret_namespace: str, error: BaseException) -> ClusterProblem:
+        """What a failed call against a target means; a remote cluster that did not answer is
+        marked down, so the next calls fail at once until a probe gets an answer."""
+        problem = describe_failure(error, target, secret_namespace)
+        if target.secret is None or not unreachable(error):
+            return problem
+        key = (secret_namespace, target.secret.name, target.secret.key)
+        with self._lock:
+            cached = self._cache.get(key)
+            down = self._down.get(key)
+            if cached is None or (down is not None and down.version == cached.version):
+                return problem
+            first = BACKOFF_S[0]
+            self._down[key] = _Down(
+                cached.version, cached.client, problem, first, time.monotonic() + first
+            )
+        log.warning("%s; calling it again once it answers", problem.message)
+        return problem
+
+    def down(self) -> list[str]:
+        """The Secrets (namespace/name) whose clusters are down now, for logs and tests."""
+        with self._lock:
+            return [f"{ns}/{name}" for ns, name, _ in self._down]
+
+    def _refuse_if_down(self, key: tuple[str, str, str], version: str) -> None:
+        with self._lock:
+            down = self._down.get(key)
+            if down is None:
+                return
+            if down.version != version:  # the Secret changed: try the new one at once
+                del self._down[key]
+                return
+            problem = ClusterProblem(down.problem.reason, down.problem.message)
+            if down.probing or time.monotonic() < down.until:
+                raise problem
+            down.probing = True
+        threading.Thread(
+            target=self._probe, args=(key, down), name=f"probe-{key[1]}", daemon=True
+        ).start()
+        raise problem
+
+    def _probe(self, key: tuple[str, str, str], down: _Down) -> None:
+        try:
+            kubernetes.client.VersionApi(down.client).get_code(_request_timeout=self.timeout)
+        except Exception as e:
+            if unreachable(e):
+                with self._lock:
+                    down.delay = min(down.delay * 2, BACKOFF_S[1])
+                    down.until = time.monotonic() + down.delay
+                    down.probing = False
+                log.debug("%s: still no answer (%s)", down.problem.message, api_reason(e))
+                return
+            # Any HTTP answer (even 401) means it is there; what else is wrong, the next
+            # reconcile reports.
+        with self._lock:
+            if self._down.get(key) is down:
+                del self._down[key]
+        log.info("The cluster of Secret %s/%s answers again", key[0], key[1])
 
 
 def _client_from_secret(data: dict[str, str], key: str, where: str) -> ApiClient:
@@ -134,7 +253,8 @@ def _client_from_secret(data: dict[str, str], key: str, where: str) -> ApiClient
 
 
 def describe_failure(e: BaseException, target: Target, secret_namespace: str) -> ClusterProblem:
-    """Turn an API call's failure against a remote target into a ClusterProblem."""
+    """Turn an API call's failure against a target into a ClusterProblem: a stable message
+    (the same every pass, so the status does not churn) that names no credential."""
     where = (
         "this cluster"
         if target.secret is None
@@ -147,14 +267,37 @@ def describe_failure(e: BaseException, target: Target, secret_namespace: str) ->
         )
     if isinstance(e, ApiException) and e.status:
         return ClusterProblem(c.CLUSTER_UNREACHABLE, f"{where} answered HTTP {e.status} {e.reason}")
-    return ClusterProblem(c.CLUSTER_UNREACHABLE, f"{where} did not answer ({type(e).__name__})")
+    return ClusterProblem(c.CLUSTER_UNREACHABLE, f"{where} did not answer ({api_reason(e)})")
 
 
 def api_reason(e: BaseException) -> str:
-    """A short, secret-free description of a failed call for logs."""
+    """A short, secret-free description of a failed call for logs: the HTTP status, or the
+    kind of connection failure (never the exception's text, which may quote a header)."""
     if isinstance(e, ApiException):
-        return f"HTTP {e.status} {e.reason}"
+        return f"HTTP {e.status} {e.reason}" if e.status else "TLS or connection error"
+    if isinstance(e, urllib3.exceptions.MaxRetryError) and e.reason is not None:
+        e = e.reason
+    if isinstance(e, urllib3.exceptions.NewConnectionError | ConnectionRefusedError):
+        return "could not connect"  # before ConnectTimeoutError: urllib3 derives it from that
+    if isinstance(e, urllib3.exceptions.ConnectTimeoutError):
+        return "connect timed out"
+    if isinstance(e, urllib3.exceptions.ReadTimeoutError | TimeoutError):
+        return "timed out"
     return type(e).__name__
+
+
+def api_message(e: ApiException, limit: int = 300) -> str:
+    """The apiserver's own explanation of a refusal (the Status object's message), as a
+    ReplicaSet's FailedCreate event quotes it; scrubbed of registered secrets, cut short."""
+    message = ""
+    try:
+        body = json.loads(e.body or "")
+        if isinstance(body, dict):
+            message = str(body.get("message") or "")
+    except (TypeError, ValueError):
+        pass
+    message = redact.scrub(" ".join((message or f"HTTP {e.status} {e.reason}").split()))
+    return message if len(message) <= limit else message[: limit - 3] + "..."
 
 
 def as_dict(api: ApiClient, obj: Any) -> dict[str, Any]:

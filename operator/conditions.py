@@ -5,10 +5,12 @@
 
 Like cert-manager's Certificate conditions, each type says when it is True:
 
-    Ready               the synchronizer is available, every desired learner pod is Ready and
+    Ready               the synchronizer is ready, every desired learner pod is Ready and
                         nothing is Degraded. The summary that `kubectl wait --for=condition=Ready`
-                        and the printed phase use.
-    SynchronizerReady   the synchronizer Deployment has an available pod.
+                        uses (the phase is coarser: Running while any learner trains).
+    SynchronizerReady   the synchronizer Deployment has an available pod, its Service and claim
+                        exist, and its status endpoint answered the operator's last request
+                        (SynchronizerNotAnswering when it did not).
     LearnersReady       every desired learner slot has a Ready pod (True with zero slots too).
     Degraded            the operator cannot do what the spec asks: a slot has used up its
                         replacements, or a learner group's cluster cannot be reached (its
@@ -43,6 +45,7 @@ INVALID_SPEC: Final = "InvalidSpec"
 # SynchronizerReady
 SYNCHRONIZER_AVAILABLE: Final = "SynchronizerAvailable"
 SYNCHRONIZER_PROGRESSING: Final = "SynchronizerProgressing"
+SYNCHRONIZER_NOT_ANSWERING: Final = "SynchronizerNotAnswering"
 # LearnersReady
 ALL_LEARNERS_READY: Final = "AllLearnersReady"
 NO_LEARNERS: Final = "NoLearnersDesired"
@@ -53,6 +56,8 @@ REPLACEMENT_LIMIT_REACHED: Final = "ReplacementLimitReached"
 KUBECONFIG_SECRET_MISSING: Final = "KubeconfigSecretMissing"
 KUBECONFIG_SECRET_INVALID: Final = "KubeconfigSecretInvalid"
 CLUSTER_UNREACHABLE: Final = "ClusterUnreachable"
+NAME_CONFLICT: Final = "NameConflict"  # an object the job needs exists and is not the job's
+FAILED_CREATE: Final = "FailedCreate"  # the apiserver refused a child (quota, admission, ...)
 
 Status = Literal["True", "False", "Unknown"]
 

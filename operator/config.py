@@ -27,9 +27,10 @@ class OperatorSettings(BaseSettings):
     remote cluster (which kopf does not watch) waits to be noticed."""
     status_poll_seconds: float = Field(10.0, gt=0)
     """How often the synchronizer's /v1/status is read for the job status."""
-    status_url_template: str = "http://{name}-synchronizer.{namespace}.svc:8470"
+    status_url_template: str = "{scheme}://{name}-synchronizer.{namespace}.svc:8470"
     """Where the operator reads a job's synchronizer status; {name} and {namespace} are the
-    job's. Override when the operator runs outside the cluster (tests, development)."""
+    job's, {scheme} https with TLS on (verified against the job's CA) else http. Override when
+    the operator runs outside the cluster (tests, development)."""
     http_timeout_seconds: float = Field(3.0, gt=0)
     """Timeout of one request to a synchronizer's status endpoint."""
     api_timeout_seconds: float = Field(10.0, gt=0)
@@ -62,9 +63,11 @@ class OperatorSettings(BaseSettings):
     @classmethod
     def _template(cls, v: str) -> str:
         try:
-            v.format(name="x", namespace="y")
+            v.format(name="x", namespace="y", scheme="https")
         except (KeyError, IndexError) as e:
-            raise ValueError(f"may use only {{name}} and {{namespace}}, not {e}") from None
+            raise ValueError(
+                f"may use only {{name}}, {{namespace}} and {{scheme}}, not {e}"
+            ) from None
         return v
 
     def namespace_list(self) -> list[str]:

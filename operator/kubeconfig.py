@@ -24,9 +24,12 @@ import base64
 import binascii
 import os
 import tempfile
-from typing import Any
+from typing import Any, Final
 
+import urllib3
 from kubernetes.client import ApiClient, Configuration
+
+from ddiloco.operator import redact
 
 CLUSTER_FIELDS = {
     "server",
@@ -36,6 +39,9 @@ CLUSTER_FIELDS = {
 }
 USER_FIELDS = {"token", "client-certificate-data", "client-key-data"}
 HARMLESS = {"extensions"}  # metadata the client ignores
+# One retry, of a connect that failed; none after a request went out (the client's default is
+# three of everything, so a frozen apiserver held a call for four read timeouts).
+RETRIES: Final = urllib3.Retry(total=1, connect=1, read=0, status=0, other=0, redirect=0)
 
 
 class KubeconfigRefused(ValueError):
@@ -85,8 +91,21 @@ def _private_file(data: bytes) -> str:
     return path
 
 
+def _register_credentials(config: dict[str, Any]) -> None:
+    """Every credential-like value of every user, accepted or not, goes to redact.py first:
+    a refused or broken one must not reach a log line either."""
+    for entry in config.get("users") or []:
+        user = entry.get("user") if isinstance(entry, dict) else None
+        if not isinstance(user, dict):
+            continue
+        for field in ("token", "client-key-data", "client-certificate-data", "password"):
+            if isinstance(user.get(field), str):
+                redact.register(user[field])
+
+
 def parse(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The (cluster, user) maps of the current context, checked field by field."""
+    _register_credentials(config)
     ctx = _context(config)
     _only(ctx, {"cluster", "user", "namespace"}, "context")
     cluster = _named(config, "cluster", str(ctx.get("cluster")))
@@ -113,6 +132,7 @@ def api_client_from_kubeconfig(config: dict[str, Any]) -> ApiClient:
     """A client for the current context's cluster, from inline credentials only."""
     cluster, user = parse(config)
     cfg = Configuration()
+    cfg.retries = RETRIES
     cfg.host = cluster["server"].rstrip("/")
     cfg.verify_ssl = not bool(cluster.get("insecure-skip-tls-verify", False))
     if "certificate-authority-data" in cluster:

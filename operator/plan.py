@@ -11,6 +11,7 @@ unit tests build these by hand.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -62,6 +63,10 @@ class PodView:
     ready: bool = False
     terminating: bool = False
     reason: str | None = None
+    message: str | None = None  # the learner container's termination message: its last log lines
+    exit_code: int | None = None
+    attempt: int = 0  # which incarnation of its slot (builders.LABEL_ATTEMPT)
+    shard: tuple[int, int] | None = None  # (data shard, count) it trains; None: not labelled
 
     @classmethod
     def from_k8s(cls, pod: Mapping[str, Any]) -> PodView | None:
@@ -80,6 +85,9 @@ class PodView:
         reason = status.get("reason") or (
             disruption.get("reason") if disruption.get("status") == "True" else None
         )
+        # Without those, the container's own end says why: OOMKilled, Error (exit code),
+        # ContainerCannotRun ...; its message holds the last log lines (FallbackToLogsOnError).
+        ended = _terminated(status)
         return cls(
             name=meta.get("name", ""),
             uid=meta.get("uid", ""),
@@ -89,7 +97,53 @@ class PodView:
             phase=status.get("phase") or "Pending",
             ready=conds.get("Ready", {}).get("status") == "True",
             terminating=bool(meta.get("deletionTimestamp")),
-            reason=reason,
+            reason=reason or ended.get("reason") or None,
+            message=ended.get("message") or status.get("message") or None,
+            exit_code=ended.get("exitCode"),
+            attempt=_int(labels.get(builders.LABEL_ATTEMPT)) or 0,
+            shard=_shard(labels.get(builders.LABEL_DATA_SHARD)),
+        )
+
+
+def _terminated(status: Mapping[str, Any]) -> dict[str, Any]:
+    """The learner container's terminated state (or, restarted, its last one), if it ended
+    other than Completed; else {}."""
+    for cs in status.get("containerStatuses") or []:
+        for key in ("state", "lastState"):
+            ended = (cs.get(key) or {}).get("terminated")
+            if ended and ended.get("reason") != "Completed":
+                return dict(ended)
+    return {}
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _shard(label: str | None) -> tuple[int, int] | None:
+    shard, _, count = (label or "").partition("-of-")
+    a, b = _int(shard), _int(count)
+    return (a, b) if a is not None and b is not None else None
+
+
+@dataclass(frozen=True)
+class SecretView:
+    """A Secret of the job (labelled with its name) as observed: decoded data, annotations."""
+
+    data: Mapping[str, bytes] = field(default_factory=dict, repr=False)
+    job_uid: str = ""
+    annotations: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_k8s(cls, secret: Mapping[str, Any]) -> SecretView:
+        meta = secret.get("metadata") or {}
+        return cls(
+            data={k: base64.b64decode(v) for k, v in (secret.get("data") or {}).items()},
+            job_uid=(meta.get("labels") or {}).get(builders.LABEL_JOB_UID, ""),
+            annotations=dict(meta.get("annotations") or {}),
         )
 
 
@@ -100,6 +154,9 @@ class ClusterView:
     pods: tuple[PodView, ...] = ()
     token: str | None = None
     problem: tuple[str, str] | None = None  # (condition reason, message): not reachable
+    # the Secrets labelled with the job's name, by name (TLS material, the token with its
+    # rotation annotations); runtime.py lists them
+    secrets: Mapping[str, SecretView] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -110,6 +167,14 @@ class Observed:
     service: bool = False
     claim: bool = False
     sync_status: Mapping[str, Any] | None = None  # last answer of GET /v1/status, if any
+    # cert-manager, observed only when the job's tls.issuer is cert-manager: whether its
+    # Certificate CRD is installed, and the job's Certificate as read
+    cert_manager: bool = False
+    certificate: Mapping[str, Any] | None = None
+    # What the apiservers refused when the last pass sent its actions: (Degraded reason,
+    # message naming the object and quoting the apiserver), e.g. an exceeded ResourceQuota
+    # (FailedCreate) or a name taken by an object the job did not make (NameConflict).
+    refused: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -9,28 +9,32 @@ The flow is cert-manager's readiness controller: gather, evaluate into condition
 
 Learner slots. Each slot (`<group>-<index>`) has one pod with a fixed name, so the apiserver
 itself forbids two pods per slot, also across an operator restart. A pod that fails (phase
-Failed, e.g. Evicted or Preempted), starts terminating (e.g. the eviction API), or vanishes is
-a *failure*: the slot records the dead pod's uid in `failedUid`, that status is written before
-anything is deleted or created, and the replacement is created once the old pod is gone and
-the backoff has passed. A replacement is *counted* when a pod with a new uid is observed in a
-slot with a pending failure, so a crash between any two steps neither loses nor doubles a
-count. Past `failurePolicy.maxReplacementsPerSlot` the slot stays empty and the job Degraded.
-Spec changes reach new pods only (replacements and new slots), like a StatefulSet's OnDelete.
+Failed, e.g. Evicted, Preempted or OOMKilled), starts terminating (e.g. the eviction API), or
+vanishes is a *failure*: the slot records it (slots.py keeps the books, compactly, in
+status.groups), that status is written before anything is deleted or created, and the
+replacement is created once the old pod is gone and the backoff has passed. Every pod carries
+its slot's attempt number; a replacement is *counted* when a pod with a higher attempt is
+observed, so a crash between any two steps neither loses nor doubles a count. Past
+`failurePolicy.maxReplacementsPerSlot` the slot stays empty (its failed pod kept, for its
+logs) and the job Degraded. The LearnerFailed event quotes the pod's reason, exit code and last
+log lines (its termination message), so they outlive the pod. Spec changes reach new pods
+only (replacements and new slots), like a StatefulSet's OnDelete, with one exception: a
+re-shard (slots.py) restarts the learners whose data shard changed.
 """
 
 from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from ddiloco.operator import builders
+from ddiloco.operator import builders, names, slots
 from ddiloco.operator import conditions as c
 from ddiloco.operator.api import (
     DecoupledDiLoCoJob,
     GroupStatus,
     LearnerGroup,
-    SlotStatus,
     validate,
 )
+from ddiloco.operator.certs import tls_plan
 from ddiloco.operator.plan import (
     Action,
     ClusterView,
@@ -44,7 +48,11 @@ from ddiloco.operator.plan import (
     target_of,
     target_of_group,
 )
+from ddiloco.operator.slots import Slot
 from ddiloco.operator.status import summarize
+from ddiloco.operator.tokens import token_plan
+
+MAX_EVENT_TAIL = 800  # characters of a failed learner's last output quoted in its event
 
 
 def backoff(job: DecoupledDiLoCoJob, replacements: int) -> timedelta:
@@ -58,7 +66,7 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
     if not job.is_ours():
         return Plan()
     now, gen = iso(obs.now), job.generation
-    problems = validate(job.spec)
+    problems = validate(job.spec) + names.problems(job)
     if problems:
         status = job.status.model_copy(
             update={
@@ -75,25 +83,21 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
         return Plan(status=status)
 
     plan = Plan()
-    home_view = obs.clusters.get(home(job), ClusterView())
-    token = home_view.token or fresh_token
-    if home_view.token is None and home_view.problem is None:
-        plan.actions.append(
-            Action(
-                "create",
-                home(job),
-                "Secret",
-                builders.token_secret_name(job),
-                builders.build_token_secret(job, token),
-            )
-        )
-    _synchronizer(job, obs, plan)
+    tok = token_plan(job, obs, fresh_token)  # the token Secret, and its rotation (tokens.py)
+    token = tok.token
+    plan.actions += [tok.action] if tok.action is not None else []
+    plan.events += [tok.event] if tok.event is not None else []
+    tls = tls_plan(job, obs, plan)  # certificates and their Secrets (certs.py)
+    _synchronizer(job, obs, plan, tls.revision)
 
-    slots = {s.id: s for s in job.status.slots}
+    books = slots.decode(job.status.groups)
+    shard_count, reshard = slots.allocate_shards(job, books)
+    limit = job.spec.failure_policy.max_replacements_per_slot
     old_groups = {g.name: g for g in job.status.groups}
-    new_slots: list[SlotStatus] = []
+    new_slots: list[Slot] = []
+    at_limit: list[Slot] = []
     groups: list[GroupStatus] = []
-    degraded: list[tuple[str, str]] = []
+    degraded: list[tuple[str, str]] = list(tls.problems)
     not_ready: list[str] = []
     done = 0
     copied: set[Target] = set()
@@ -113,11 +117,19 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
         if view.problem is not None:  # keep the books as they were; act nowhere there
             reason, msg = view.problem
             degraded.append(
-                (reason, f"Could not reach the cluster of learner group {group.name}: {msg}")
+                (
+                    reason,
+                    f"Learner group {group.name} is held back: {msg}"
+                    if reason == c.NAME_CONFLICT
+                    else f"Could not reach the cluster of learner group {group.name}: {msg}",
+                )
             )
-            new_slots += [slots.get(i) or SlotStatus(id=i) for i in ids]
+            kept = [books.get((group.name, i)) or Slot(group.name, i) for i in range(len(ids))]
+            new_slots += kept
             not_ready += ids
-            groups.append(gstat.model_copy(update={"ready": old.ready if old else 0}))
+            groups.append(
+                slots.encode(gstat.model_copy(update={"ready": old.ready if old else 0}), kept)
+            )
             continue
         if tgt.secret is not None and view.token != token and tgt not in copied:
             copied.add(tgt)
@@ -133,40 +145,73 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
             )
         pods = {(p.group, p.index): p for p in view.pods if p.job_uid == job.uid}
         ready = replaced = 0
+        mine: list[Slot] = []
         for index, sid in enumerate(ids):
-            rec, pod = slots.get(sid) or SlotStatus(id=sid), pods.get((group.name, index))
-            rec, counted = _slot(job, group, index, tgt, rec, pod, obs.now, plan)
+            rec, pod = books[(group.name, index)], pods.get((group.name, index))
+            rec, counted = _slot(job, group, index, tgt, rec, pod, obs.now, plan, shard_count)
             replaced += counted
-            new_slots.append(rec)
+            mine.append(rec)
             if pod is not None and pod.phase == "Succeeded":
                 done += 1
             elif pod is not None and pod.ready and not pod.terminating and pod.phase == "Running":
                 ready += 1
             else:
                 not_ready.append(sid)
-            if (
-                rec.failed_uid
-                and rec.replacements >= job.spec.failure_policy.max_replacements_per_slot
-                and not job.spec.suspend
-            ):
-                degraded.append(
-                    (
-                        c.REPLACEMENT_LIMIT_REACHED,
-                        (
-                            f"Learner slot {sid} was replaced {rec.replacements} times, the failurePolicy "
-                            f"limit; its last pod ended with {rec.last_failure_reason}"
-                        ),
-                    )
-                )
+            if rec.failed and rec.replacements >= limit and not job.spec.suspend:
+                at_limit.append(rec)
+        new_slots += mine
         groups.append(
-            gstat.model_copy(update={"ready": ready, "replaced": gstat.replaced + replaced})
+            slots.encode(
+                gstat.model_copy(update={"ready": ready, "replaced": gstat.replaced + replaced}),
+                mine,
+            )
         )
+    if at_limit:
+        degraded.append((c.REPLACEMENT_LIMIT_REACHED, _limit_message(at_limit, limit)))
+    if reshard:
+        plan.events.append(
+            Event(
+                "Normal",
+                "Resharded",
+                f"The training data is now cut into {shard_count} shards; learner pods on "
+                "another shard are restarted on their new one",
+            )
+        )
+    degraded += [r for r in obs.refused if r not in degraded]  # what the apiservers refused
     _prune(job, obs, plan, groups)
 
-    status = summarize(job, obs, groups, new_slots, degraded, not_ready, done)
+    status = summarize(job, obs, groups, new_slots, degraded, not_ready, done, shard_count)
     if status != job.status:
         plan.status = status
     return plan
+
+
+def _limit_message(at_limit: list[Slot], limit: int) -> str:
+    """One sentence for every slot at the replacement limit, however many (the status must
+    stay small): the first few by name, with their last failures, and a count."""
+    shown = ", ".join(f"{s.id} ({s.reason})" for s in at_limit[:5])
+    more = f" and {len(at_limit) - 5} more" if len(at_limit) > 5 else ""
+    if len(at_limit) == 1:
+        return (
+            f"Learner slot {at_limit[0].id} was replaced {at_limit[0].replacements} times, the "
+            f"failurePolicy limit; its last pod ended with {at_limit[0].reason}"
+        )
+    return (
+        f"{len(at_limit)} learner slots were replaced {limit} times, the failurePolicy limit, "
+        f"and stay empty: {shown}{more}"
+    )
+
+
+def _failure_text(pod: PodView) -> str:
+    """Why a pod ended, for an event: its reason, exit code and last log lines (bounded)."""
+    text = pod.reason or ("Deleted" if pod.terminating else "Failed")
+    if pod.exit_code is not None:
+        text += f" (exit code {pod.exit_code})"
+    if pod.message:
+        tail = pod.message.strip()
+        tail = tail if len(tail) <= MAX_EVENT_TAIL else "..." + tail[-MAX_EVENT_TAIL:]
+        text += f"; last output:\n{tail}"
+    return text
 
 
 def _slot(
@@ -174,22 +219,23 @@ def _slot(
     group: LearnerGroup,
     index: int,
     tgt: Target,
-    rec: SlotStatus,
+    rec: Slot,
     pod: PodView | None,
     now: datetime,
     plan: Plan,
-) -> tuple[SlotStatus, int]:
+    shard_count: int,
+) -> tuple[Slot, int]:
     """One slot's next step; returns its new record and 1 if a replacement was counted."""
     counted = 0
-    if pod is not None and rec.failed_uid is not None and pod.uid != rec.failed_uid:
+    if pod is not None and pod.attempt > rec.replacements:
         counted = 1  # a pod we created after a failure: the replacement happened
-        rec = rec.model_copy(update={"replacements": rec.replacements + 1, "failed_uid": None})
+        rec = rec.update(replacements=pod.attempt, failed=False)
         plan.events.append(
             Event(
                 "Normal",
                 "LearnerReplaced",
                 (
-                    f"Replaced learner pod {pod.name} in slot {rec.id} after {rec.last_failure_reason} "
+                    f"Replaced learner pod {pod.name} in slot {rec.id} after {rec.reason} "
                     f"(replacement {rec.replacements} of {job.spec.failure_policy.max_replacements_per_slot})"
                 ),
             )
@@ -197,29 +243,23 @@ def _slot(
     if job.spec.suspend:  # not a failure: Kueue (or a person) took the resources back
         if pod is not None and not pod.terminating:
             plan.actions.append(Action("delete", tgt, "Pod", pod.name, uid=pod.uid))
-        return rec.model_copy(update={"pod_uid": None, "failed_uid": None}), counted
+        return rec.update(seen=False, failed=False), counted
 
-    def failed(uid: str, reason: str) -> SlotStatus:
+    def failed(reason: str, text: str) -> Slot:
+        name = f"Learner pod {pod.name}" if pod is not None else "The learner pod"
         plan.events.append(
-            Event("Warning", "LearnerFailed", f"Learner pod of slot {rec.id} ended with {reason}")
+            Event("Warning", "LearnerFailed", f"{name} of slot {rec.id} ended with {text}")
         )
-        return rec.model_copy(
-            update={
-                "pod_uid": None,
-                "failed_uid": uid,
-                "last_failure_reason": reason,
-                "last_failure_time": iso(now),
-            }
-        )
+        return rec.update(seen=False, failed=True, reason=reason, time=iso(now))
 
     limit = job.spec.failure_policy.max_replacements_per_slot
     if pod is None:
-        if rec.failed_uid is None and rec.pod_uid is not None:
-            rec = failed(rec.pod_uid, "Deleted")
-        if rec.failed_uid is not None:
+        if not rec.failed and rec.seen:
+            rec = failed("Deleted", "Deleted (it vanished)")
+        if rec.failed:
             if rec.replacements >= limit:
                 return rec, counted
-            since = datetime.strptime(rec.last_failure_time or iso(now), "%Y-%m-%dT%H:%M:%SZ")
+            since = datetime.strptime(rec.time or iso(now), "%Y-%m-%dT%H:%M:%SZ")
             if now.replace(tzinfo=None) < since + backoff(job, rec.replacements):
                 return rec, counted
         plan.actions.append(
@@ -229,25 +269,39 @@ def _slot(
                 "Pod",
                 builders.learner_pod_name(job, group.name, index),
                 builders.build_learner_pod(
-                    job, group, index, tgt.namespace, owned=tgt.secret is None
+                    job,
+                    group,
+                    index,
+                    tgt.namespace,
+                    owned=tgt.secret is None,
+                    shard=(rec.shard if rec.shard is not None else index, shard_count),
+                    attempt=rec.replacements + (1 if rec.failed else 0),
                 ),
             )
         )
         return rec, counted
-    if pod.terminating and rec.pod_uid is None and rec.failed_uid is None:
+    if pod.terminating and not rec.seen and not rec.failed:
         return rec, counted  # never seen alive: e.g. deleted by a suspend; just let it go
     if pod.terminating or pod.phase == "Failed":
-        if pod.uid != rec.failed_uid:
-            rec = failed(pod.uid, pod.reason or ("Deleted" if pod.terminating else "Failed"))
+        if not rec.failed:
+            rec = failed(
+                pod.reason or ("Deleted" if pod.terminating else "Failed"), _failure_text(pod)
+            )
         if not pod.terminating and rec.replacements < limit:  # its containers have ended
             plan.actions.append(
                 Action("delete", tgt, "Pod", pod.name, uid=pod.uid, grace_seconds=0)
             )
         return rec, counted
-    return rec.model_copy(update={"pod_uid": pod.uid}), counted
+    if pod.shard is not None and pod.shard != (rec.shard, shard_count) and pod.phase != "Succeeded":
+        # re-sharded: restart it on its new shard; not a failure (seen=False lets it go)
+        plan.actions.append(Action("delete", tgt, "Pod", pod.name, uid=pod.uid))
+        return rec.update(seen=False), counted
+    return rec.update(seen=True), counted
 
 
-def _synchronizer(job: DecoupledDiLoCoJob, obs: Observed, plan: Plan) -> None:
+def _synchronizer(
+    job: DecoupledDiLoCoJob, obs: Observed, plan: Plan, tls_revision: str | None = None
+) -> None:
     h = home(job)
     if obs.clusters.get(h, ClusterView()).problem is not None:
         return
@@ -271,7 +325,7 @@ def _synchronizer(job: DecoupledDiLoCoJob, obs: Observed, plan: Plan) -> None:
                 builders.build_synchronizer_service(job),
             )
         )
-    want = builders.build_synchronizer_deployment(job)
+    want = builders.build_synchronizer_deployment(job, tls_revision)
     if obs.deployment is None:
         plan.actions.append(
             Action("create", h, "Deployment", builders.synchronizer_name(job), want)
@@ -288,8 +342,8 @@ def _synchronizer(job: DecoupledDiLoCoJob, obs: Observed, plan: Plan) -> None:
 
 
 def _prune(job: DecoupledDiLoCoJob, obs: Observed, plan: Plan, groups: list[GroupStatus]) -> None:
-    """Delete pods of removed slots and groups, leftovers of an older job of the same name,
-    and token copies no group needs any more. A removed group stays in the status until its
+    """Delete pods of removed slots and groups, and token copies no group needs any more
+    (never a pod of another job, not even an older one of the same name). A removed group stays in the status until its
     cluster has been cleaned."""
     wanted = {(g.name, i) for g in job.spec.learner_groups for i in range(g.replicas)}
     in_spec = {g.name for g in job.spec.learner_groups}
@@ -305,11 +359,10 @@ def _prune(job: DecoupledDiLoCoJob, obs: Observed, plan: Plan, groups: list[Grou
         if view.problem is not None:
             continue
         for pod in view.pods:
-            stale = pod.job_uid != job.uid
+            if pod.job_uid != job.uid:
+                continue  # another job's (an older one of this name): never ours to delete
             if (
-                stale
-                or (pod.group, pod.index) not in wanted
-                or tgt != target_of_group(job, pod.group)
+                (pod.group, pod.index) not in wanted or tgt != target_of_group(job, pod.group)
             ) and not pod.terminating:
                 plan.actions.append(Action("delete", tgt, "Pod", pod.name, uid=pod.uid))
         if tgt not in used and view.token is not None:

@@ -25,15 +25,17 @@ from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
 from ddiloco.operator import api as ddapi
-from ddiloco.operator import builders
-from ddiloco.operator.apply import delete_job_objects, get_or_none, send
+from ddiloco.operator import builders, certs, redact, tokens
+from ddiloco.operator import conditions as c
+from ddiloco.operator.apply import delete_job_objects, foreign, get_or_none, send
 from ddiloco.operator.clusters import (
     UNREACHABLE_ERRORS,
     ClusterProblem,
     Clusters,
+    api_message,
     api_reason,
     as_dict,
-    describe_failure,
+    request_timeout,
 )
 from ddiloco.operator.config import OperatorSettings
 from ddiloco.operator.plan import (
@@ -53,6 +55,7 @@ log = logging.getLogger(__name__)
 MAX_PASSES = 3
 CLEANUP_SWEEPS = 5
 WARN_EVERY_S = 60.0
+CLEANUP_INCOMPLETE = "CleanupIncomplete"  # Degraded reason on a job whose deletion left objects
 PostEvent = Callable[[Event], None]
 
 
@@ -64,18 +67,29 @@ class Runtime:
     """The operator's connection to the clusters; one per process, shared by all jobs.
 
     Keeps the cached remote clients (clusters.py), the last synchronizer answers
-    (syncstatus.py) and when each repeated failure was last logged. A failed API call never
-    raises out of a pass for a remote cluster: it becomes a Degraded condition or a log line,
-    and the next tick tries again. Failures of the home apiserver propagate to kopf, which
-    retries the timer after its backoff.
+    (syncstatus.py), what the apiservers refused in each job's last pass, and when each
+    repeated failure was last logged. A failed API call never raises out of a pass for a
+    remote cluster: it becomes a Degraded condition or a log line, and the next tick tries
+    again; a remote cluster that does not answer is skipped until it does (clusters.py), so
+    the others go on. Failures of the home apiserver propagate to kopf, which retries the
+    timer after its backoff.
+
+    Ownership: the operator changes and deletes only objects carrying the job's uid (label or
+    ownerReference, `builders.made_by`). An object of the name the job needs that is someone
+    else's is left as it is and the job is refused there with a NameConflict: a foreign token
+    Secret or synchronizer object at home holds back the whole job, one in a region holds back
+    that region, a foreign pod holding a slot's name holds back that slot.
     """
 
     def __init__(self, settings: OperatorSettings, home_client: ApiClient) -> None:
+        redact.install()
         self.settings = settings
-        self.clusters = Clusters(home_client)
+        self.clusters = Clusters(home_client, settings.api_timeout_seconds)
         self.status = StatusReader(settings)
-        self.timeout = settings.api_timeout_seconds
+        self.status_tls = certs.StatusTLS()  # the operator's own https client (certs.py)
+        self.timeout = request_timeout(settings.api_timeout_seconds)
         self._warned: dict[str, float] = {}
+        self._refused: dict[str, dict[str, tuple[str, str]]] = {}  # job uid -> key -> refusal
 
     # -- the kopf timer's work -------------------------------------------------------------
     def reconcile(
@@ -98,109 +112,181 @@ class Runtime:
                 return
             if not job.is_ours():
                 return
-            plan = reconcile(job, self.observe(job), fresh_token=secrets.token_urlsafe(32))
+            fresh = secrets.token_urlsafe(32)
+            redact.register(fresh)
+            plan = reconcile(job, self.observe(job), fresh_token=fresh)
             if plan.status is not None:
                 body = self._write_status(body, plan.status, logger)
                 if body is None:
                     return  # changed meanwhile: the next tick sees the new version
             for event in plan.events:
                 post(event)
+            refused: dict[str, tuple[str, str]] = {}
+            for action in plan.actions:
+                if (refusal := self._apply(job, action, logger, post)) is not None:
+                    refused[action.describe()] = refusal
+            self._refused[job.uid] = refused  # what the next pass reports
             if not plan.actions:
                 return
-            for action in plan.actions:
-                self._apply(action, job.namespace, logger)
 
     def observe(self, job: ddapi.DecoupledDiLoCoJob) -> Observed:
-        views: dict[Target, ClusterView] = {}
-        for tgt in targets(job):
-            try:
-                client = self.clusters.client(tgt, job.namespace)
-                core = kubernetes.client.CoreV1Api(client)
-                pods = core.list_namespaced_pod(
-                    tgt.namespace,
-                    label_selector=builders.learner_selector(job),
-                    _request_timeout=self.timeout,
-                )
-                views[tgt] = ClusterView(
-                    pods=tuple(
-                        v
-                        for p in pods.items
-                        if (v := PodView.from_k8s(as_dict(client, p))) is not None
-                    ),
-                    token=self._token(core, job, tgt),
-                )
-            except ClusterProblem as p:
-                views[tgt] = ClusterView(problem=(p.reason, p.message))
-            except (ApiException, *UNREACHABLE_ERRORS) as e:
-                if tgt.secret is None:
-                    raise
-                p = describe_failure(e, tgt, job.namespace)
-                views[tgt] = ClusterView(problem=(p.reason, p.message))
+        views = {tgt: self._observe_target(job, tgt) for tgt in targets(job)}
         h = self.clusters.home
-        deployment = get_or_none(
-            lambda: kubernetes.client.AppsV1Api(h).read_namespaced_deployment(
-                builders.synchronizer_name(job), job.namespace, _request_timeout=self.timeout
-            )
-        )
-        service = get_or_none(
-            lambda: kubernetes.client.CoreV1Api(h).read_namespaced_service(
-                builders.synchronizer_name(job), job.namespace, _request_timeout=self.timeout
-            )
-        )
+        kw: dict[str, Any] = {"_request_timeout": self.timeout}
+        apps, core = kubernetes.client.AppsV1Api(h), kubernetes.client.CoreV1Api(h)
+        sync, claim_name = builders.synchronizer_name(job), builders.state_claim_name(job)
+        deployment = get_or_none(lambda: apps.read_namespaced_deployment(sync, job.namespace, **kw))
+        service = get_or_none(lambda: core.read_namespaced_service(sync, job.namespace, **kw))
         claim = get_or_none(
-            lambda: kubernetes.client.CoreV1Api(h).read_namespaced_persistent_volume_claim(
-                builders.state_claim_name(job), job.namespace, _request_timeout=self.timeout
-            )
+            lambda: core.read_namespaced_persistent_volume_claim(claim_name, job.namespace, **kw)
         )
+        # Someone else's object of a name the synchronizer needs holds back the whole job:
+        # learners would present the token to, or the synchronizer mount, what is not theirs.
+        home_view = views[home(job)]
+        conflicts = [] if home_view.problem is None else [home_view.problem]
+        for kind, obj in (
+            ("Deployment", deployment),
+            ("Service", service),
+            ("PersistentVolumeClaim", claim),
+        ):
+            if obj is not None and not builders.made_by(job, obj.metadata):
+                conflicts.append(
+                    (c.NAME_CONFLICT, _foreign(job, kind, job.namespace, obj.metadata.name))
+                )
+        if any(reason == c.NAME_CONFLICT for reason, _ in conflicts):
+            problem = next(p for p in conflicts if p[0] == c.NAME_CONFLICT)
+            views = {t: ClusterView(problem=problem) for t in views}
+            deployment = service = claim = None
         dep = as_dict(h, deployment) if deployment is not None else None
         available = int(((dep or {}).get("status") or {}).get("availableReplicas") or 0) > 0
-        sync = self.status.read(job, views[home(job)].token) if available else None
+        cert_manager, certificate = certs.observe_cert_manager(h, job, self.timeout)
+        sync_status = (
+            self.status.read(
+                job,
+                tokens.current(views[home(job)].token),
+                self.status_tls.context(job, views[home(job)], datetime.now(UTC)),
+            )
+            if available
+            else None
+        )
         return Observed(
             now=datetime.now(UTC),
             clusters=views,
             deployment=dep,
             service=service is not None,
             claim=claim is not None,
-            sync_status=sync,
+            sync_status=sync_status,
+            cert_manager=cert_manager,
+            certificate=certificate,
+            refused=tuple(self._refused.get(job.uid, {}).values()),
         )
 
-    def _token(
-        self, core: kubernetes.client.CoreV1Api, job: ddapi.DecoupledDiLoCoJob, tgt: Target
-    ) -> str | None:
-        secret = get_or_none(
-            lambda: core.read_namespaced_secret(
-                builders.token_secret_name(job), tgt.namespace, _request_timeout=self.timeout
+    def _observe_target(self, job: ddapi.DecoupledDiLoCoJob, tgt: Target) -> ClusterView:
+        """One target's pods and token copy, or why they cannot be seen. Every failure of a
+        remote cluster (whatever it raised) becomes a problem; home's propagate."""
+        try:
+            client = self.clusters.client(tgt, job.namespace)
+            core = kubernetes.client.CoreV1Api(client)
+            pods = core.list_namespaced_pod(
+                tgt.namespace,
+                label_selector=builders.learner_selector(job),
+                _request_timeout=self.timeout,
             )
+            secret = get_or_none(
+                lambda: core.read_namespaced_secret(
+                    builders.token_secret_name(job), tgt.namespace, _request_timeout=self.timeout
+                )
+            )
+            job_secrets = certs.observe_secrets(core, job, tgt.namespace, self.timeout)
+        except ClusterProblem as p:
+            return ClusterView(problem=(p.reason, p.message))
+        except Exception as e:
+            if tgt.secret is None:
+                raise
+            p = self.clusters.failed(tgt, job.namespace, e)
+            return ClusterView(problem=(p.reason, p.message))
+        if secret is not None and not builders.made_by(job, secret.metadata):
+            name = builders.token_secret_name(job)
+            return ClusterView(
+                problem=(c.NAME_CONFLICT, _foreign(job, "Secret", tgt.namespace, name, tgt))
+            )
+        token = builders.secret_token({"data": secret.data}) if secret is not None else None
+        redact.register(token)
+        for line in tokens.lines(token):  # "new\nold" during a rotation (tokens.py)
+            redact.register(line)
+        return ClusterView(
+            pods=tuple(
+                v
+                for p in pods.items
+                if builders.made_by(job, p.metadata)
+                and (v := PodView.from_k8s(as_dict(client, p))) is not None
+            ),
+            token=token,
+            secrets=job_secrets,
         )
-        return builders.secret_token({"data": secret.data}) if secret is not None else None
 
     def _apply(
-        self, action: Action, secret_namespace: str, logger: logging.Logger | logging.LoggerAdapter
-    ) -> None:
-        """Send one action; log and carry on when it fails (the next tick tries again)."""
+        self,
+        job: ddapi.DecoupledDiLoCoJob,
+        action: Action,
+        logger: logging.Logger | logging.LoggerAdapter,
+        post: PostEvent,
+    ) -> tuple[str, str] | None:
+        """Send one action; log and carry on when it fails (the next tick tries again).
+        Returns what the apiserver refused, for the status: (Degraded reason, message); an
+        event says it too, as a ReplicaSet's FailedCreate does."""
+        refusal: tuple[str, str] | None = None
+        client: ApiClient | None = None
         try:
-            client = self.clusters.client(action.target, secret_namespace)
+            client = self.clusters.client(action.target, job.namespace)
             send(client, action, self.timeout)
             logger.debug("Done: %s", action.describe())
-            return
+            return None
         except ClusterProblem as p:
             why = p.message
         except ApiException as e:
-            if e.status == 409 or (e.status == 404 and action.verb == "delete"):
-                logger.debug("Already done: %s (%s)", action.describe(), api_reason(e))
-                return
             why = api_reason(e)
-        except UNREACHABLE_ERRORS as e:
+            if e.status == 404 and action.verb == "delete":
+                logger.debug("Already done: %s (%s)", action.describe(), why)
+                return None
+            if e.status == 409 and action.verb == "create" and client is not None:
+                try:
+                    conflict = foreign(client, job, action, self.timeout)
+                except Exception as read_error:
+                    conflict, why = None, api_reason(read_error)
+                if conflict is None:
+                    logger.debug("Already done: %s (%s)", action.describe(), why)
+                    return None
+                refusal, why = (c.NAME_CONFLICT, conflict), conflict
+            elif e.status and 400 <= e.status < 500 and e.status not in (409, 429):
+                if action.verb != "delete":
+                    what = "create" if action.verb == "create" else "update"
+                    refusal = (
+                        c.FAILED_CREATE,
+                        f"Could not {what} {action.kind} {action.target.namespace}/"
+                        f"{action.name} in {action.target.label}: {api_message(e)}",
+                    )
+                    why = refusal[1]
+            elif action.target.secret is not None:
+                self.clusters.failed(action.target, job.namespace, e)
+        except Exception as e:
+            if action.target.secret is None and not isinstance(e, UNREACHABLE_ERRORS):
+                raise
+            if action.target.secret is not None:
+                self.clusters.failed(action.target, job.namespace, e)
             why = api_reason(e)
         # The same failure repeats every tick (e.g. a missing namespace in a region): say it
-        # once a minute, not twice a second.
-        key = f"{secret_namespace}|{action.describe()}|{why}"
+        # once a minute, not twice a second; a refusal also as an event on the job.
+        key = f"{job.namespace}|{action.describe()}|{why}"
         now = time.monotonic()
         if now - self._warned.get(key, -1e9) >= WARN_EVERY_S:
             self._warned[key] = now
             logger.warning("Could not %s: %s", action.describe(), why)
+            if refusal is not None:
+                post(Event("Warning", refusal[0], refusal[1]))
         else:
             logger.debug("Could not %s: %s", action.describe(), why)
+        return refusal
 
     # -- status ------------------------------------------------------------------------------
     def _read_job(self, name: str, namespace: str) -> dict[str, Any] | None:
@@ -295,7 +381,12 @@ class Runtime:
     def clean_up(
         self, body: dict[str, Any], logger: logging.Logger | logging.LoggerAdapter, post: PostEvent
     ) -> None:
-        """Delete what the job made in every cluster; raise CleanupPending until pods are gone."""
+        """Delete what the job made in every cluster; raise CleanupPending until pods are gone.
+
+        A cluster that does not answer is waited for `cleanup_timeout_seconds` after the
+        deletion began (a Degraded condition on the job says which, meanwhile), then given
+        up: a CleanupSkipped event names the cluster and what was left there, and the
+        finalizer goes. So `kubectl delete` ends within that bound, also with a region down."""
         job = _job_for_cleanup(body)
         deleted_at = body["metadata"].get("deletionTimestamp") or ""
         tgts = list(
@@ -311,39 +402,118 @@ class Runtime:
         )
         # Pods take a moment to go (kwok: at once; a kubelet: their grace period). Look again
         # a few times before handing back to kopf, which logs every retry as an error.
+        left_behind: list[str] = []
         for _ in range(CLEANUP_SWEEPS):
-            waiting, unreachable = self._sweep(job, tgts, deleted_at, post)
+            waiting, unreachable, left_behind = self._sweep(job, tgts, deleted_at, post)
             if not waiting or unreachable:
                 break
             time.sleep(1.0)
-        self.status.forget(job.uid)
+        if unreachable:
+            self._note_cleanup(
+                body,
+                c.CLUSTER_UNREACHABLE,
+                "Deleting: waiting for "
+                + "; ".join(w for w in waiting if w.startswith("cluster "))
+                + f"; given up {self.settings.cleanup_timeout_seconds:.0f}s after the deletion",
+            )
         if waiting:
             raise CleanupPending("Waiting for " + ", ".join(waiting))
+        if left_behind:
+            self._note_cleanup(body, CLEANUP_INCOMPLETE, "; ".join(left_behind))
+        self.status.forget(job.uid)
+        self.status_tls.forget(job.uid)
+        self._refused.pop(job.uid, None)
         logger.info("Deleted the objects of DecoupledDiLoCoJob %s in every cluster", job.name)
 
     def _sweep(
         self, job: ddapi.DecoupledDiLoCoJob, tgts: list[Target], deleted_at: str, post: PostEvent
-    ) -> tuple[list[str], bool]:
-        """Delete the job's objects in each target; say what is still there, and whether a
-        cluster could not be reached. A target given up on is dropped from `tgts`."""
+    ) -> tuple[list[str], bool, list[str]]:
+        """Delete the job's objects in each target; say what is still there, whether a
+        cluster could not be reached, and what was left behind in clusters given up on."""
         waiting: list[str] = []
         unreachable = False
-        for tgt in list(tgts):
+        left_behind: list[str] = []
+        for tgt in tgts:
             try:
                 client = self.clusters.client(tgt, job.namespace, allow_stale=True)
                 left = delete_job_objects(client, job, tgt, self.timeout)
                 if left:
                     waiting.append(f"{left} pods in {tgt.label}")
-            except (ClusterProblem, ApiException, *UNREACHABLE_ERRORS) as e:
-                p = e if isinstance(e, ClusterProblem) else describe_failure(e, tgt, job.namespace)
-                if _age(deleted_at) < self.settings.cleanup_timeout_seconds:
-                    waiting.append(f"cluster {tgt.label} ({p.message})")
-                    unreachable = True
-                else:
-                    msg = f"Gave up cleaning the cluster of {tgt.label}: {p.message}"
-                    post(Event("Warning", "CleanupSkipped", msg))
-                    tgts.remove(tgt)  # once
-        return waiting, unreachable
+                continue
+            except ClusterProblem as e:
+                p = e
+            except Exception as e:
+                if tgt.secret is None and not isinstance(e, UNREACHABLE_ERRORS):
+                    raise
+                p = self.clusters.failed(tgt, job.namespace, e)
+            if _age(deleted_at) < self.settings.cleanup_timeout_seconds:
+                waiting.append(f"cluster {tgt.label} ({p.message})")
+                unreachable = True
+                continue
+            what = (
+                f"Gave up cleaning the cluster of {tgt.label} {_age(deleted_at):.0f}s after the "
+                f"deletion: {p.message}. Left behind in its namespace {tgt.namespace}, unless "
+                f"already gone: the learner pods labelled {builders.LABEL_JOB_UID}={job.uid} "
+                f"and Secret {builders.token_secret_name(job)}"
+                + (
+                    f", Deployment and Service {builders.synchronizer_name(job)}, "
+                    f"PersistentVolumeClaim {builders.state_claim_name(job)}"
+                    if tgt.secret is None
+                    else ""
+                )
+            )
+            left_behind.append(what)
+            key = f"cleanup|{job.uid}|{tgt}"
+            if key not in self._warned:  # once per job and cluster, not per kopf retry
+                self._warned[key] = time.monotonic()
+                post(Event("Warning", "CleanupSkipped", what))
+        return waiting, unreachable, left_behind
+
+    def _note_cleanup(self, body: dict[str, Any], reason: str, message: str) -> None:
+        """Say on the job being deleted what its deletion waits for or left behind (the
+        Degraded condition), so `kubectl describe` shows it while the finalizer holds."""
+        meta = body["metadata"]
+        old = list((body.get("status") or {}).get("conditions") or [])
+        before = next((x for x in old if x.get("type") == c.DEGRADED), {})
+        if before.get("reason") == reason and before.get("message") == message:
+            return
+        cond = {
+            "type": c.DEGRADED,
+            "status": "True",
+            "reason": reason,
+            "message": message,
+            "lastTransitionTime": before.get("lastTransitionTime")
+            if before.get("status") == "True"
+            else datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "observedGeneration": meta.get("generation"),
+        }
+        conds = [x for x in old if x.get("type") != c.DEGRADED] + [cond]
+        try:
+            out = kubernetes.client.CustomObjectsApi(
+                self.clusters.home
+            ).patch_namespaced_custom_object_status(
+                ddapi.GROUP,
+                ddapi.VERSION,
+                meta["namespace"],
+                ddapi.PLURAL,
+                meta["name"],
+                {"status": {"conditions": conds}},
+                _request_timeout=self.timeout,
+            )
+            body["status"] = dict(out.get("status") or {})
+        except (ApiException, *UNREACHABLE_ERRORS) as e:
+            log.debug("Deletion condition not written (%s)", api_reason(e))
+
+
+def _foreign(
+    job: ddapi.DecoupledDiLoCoJob, kind: str, namespace: str, name: str, tgt: Target | None = None
+) -> str:
+    where = "" if tgt is None or tgt.secret is None else f" in the cluster of {tgt.label}"
+    return (
+        f"{kind} {namespace}/{name}{where} exists and was not created by this job (no "
+        f"{builders.LABEL_JOB_UID}={job.uid}); the operator neither uses nor changes it. "
+        f"Delete or rename it, or rename the job"
+    )
 
 
 def _job_for_cleanup(body: dict[str, Any]) -> ddapi.DecoupledDiLoCoJob:

@@ -1,10 +1,21 @@
 """The status a reconcile pass reports: counts, conditions and the derived phase.
 
-    status = summarize(job, obs, groups, slots, degraded, not_ready, done)
+    status = summarize(job, obs, groups, slots, degraded, not_ready, done, shard_count)
 
 Pure: the flow of cert-manager's readiness controller (gather, evaluate into conditions);
 reconcile.py gathers, this module evaluates, and the runtime writes the result only when it
 differs from the status the job has. conditions.py says when each condition is True.
+
+Readiness is what was *seen to work*: the synchronizer is ready only once its Deployment has
+an available pod, its Service and claim exist, and its status endpoint answered the
+operator's last request (an available pod that never answers is not a synchronizer anyone
+can use). The phase summarises what is going on, not whether every box is ticked: Running
+while the synchronizer is available and at least one learner trains, even with a slot empty
+(Ready then says False, LearnersNotReady, and names the slot).
+
+Size: every message is bounded (the first few slots by name, then a count) and per-slot
+detail is in slots.py's compact form, so the status stays far below etcd's object limit at
+the CRD's largest spec (tests/unit/test_operator_status.py measures it).
 """
 
 from __future__ import annotations
@@ -13,14 +24,17 @@ from typing import Any
 
 from ddiloco.operator import builders
 from ddiloco.operator import conditions as c
+from ddiloco.operator import slots as books
 from ddiloco.operator.api import (
     DecoupledDiLoCoJob,
     GroupStatus,
     JobStatus,
-    SlotStatus,
     SynchronizerStatus,
 )
 from ddiloco.operator.plan import Observed, iso
+from ddiloco.operator.slots import Slot
+
+MAX_MESSAGE = 1024  # characters of a condition message
 
 # Fields of the synchronizer's GET /v1/status copied into the job status when present.
 SYNC_FIELDS = ("global_version", "merges", "tokens_merged", "goodput")
@@ -30,16 +44,19 @@ def summarize(
     job: DecoupledDiLoCoJob,
     obs: Observed,
     groups: list[GroupStatus],
-    slots: list[SlotStatus],
+    slots: list[Slot],
     degraded: list[tuple[str, str]],
     not_ready: list[str],
     done: int,
+    shard_count: int | None = None,
 ) -> JobStatus:
     spec, now, gen = job.spec, iso(obs.now), job.generation
     desired = spec.total_replicas()
     ready = sum(g.ready for g in groups if g.name in {x.name for x in spec.learner_groups})
     dep_status = (obs.deployment or {}).get("status") or {}
-    sync_ready = obs.deployment is not None and int(dep_status.get("availableReplicas") or 0) > 0
+    available = obs.deployment is not None and int(dep_status.get("availableReplicas") or 0) > 0
+    answered = obs.sync_status is not None
+    sync_ready = available and obs.service and obs.claim and answered
     completed = desired > 0 and done == desired
     dep = builders.synchronizer_name(job)
 
@@ -47,21 +64,44 @@ def summarize(
         sync_c = c.make(c.SYNCHRONIZER_READY, False, c.SUSPENDED, "The job is suspended")
         learn_c = c.make(c.LEARNERS_READY, False, c.SUSPENDED, "The job is suspended")
     else:
-        sync_c = (
-            c.make(
+        if sync_ready:
+            sync_c = c.make(
                 c.SYNCHRONIZER_READY,
                 True,
                 c.SYNCHRONIZER_AVAILABLE,
-                f"Deployment {dep} has an available pod",
+                f"Deployment {dep} has an available pod and its status endpoint answers",
             )
-            if sync_ready
-            else c.make(
+        elif not available:
+            sync_c = c.make(
                 c.SYNCHRONIZER_READY,
                 False,
                 c.SYNCHRONIZER_PROGRESSING,
                 f"Waiting for Deployment {dep} to have an available pod",
             )
-        )
+        elif not (obs.service and obs.claim):
+            missing = [
+                what
+                for what, there in (
+                    (f"Service {dep}", obs.service),
+                    (f"PersistentVolumeClaim {builders.state_claim_name(job)}", obs.claim),
+                )
+                if not there
+            ]
+            sync_c = c.make(
+                c.SYNCHRONIZER_READY,
+                False,
+                c.SYNCHRONIZER_PROGRESSING,
+                f"Waiting for {' and '.join(missing)} to exist",
+            )
+        else:
+            sync_c = c.make(
+                c.SYNCHRONIZER_READY,
+                False,
+                c.SYNCHRONIZER_NOT_ANSWERING,
+                f"Deployment {dep} has an available pod, but its status endpoint "
+                f"({builders.synchronizer_service_url(job)}/v1/status) did not answer the "
+                "operator's last request",
+            )
         if completed:
             learn_c = c.make(
                 c.LEARNERS_READY, True, c.LEARNERS_COMPLETED, f"All {desired} learner pods finished"
@@ -84,7 +124,9 @@ def summarize(
                 f"{ready} of {desired} learner pods are Ready; waiting for {waiting}",
             )
     if degraded:
-        degr_c = c.make(c.DEGRADED, True, degraded[0][0], "; ".join(m for _, m in degraded))
+        degr_c = c.make(
+            c.DEGRADED, True, degraded[0][0], _bounded("; ".join(m for _, m in degraded))
+        )
     else:
         degr_c = c.make(
             c.DEGRADED,
@@ -100,9 +142,11 @@ def summarize(
     elif degraded:
         ready_c, phase = c.make(c.READY, False, c.DEGRADED_REASON, degr_c.message), "Degraded"
     elif not sync_ready:
-        ready_c, phase = c.make(c.READY, False, c.SYNCHRONIZER_NOT_READY, sync_c.message), "Pending"
+        ready_c = c.make(c.READY, False, c.SYNCHRONIZER_NOT_READY, sync_c.message)
+        phase = "Running" if available and ready > 0 else "Pending"
     elif learn_c.status != "True":
-        ready_c, phase = c.make(c.READY, False, c.LEARNERS_NOT_READY, learn_c.message), "Pending"
+        ready_c = c.make(c.READY, False, c.LEARNERS_NOT_READY, learn_c.message)
+        phase = "Running" if ready > 0 else "Pending"  # training goes on with a slot empty
     else:
         ready_c, phase = (
             c.make(c.READY, True, c.JOB_READY, "The synchronizer and every learner pod are Ready"),
@@ -110,6 +154,7 @@ def summarize(
         )
 
     old = job.status
+    detail, unhealthy = books.detail(slots, spec.failure_policy.max_replacements_per_slot)
     numbers: dict[str, Any] = {}
     sync = obs.sync_status or {}
     for key in SYNC_FIELDS:
@@ -123,7 +168,9 @@ def summarize(
             "desired_learners": desired,
             "ready_learners": ready,
             "groups": groups,
-            "slots": slots,
+            "slots": detail,
+            "unhealthy_slots": unhealthy,
+            "data_shards": shard_count if shard_count is not None else old.data_shards,
             "synchronizer": SynchronizerStatus(
                 endpoint=builders.synchronizer_service_url(job),
                 ready=sync_ready,
@@ -132,3 +179,7 @@ def summarize(
             **numbers,
         }
     )
+
+
+def _bounded(message: str) -> str:
+    return message if len(message) <= MAX_MESSAGE else message[: MAX_MESSAGE - 4] + " ..."

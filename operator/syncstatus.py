@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import threading
 import time
 import urllib.request
@@ -40,15 +41,24 @@ class StatusReader:
         self._lock = threading.Lock()
 
     def url(self, job: ddapi.DecoupledDiLoCoJob) -> str:
-        return self.settings.status_url_template.format(name=job.name, namespace=job.namespace)
+        scheme = "https" if job.spec.synchronizer.tls.enabled else "http"
+        return self.settings.status_url_template.format(
+            name=job.name, namespace=job.namespace, scheme=scheme
+        )
 
-    def read(self, job: ddapi.DecoupledDiLoCoJob, token: str | None) -> dict[str, Any] | None:
+    def read(
+        self,
+        job: ddapi.DecoupledDiLoCoJob,
+        token: str | None,
+        context: ssl.SSLContext | None = None,
+    ) -> dict[str, Any] | None:
+        """`context`: for an https URL, the job's trust (and client certificate, certs.py)."""
         key = job.uid
         with self._lock:
             at, last = self._last.get(key, (0.0, None))
         if time.monotonic() - at < self.settings.status_poll_seconds or token is None:
             return last
-        future = self._pool.submit(self._get, self.url(job), token)
+        future = self._pool.submit(self._get, self.url(job), token, context)
         try:  # DNS lookups are not covered by socket timeouts; bound the whole call here
             answer: dict[str, Any] | None = future.result(self.settings.http_timeout_seconds + 1)
         except (FutureTimeout, OSError, ValueError) as e:
@@ -64,12 +74,16 @@ class StatusReader:
             self._last[key] = (time.monotonic(), answer)
         return answer
 
-    def _get(self, url: str, token: str) -> dict[str, Any]:
+    def _get(self, url: str, token: str, context: ssl.SSLContext | None = None) -> dict[str, Any]:
         req = urllib.request.Request(
             f"{url.rstrip('/')}/v1/status",
             headers={"Authorization": f"Bearer {token}", "Accept": "application/json"},
         )
-        with urllib.request.urlopen(req, timeout=self.settings.http_timeout_seconds) as resp:
+        timeout = self.settings.http_timeout_seconds
+        https = url.startswith("https://")
+        with urllib.request.urlopen(
+            req, timeout=timeout, context=context if https else None
+        ) as resp:
             body = json.loads(resp.read())
         if not isinstance(body, dict):
             raise ValueError("status is not a JSON object")

@@ -21,6 +21,8 @@ Fixture API (stable; tests/integration/test_operator_*.py code against it):
     k8s.bindir             on PATH for the whole session, so `kubectl` and `helm` are ours
                            (they still need --kubeconfig; KUBECONFIG is not set)
     k8s.kubectl(name, *args, input=None, check=True) -> CompletedProcess[str]
+    k8s.frozen(name)       context manager: that cluster's kube-apiserver SIGSTOPped within it
+                           (connects succeed, nothing answers), always continued after it
     k8s.node_names(name)   fake nodes of a cluster: "<name>-gpu-0", "<name>-gpu-1"; kwok keeps
                            them Ready and runs their pods. Labels: type=kwok,
                            topology.kubernetes.io/region=<name>, topology.kubernetes.io/zone=

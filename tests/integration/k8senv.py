@@ -554,6 +554,33 @@ class ControlPlane:
     def node_names(self, cluster: str) -> list[str]:
         return [f"{cluster}-gpu-{i}" for i in range(self.nodes_per_cluster)]
 
+    def apiserver(self, cluster: str) -> Proc:
+        """The kube-apiserver process of one cluster."""
+        for p in self.procs:
+            if p.name == "kube-apiserver" and p.logfile.parent.name == cluster:
+                return p
+        raise KeyError(f"k8senv has no kube-apiserver for cluster {cluster!r}")
+
+    @contextlib.contextmanager
+    def frozen(self, cluster: str) -> Iterator[None]:
+        """Within the block, the cluster's kube-apiserver is stopped (SIGSTOP): its port still
+        accepts TCP connections (the kernel queues them) but nothing answers, like a hung or
+        black-holed apiserver. It is continued (SIGCONT) when the block ends, however it ends:
+        the plane is shared by the whole session. Don't call that cluster inside the block
+        without a timeout (the kubernetes client's default is none)."""
+        proc = self.apiserver(cluster)
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+            _wait(
+                f"{cluster} kube-apiserver /readyz after thawing",
+                self.clusters[cluster].ready,
+                [proc],
+                time.monotonic() + 60,
+            )
+
     # -- lifecycle
 
     def __enter__(self) -> ControlPlane:

@@ -24,10 +24,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +65,41 @@ def free_port() -> int:
 # --------------------------------------------------------------------------- the operator
 
 
+class _StatusStub(BaseHTTPRequestHandler):
+    """Answers GET /<namespace>/<job>/v1/status as a synchronizer that has merged nothing yet:
+    the synchronizer pods are kwok's and never run, and the operator calls a job Ready only
+    once its synchronizer answered (operator/status.py)."""
+
+    def do_GET(self) -> None:
+        ok = self.path.endswith("/v1/status") and self.headers.get("Authorization", "").startswith(
+            "Bearer "
+        )
+        body = json.dumps({"global_version": 0, "merges": 0, "tokens_merged": 0}).encode()
+        self.send_response(200 if ok else 401)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body) if ok else 0))
+        self.end_headers()
+        if ok:
+            self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+_STUB: list[str] = []
+_STUB_LOCK = threading.Lock()
+
+
+def status_stub() -> str:
+    """The STATUS_URL_TEMPLATE of one stub synchronizer status endpoint per test session."""
+    with _STUB_LOCK:
+        if not _STUB:
+            server = ThreadingHTTPServer(("127.0.0.1", 0), _StatusStub)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            _STUB.append(f"http://127.0.0.1:{server.server_address[1]}/{{namespace}}/{{name}}")
+        return _STUB[0]
+
+
 @dataclass
 class Operator:
     """One `ddiloco operator` process; restartable, killable."""
@@ -88,6 +125,7 @@ class Operator:
             "DDILOCO_OPERATOR_STATUS_POLL_SECONDS": "1",
             "DDILOCO_OPERATOR_LIVENESS_ENDPOINT": f"http://127.0.0.1:{port}/healthz",
             "DDILOCO_OPERATOR_CLEANUP_TIMEOUT_SECONDS": "10",
+            "DDILOCO_OPERATOR_STATUS_URL_TEMPLATE": status_stub(),
             **self.env,
         }
         with open(self.log, "wb") as out:
@@ -322,7 +360,7 @@ def remote(name: str, replicas: int, secret: str | None = None) -> dict[str, Any
         "name": name,
         "replicas": replicas,
         "cluster": {"kubeconfigSecret": {"name": secret or f"{name}-kubeconfig"}},
-        "syncUrl": "http://ddiloco-sync.home.example:8470",  # pods never run: any URL
+        "syncUrl": "https://ddiloco-sync.home.example:8470",  # pods never run: any URL
         "resources": {"limits": {"nvidia.com/gpu": 1}},
     }
 
@@ -346,6 +384,20 @@ def running_uids(cl: Clusters, clusters: list[str], job: str) -> dict[str, str]:
         if len(pods) == 1 and live:
             out[lid] = live[0].metadata.uid
     return out
+
+
+def slot_pod(cl: Clusters, cluster: str, job: str, learner_id: str) -> str:
+    """The name of the pod of one learner slot (`<job>-<group>-<index>-<tag>`, the tag a hash
+    of the job's uid: builders.learner_pod_name), found by its learner-id label."""
+    pods = pods_by_slot(cl, [cluster], job).get(learner_id) or []
+    if len(pods) != 1:
+        raise LookupError(f"{len(pods)} pods for slot {learner_id} of {job} in {cluster}")
+    return str(pods[0].metadata.name)
+
+
+def untagged(name: str) -> str:
+    """A slot pod's name without its tag: `<job>-<group>-<index>`."""
+    return name.rsplit("-", 1)[0]
 
 
 # --------------------------------------------------------------------------- fixtures

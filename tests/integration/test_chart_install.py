@@ -248,3 +248,67 @@ def test_operator_with_the_charts_rbac_runs_a_job_across_regions(
         helm_in(helm, k8s, "home", "uninstall", home_rel, "-n", ns, check=False)
         helm_in(helm, k8s, "region-a", "uninstall", remote_rel, "-n", ns, check=False)
         k8s.kubectl("home", "delete", "namespace", unrelated, "--wait=false", check=False)
+
+
+def readme_commands(readme: Path, section: str) -> list[str]:
+    """The ```bash blocks of one `## <section>` of a README, in order."""
+    text = readme.read_text()
+    start = text.index(f"## {section}\n")
+    end = text.find("\n## ", start + 1)
+    body = text[start : end if end > 0 else None]
+    return [block.split("```", 1)[0].split("\n", 1)[1] for block in body.split("```bash")[1:]]
+
+
+def test_the_documented_remote_region_commands_work_as_written(
+    k8s: Any, cl: h.Clusters, helm: c.Helm, tmp_path: Path
+) -> None:
+    # charts/ddiloco/README.md "Across regions", steps 1 and 2, run as a user would: from the
+    # repository root, contexts "home" and "region-a" in one KUBECONFIG, namespace team-a
+    # replaced by the test's. Then the NOTES that release prints, for another Secret name.
+    ns = cl.ns
+    install, script = readme_commands(c.CHART / "README.md", "Across regions")[:2]
+    assert "helm install ddiloco-remote charts/ddiloco" in install
+    top = (c.REPO / "README.md").read_text()
+    assert "helm install ddiloco-remote charts/ddiloco --kube-context region-a -n team-a" in top
+    merged = f"{k8s.home.kubeconfig}{os.pathsep}{k8s.clusters['region-a'].kubeconfig}"
+    env = {
+        **os.environ,
+        "KUBECONFIG": merged,
+        "PATH": f"{k8s.bindir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "HELM_CONFIG_HOME": str(helm.home / "config"),
+        "HELM_CACHE_HOME": str(helm.home / "cache"),
+        "HELM_DATA_HOME": str(helm.home / "data"),
+    }
+
+    def bash(text: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", text.replace("team-a", ns)],
+            capture_output=True, text=True, timeout=120, cwd=c.REPO, env={**env, **extra},
+        )  # fmt: skip
+
+    try:
+        run = bash(install)
+        assert run.returncode == 0, run.stdout + run.stderr
+        get = ("-n", ns, "get", "secret", "ddiloco-remote-token", "-o", "jsonpath={.data.token}")
+        k8senv.wait_until(
+            "the ddiloco-remote token", lambda: k8s.kubectl("region-a", *get).stdout, timeout=30
+        )
+        run = bash(script)
+        assert run.returncode == 0, run.stdout + run.stderr
+        data = cl.core().read_namespaced_secret("region-a-kubeconfig", ns).data["kubeconfig"]
+        cfg = tmp_path / "region-a-kubeconfig.yaml"
+        cfg.write_bytes(base64.b64decode(data))
+        assert yaml.safe_load(cfg.read_text())["users"][0]["name"] == "ddiloco-remote"
+        assert allowed(cfg, "-n", ns, "auth", "can-i", "create", "pods").stdout.strip() == "yes"
+
+        # The release's NOTES: the same names, and no region's values assumed.
+        notes = helm_in(helm, k8s, "region-a", "get", "notes", "ddiloco-remote", "-n", ns).stdout
+        assert "ddiloco-remote-remote" not in notes and "region-a" not in notes, notes
+        block = c.notes_block(notes, "kubeconfig Secret")
+        unset = bash(block)
+        assert unset.returncode != 0 and "REGION_CONTEXT" in unset.stderr
+        run = bash(block, REGION_CONTEXT="region-a", HOME_CONTEXT="home", SECRET="ra-2")
+        assert run.returncode == 0, run.stdout + run.stderr
+        cl.core().read_namespaced_secret("ra-2", ns)
+    finally:
+        helm_in(helm, k8s, "region-a", "uninstall", "ddiloco-remote", "-n", ns, check=False)

@@ -179,3 +179,19 @@ def test_deploy_manifests_equal_a_fresh_render(helm: c.Helm) -> None:
     home = [d for d in yaml.safe_load_all(rendered[gen.MANIFESTS / "ddiloco.yaml"]) if d]
     assert [d["kind"] for d in home[:2]] == ["CustomResourceDefinition", "Namespace"]
     assert not c.by_kind(home, "Pod"), "no helm test pod in plain manifests"
+
+
+@pytest.mark.parametrize(
+    ("release", "name"),
+    [
+        ("ddiloco-remote", "ddiloco-remote"),  # the READMEs' release: no "-remote-remote"
+        ("ddiloco", "ddiloco-remote"),
+        ("region-a", "region-a-ddiloco-remote"),
+        ("eu-west-remote", "eu-west-remote-ddiloco-remote"),
+    ],
+)
+def test_remote_region_names_follow_the_release(helm: c.Helm, release: str, name: str) -> None:
+    docs = helm.template("--set", "remoteRegion.enabled=true", release=release)
+    assert c.one(docs, "ServiceAccount")["metadata"]["name"] == name
+    assert c.one(docs, "Secret")["metadata"]["name"] == f"{name}-token"
+    assert c.one(docs, "Role")["metadata"]["name"] == name

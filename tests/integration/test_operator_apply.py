@@ -51,11 +51,11 @@ def test_three_cluster_example_becomes_ready(cl: h.Clusters, operator: h.Operato
     assert container.command == ["ddiloco", "synchronizer"]
     env = {e.name: e for e in container.env}
     assert env["DDILOCO_QUORUM"].value == "2" and env["DDILOCO_MERGE"].value == "rda"
-    assert env["DDILOCO_TOKEN"].value_from.secret_key_ref.name == "three-regions-token"
+    # the token as a mounted file (it rotates without a restart); TLS: test_operator_tls.py
+    assert env["DDILOCO_TOKEN_FILE"].value == "/var/run/ddiloco/token/token"
+    assert "DDILOCO_TOKEN" not in env
     svc = cl.core().read_namespaced_service("three-regions-synchronizer", cl.ns)
-    assert [(p.name, p.port, p.app_protocol) for p in svc.spec.ports] == [
-        ("http", 8470, "kubernetes.io/h2c")
-    ]
+    assert [(p.name, p.port, p.app_protocol) for p in svc.spec.ports] == [("http", 8470, "https")]
     claim = cl.core().read_namespaced_persistent_volume_claim(
         "three-regions-synchronizer-state", cl.ns
     )
@@ -68,7 +68,7 @@ def test_three_cluster_example_becomes_ready(cl: h.Clusters, operator: h.Operato
     seen = set()
     for region in ("region-a", "region-b"):
         pods = cl.pods(region, "three-regions")
-        assert sorted(p.metadata.name for p in pods) == [
+        assert sorted(h.untagged(p.metadata.name) for p in pods) == [
             f"three-regions-{region}-0",
             f"three-regions-{region}-1",
         ]
@@ -78,7 +78,7 @@ def test_three_cluster_example_becomes_ready(cl: h.Clusters, operator: h.Operato
             assert p.spec.containers[0].command == ["ddiloco", "learner"]
             assert p.spec.containers[0].resources.limits["nvidia.com/gpu"] == "1"
             assert p.spec.node_name.startswith(region)  # scheduled onto that region's nodes
-            assert env["DDILOCO_SYNC_URL"] == "http://ddiloco-sync.home.example.com:8470"
+            assert env["DDILOCO_SYNC_URL"] == "https://ddiloco-sync.home.example.com:8470"
             assert env["DDILOCO_LEARNER_ID"] == p.metadata.labels["ddiloco.dev/learner-id"]
             assert env["DDILOCO_NUM_LEARNERS"] == "4" and env["DDILOCO_P"] == "24"
             seen.add(int(env["DDILOCO_LEARNER_INDEX"]))
@@ -96,10 +96,10 @@ def test_tiny_cpu_example_runs_at_home(cl: h.Clusters, operator: h.Operator) -> 
     job = h.wait_condition(cl, "tiny-cpu", "Ready", timeout=60)
     assert job["status"]["readyLearners"] == 2
     pods = cl.pods("home", "tiny-cpu")
-    assert {p.metadata.name for p in pods} == {"tiny-cpu-cpu-0", "tiny-cpu-cpu-1"}
+    assert {h.untagged(p.metadata.name) for p in pods} == {"tiny-cpu-cpu-0", "tiny-cpu-cpu-1"}
     owner = pods[0].metadata.owner_references[0]
     assert (owner.kind, owner.name) == ("DecoupledDiLoCoJob", "tiny-cpu")
-    assert env_of(pods[0])["DDILOCO_SYNC_URL"] == f"http://tiny-cpu-synchronizer.{cl.ns}.svc:8470"
+    assert env_of(pods[0])["DDILOCO_SYNC_URL"] == f"https://tiny-cpu-synchronizer.{cl.ns}.svc:8470"
 
 
 INVALID = [

@@ -62,8 +62,9 @@ def test_evicted_and_failed_pods_are_replaced_in_their_slots(
     assert len(before) == 4, before
 
     t0 = time.monotonic()
-    evict(cl, "region-a", "repl-region-a-0")
-    fail(cl, "region-b", "repl-region-b-1", "Preempted")
+    names_before = {p.metadata.name for r in REGIONS for p in cl.pods(r, job)}
+    evict(cl, "region-a", h.slot_pod(cl, "region-a", job, "region-a-0"))
+    fail(cl, "region-b", h.slot_pod(cl, "region-b", job, "region-b-1"), "Preempted")
 
     def replaced() -> dict[str, str] | None:
         now = h.running_uids(cl, REGIONS, job)
@@ -77,7 +78,8 @@ def test_evicted_and_failed_pods_are_replaced_in_their_slots(
     for untouched in ("region-a-1", "region-b-0"):
         assert after[untouched] == before[untouched]
     names = {p.metadata.name for r in REGIONS for p in cl.pods(r, job)}
-    assert names == {f"repl-{r}-{i}" for r in REGIONS for i in (0, 1)}  # same slots, same names
+    assert names == names_before  # same slots, same names
+    assert {h.untagged(n) for n in names} == {f"repl-{r}-{i}" for r in REGIONS for i in (0, 1)}
 
     def counted() -> dict[str, Any] | None:
         status = cl.job(job).get("status") or {}
@@ -85,9 +87,9 @@ def test_evicted_and_failed_pods_are_replaced_in_their_slots(
         return status if groups == {"region-a": 1, "region-b": 1} else None
 
     status = k8senv.wait_until("replacement counts", counted, timeout=10)
-    slots = {s["id"]: s for s in status["slots"]}
-    assert slots["region-b-1"]["lastFailureReason"] == "Preempted"
-    assert slots["region-a-0"]["replacements"] == 1 and slots["region-a-1"]["replacements"] == 0
+    per_slot = {g["name"]: g.get("slotReplacements") for g in status["groups"]}
+    assert per_slot == {"region-a": [1, 0], "region-b": [0, 1]}
+    assert status.get("slots", []) == []  # healthy again: no per-slot detail
     events = k8senv.wait_until(
         "two LearnerReplaced events",
         lambda: (e := replaced_events(cl, job)) and len(e) >= 2 and e,
@@ -97,6 +99,7 @@ def test_evicted_and_failed_pods_are_replaced_in_their_slots(
         "region-a-0",
         "region-b-1",
     }
+    assert any("region-b-1 after Preempted" in e.message for e in events)
     h.wait_condition(cl, job, "Ready")
 
 
@@ -111,7 +114,8 @@ def test_past_the_failure_limit_the_job_is_degraded(cl: h.Clusters, operator: h.
     )
     h.wait_condition(cl, job, "Ready")
     first = h.running_uids(cl, ["home"], job)
-    fail(cl, "home", "limit-a-0", "Evicted")
+    a0, a1 = (h.slot_pod(cl, "home", job, f"a-{i}") for i in (0, 1))
+    fail(cl, "home", a0, "Evicted")
     second = k8senv.wait_until(
         "a-0 replaced once",
         lambda: (
@@ -120,7 +124,7 @@ def test_past_the_failure_limit_the_job_is_degraded(cl: h.Clusters, operator: h.
         20,
     )
 
-    fail(cl, "home", "limit-a-0", "Evicted")
+    fail(cl, "home", a0, "Evicted")
     done = h.wait_condition(cl, job, "Degraded", reason="ReplacementLimitReached", timeout=20)
     assert "a-0" in h.condition(done, "Degraded")["message"]
     assert done["status"]["phase"] == "Degraded"
@@ -129,12 +133,15 @@ def test_past_the_failure_limit_the_job_is_degraded(cl: h.Clusters, operator: h.
     deadline = time.monotonic() + 4 * float(h.RESYNC_S) + 1
     while time.monotonic() < deadline:
         pods = {p.metadata.name: p for p in cl.pods("home", job)}
-        assert pods["limit-a-0"].metadata.uid == second["a-0"]
-        assert pods["limit-a-0"].status.phase == "Failed"
-        assert pods["limit-a-1"].metadata.uid == first["a-1"]
+        assert pods[a0].metadata.uid == second["a-0"]
+        assert pods[a0].status.phase == "Failed"
+        assert pods[a1].metadata.uid == first["a-1"]
         time.sleep(0.2)
-    slots = {s["id"]: s["replacements"] for s in cl.job(job)["status"]["slots"]}
-    assert slots == {"a-0": 1, "a-1": 0}
+    status = cl.job(job)["status"]
+    assert [(s["id"], s["replacements"], s["limitReached"]) for s in status["slots"]] == [
+        ("a-0", 1, True)
+    ]
+    assert status["groups"][0]["slotReplacements"] == [1, 0]
     assert operator.running()
 
 

@@ -58,7 +58,9 @@ def test_operator_runs_with_the_documented_rbac_only(
         h.wait_condition(cl, job, "Ready", timeout=60)
         before = h.running_uids(cl, ["home", "region-a"], job)
         cl.core("region-a").patch_namespaced_pod_status(
-            "rbac-region-a-0", cl.ns, {"status": {"phase": "Failed", "reason": "Evicted"}}
+            h.slot_pod(cl, "region-a", job, "region-a-0"),
+            cl.ns,
+            {"status": {"phase": "Failed", "reason": "Evicted"}},
         )
         k8senv.wait_until(
             "the replacement",

@@ -123,9 +123,29 @@ def sync_container(job: api.DecoupledDiLoCoJob) -> dict[str, Any]:
     return container
 
 
+MOUNT_ROOT: list[Path] = []  # where mounted Secrets are materialized (the autouse fixture)
+
+
+@pytest.fixture(autouse=True)
+def _mount_root(tmp_path: Path) -> Any:
+    MOUNT_ROOT[:] = [tmp_path / "mounts"]
+    yield
+    MOUNT_ROOT.clear()
+
+
+def mounted(path: str) -> str:
+    """Where a file under a container's Secret mount lies in this test (written if the token)."""
+    return str(MOUNT_ROOT[0]) + path
+
+
 def container_env(job: api.DecoupledDiLoCoJob, container: dict[str, Any]) -> dict[str, str]:
-    """name -> value as the process sees it; secret refs resolved through the operator's Secret."""
+    """name -> value as the process sees it; secret refs resolved through the operator's Secret,
+    and the token Secret's mounted file written where the *_FILE variables point."""
     secrets = {builders.token_secret_name(job): builders.build_token_secret(job, TOKEN)}
+    mounts = [m["mountPath"] for m in container.get("volumeMounts", [])]
+    token_dir = Path(mounted(builders.TOKEN_DIR))
+    token_dir.mkdir(parents=True, exist_ok=True)
+    (token_dir / builders.TOKEN_KEY).write_text(TOKEN)
     env: dict[str, str] = {}
     for var in container["env"]:
         assert var["name"] not in env, f"{var['name']} is set twice"
@@ -133,6 +153,9 @@ def container_env(job: api.DecoupledDiLoCoJob, container: dict[str, Any]) -> dic
         if "value" in var:
             assert isinstance(var["value"], str), var  # the API wants strings
             env[var["name"]] = var["value"]
+            if var["name"].endswith("_FILE"):  # a file of a mounted Secret, never a subPath
+                assert any(var["value"].startswith(m + "/") for m in mounts), var
+                env[var["name"]] = mounted(var["value"])
             continue
         ref = var["valueFrom"]["secretKeyRef"]
         value = builders.secret_token(secrets[ref["name"]]) if ref["key"] == "token" else None
@@ -232,12 +255,19 @@ def expected_learner(
     """What the operator means for a learner slot, from the job alone (not from the builders)."""
     t, default = job.spec.training, LearnerConfig()
     svc = builders.build_synchronizer_service(job)
+    scheme = "https" if job.spec.synchronizer.tls.enabled else "http"  # TLS is on by default
     in_cluster = (
-        f"http://{svc['metadata']['name']}.{job.namespace}.svc:{svc['spec']['ports'][0]['port']}"
+        f"{scheme}://{svc['metadata']['name']}.{job.namespace}.svc:"
+        f"{svc['spec']['ports'][0]['port']}"
     )
+    url = group.sync_url or in_cluster
     out = {
-        "token": TOKEN,
-        "sync_url": group.sync_url or in_cluster,
+        "token_file": mounted(f"{builders.TOKEN_DIR}/{builders.TOKEN_KEY}"),
+        "sync_url": url,
+        # an https synchronizer of this job is verified against the job's CA (a mounted Secret)
+        "ca_file": mounted(f"{builders.TRUST_DIR}/{builders.CA_KEY}")
+        if url.startswith("https://") and job.spec.synchronizer.tls.enabled
+        else None,
         "learner_id": f"{group.name}-{index}",
         "num_learners": sum(g.replicas for g in job.spec.learner_groups),
         "model_entry": t.model_entry,
@@ -261,6 +291,7 @@ def test_each_learner_reads_what_the_operator_meant(job: api.DecoupledDiLoCoJob)
         want = expected_learner(job, group, index)
         got = {k: getattr(cfg, k) for k in want}
         assert got == want, pod["metadata"]["name"]
+        assert cfg.token_source().current() == TOKEN  # read from the mounted Secret
         assert [type(got[k]) for k in want] == [type(want[k]) for k in want]
         assert cfg.learner_id == pod["metadata"]["labels"][builders.LABEL_LEARNER_ID]
         indices.append(cfg.learner_index)
@@ -274,7 +305,7 @@ def test_the_synchronizer_reads_what_the_operator_meant(
     settings, container = sync_settings(monkeypatch, job)
     sync, t = job.spec.synchronizer, job.spec.training
     (port,) = container["ports"]
-    (mount,) = container["volumeMounts"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "state"]
     svc = builders.build_synchronizer_service(job)["spec"]["ports"][0]
     want = {
         "host": "0.0.0.0",
@@ -308,7 +339,9 @@ def test_the_jobs_set_no_value_to_a_default() -> None:
         assert getattr(default, field) != value, field
     job = make_job(FULL)
     sync_default = {k: f.default for k, f in SyncSettings.model_fields.items()}
-    spec_sync = job.spec.synchronizer.model_dump(exclude={"resources", "storage"})
+    spec_sync = job.spec.synchronizer.model_dump(
+        exclude={"resources", "storage", "tls", "external_names", "token_rotation_grace_seconds"}
+    )  # TLS reaches the synchronizer as files (test_operator_tls.py checks those)
     renamed = {"outer_learning_rate": "outer_lr"}
     for field, value in spec_sync.items():
         assert sync_default[renamed.get(field, field)] != value, field

@@ -10,6 +10,7 @@ the operator does between two passes.
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -30,8 +31,9 @@ from ddiloco.operator.reconcile import reconcile
 
 T0 = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
 TOKEN = "tok-123"
-SYNC_URL = "http://sync.example:8470"
+SYNC_URL = "https://sync.example:8470"
 REMOTE = Target(SecretKeyRef(name="region-a-kubeconfig"), "ns")
+SYNC_ANSWER: dict[str, Any] = {"global_version": 0}  # the synchronizer's status endpoint answers
 
 
 def make_job(**spec: Any) -> DecoupledDiLoCoJob:
@@ -40,6 +42,8 @@ def make_job(**spec: Any) -> DecoupledDiLoCoJob:
         "spec": {
             "image": "ddiloco:dev",
             "training": {"model": "tiny"},
+            # TLS (issuing, copying, renewing) has its own tests: test_operator_tls.py
+            "synchronizer": {"tls": {"enabled": False}},
             "learnerGroups": [
                 {"name": "home", "replicas": 2},
                 {
@@ -65,9 +69,11 @@ def pod(
     terminating: bool = False,
     reason: str | None = None,
     job_uid: str = "job-1",
+    attempt: int = 0,
 ) -> PodView:
+    owner = SimpleNamespace(name="tiny", uid=job_uid)  # all learner_pod_name reads of a job
     return PodView(
-        name=f"tiny-{group}-{index}",
+        name=builders.learner_pod_name(owner, group, index),  # type: ignore[arg-type]
         uid=uid,
         job_uid=job_uid,
         group=group,
@@ -76,6 +82,7 @@ def pod(
         ready=ready,
         terminating=terminating,
         reason=reason,
+        attempt=attempt,
     )
 
 
@@ -90,7 +97,7 @@ def observe(
     now: datetime = T0,
     remote: ClusterView | None = None,
     available: bool = True,
-    sync: dict[str, Any] | None = None,
+    sync: dict[str, Any] | None = SYNC_ANSWER,
 ) -> Observed:
     deployment = builders.build_synchronizer_deployment(job)
     deployment["status"] = {"availableReplicas": 1 if available else 0}
@@ -121,7 +128,12 @@ def cond(job: DecoupledDiLoCoJob, type_: str) -> tuple[str, str]:
 
 
 def verbs(plan: Plan) -> list[tuple[str, str, str]]:
-    return [(a.verb, a.kind, a.name) for a in plan.actions]
+    """(verb, kind, name); a pod's name without the tag that builders.learner_pod_name ends
+    it with (tests/unit/test_operator_ownership.py checks the tags)."""
+    return [
+        (a.verb, a.kind, a.name.rsplit("-", 1)[0] if a.kind == "Pod" else a.name)
+        for a in plan.actions
+    ]
 
 
 def test_a_new_job_creates_everything_everywhere() -> None:
@@ -140,9 +152,9 @@ def test_a_new_job_creates_everything_everywhere() -> None:
     } <= set(got)
     pods = [a for a in plan.actions if a.kind == "Pod"]
     assert sorted((a.name, a.target.label) for a in pods) == [
-        ("tiny-home-0", "local"),
-        ("tiny-home-1", "local"),
-        ("tiny-ra-0", "region-a-kubeconfig"),
+        (builders.learner_pod_name(job, "home", 0), "local"),
+        (builders.learner_pod_name(job, "home", 1), "local"),
+        (builders.learner_pod_name(job, "ra", 0), "region-a-kubeconfig"),
     ]
     remote_secret = [a for a in plan.actions if a.kind == "Secret" and a.target == REMOTE]
     assert builders.secret_token(remote_secret[0].body) == "fresh"  # the same token as home's
@@ -211,7 +223,7 @@ def test_evicted_pod_is_replaced_in_its_slot_and_counted_once() -> None:
     assert plan.actions[0].uid == "h1" and plan.actions[0].grace_seconds == 0
     assert [e.reason for e in plan.events] == ["LearnerFailed"]
     slot = next(s for s in job.status.slots if s.id == "home-1")
-    assert (slot.failed_uid, slot.last_failure_reason, slot.replacements) == ("h1", "Evicted", 0)
+    assert (slot.last_failure_reason, slot.replacements) == ("Evicted", 0)
     # gone, but within the backoff: wait
     _, plan = step(job, observe(job, home_pods[:1], remote_pods, now=T0 + timedelta(seconds=1)))
     assert plan.actions == []
@@ -221,13 +233,14 @@ def test_evicted_pod_is_replaced_in_its_slot_and_counted_once() -> None:
     env = {e["name"]: e.get("value") for e in plan.actions[0].body["spec"]["containers"][0]["env"]}
     assert env["DDILOCO_LEARNER_ID"] == "home-1" and env["DDILOCO_LEARNER_INDEX"] == "1"
     # the replacement shows up: counted once, with an event
-    new = (home_pods[0], pod("home", 1, "h1-new"))
+    new = (home_pods[0], pod("home", 1, "h1-new", attempt=1))
     job, plan = step(job, observe(job, new, remote_pods, now=T0 + timedelta(seconds=4)))
     assert [e.reason for e in plan.events] == ["LearnerReplaced"]
     job, plan = step(job, observe(job, new, remote_pods, now=T0 + timedelta(seconds=5)))
     assert plan.events == []
-    assert next(s for s in job.status.slots if s.id == "home-1").replacements == 1
-    assert next(g for g in job.status.groups if g.name == "home").replaced == 1
+    group = next(g for g in job.status.groups if g.name == "home")
+    assert group.slot_replacements == [0, 1] and group.replaced == 1
+    assert job.status.slots == []  # healthy again: no detail
     assert cond(job, c.READY) == ("True", c.JOB_READY)
 
 
@@ -262,14 +275,16 @@ def test_past_the_limit_the_job_is_degraded_and_stops_replacing() -> None:
     job, _ = step(job, observe(job, home_pods, remote_pods))
     uid = "h0"
     for n in range(2):
-        dead = (pod("home", 0, uid, phase="Failed", reason="Preempted"), home_pods[1])
+        dead = (pod("home", 0, uid, phase="Failed", reason="Preempted", attempt=n), home_pods[1])
         job, plan = step(job, observe(job, dead, remote_pods))
         if n == 0:
             assert ("delete", "Pod", "tiny-home-0") in verbs(plan)
             job, plan = step(job, observe(job, home_pods[1:], remote_pods))
             assert verbs(plan) == [("create", "Pod", "tiny-home-0")]
             uid = "h0-2"
-            job, _ = step(job, observe(job, (pod("home", 0, uid), home_pods[1]), remote_pods))
+            job, _ = step(
+                job, observe(job, (pod("home", 0, uid, attempt=1), home_pods[1]), remote_pods)
+            )
     assert plan.actions == []  # the failed pod stays for its logs; no new pod
     assert cond(job, c.DEGRADED) == ("True", c.REPLACEMENT_LIMIT_REACHED)
     degraded = c.get(job.status.conditions, c.DEGRADED)
@@ -287,11 +302,11 @@ def test_a_crash_between_create_and_status_still_counts_once() -> None:
         job, observe(job, (pod("home", 0, "h0", phase="Failed"), home_pods[1]), remote_pods)
     )
     # the operator created the replacement and died before writing status: replay both passes
-    replay = observe(job, (pod("home", 0, "h0-new"), home_pods[1]), remote_pods)
+    replay = observe(job, (pod("home", 0, "h0-new", attempt=1), home_pods[1]), remote_pods)
     first, plan1 = step(job, replay)
     again, plan2 = step(job, replay)
-    assert next(s for s in first.status.slots if s.id == "home-0").replacements == 1
-    assert next(s for s in again.status.slots if s.id == "home-0").replacements == 1
+    assert first.status.groups[0].slot_replacements == [1, 0]
+    assert again.status.groups[0].slot_replacements == [1, 0]
     assert plan1.actions == plan2.actions == []
 
 
@@ -348,7 +363,8 @@ def test_scaling_adds_and_removes_the_highest_slots() -> None:
     down = down.model_copy(update={"status": job.status})
     down, plan = step(down, observe(down, home_pods, remote_pods))
     assert verbs(plan) == [("delete", "Pod", "tiny-home-1")]
-    assert [s.id for s in down.status.slots] == ["home-0", "ra-0"]
+    assert [len(g.shards) for g in down.status.groups] == [1, 1]
+    assert down.status.slots == []
     assert not plan.events  # removing a slot is not a failure
 
 
@@ -395,10 +411,10 @@ def test_suspend_removes_learners_without_counting_failures() -> None:
     # resumed while the suspended pods are still terminating: they are not failures
     leaving = tuple(pod(p.group, p.index, p.uid, terminating=True) for p in home_pods)
     resumed, plan = step(resumed, observe(resumed, leaving, ()))
-    assert not plan.events and all(s.failed_uid is None for s in resumed.status.slots)
+    assert not plan.events and resumed.status.slots == []  # no slot is failed
     resumed, plan = step(resumed, observe(resumed))
     assert len([a for a in plan.actions if a.kind == "Pod" and a.verb == "create"]) == 3
-    assert all(s.replacements == 0 and s.failed_uid is None for s in resumed.status.slots)
+    assert resumed.status.slots == [] and resumed.status.groups[0].slot_replacements == []
 
 
 def test_managed_by_someone_else_is_left_alone() -> None:
@@ -407,12 +423,16 @@ def test_managed_by_someone_else_is_left_alone() -> None:
     assert plan.actions == [] and plan.status is None
 
 
-def test_leftovers_of_an_older_job_with_the_same_name_are_deleted() -> None:
+def test_pods_of_another_job_with_the_same_name_are_never_deleted() -> None:
+    # An older job's leftover, or a same-named job's of another home namespace sharing the
+    # remote namespace: not this job's uid, so not this job's to delete (issue 12 §1.4).
     job = make_job()
     stale = pod("home", 0, "old", job_uid="job-0")
     _, plan = step(job, observe(job, (stale,), ()))
-    assert ("delete", "Pod", "tiny-home-0") in verbs(plan)
-    assert next(a for a in plan.actions if a.verb == "delete").uid == "old"
+    assert not [a for a in plan.actions if a.verb == "delete" and a.kind == "Pod"]
+    assert ("create", "Pod", "tiny-home-0") in verbs(plan)  # its own pod, of another name
+    created = next(a for a in plan.actions if a.kind == "Pod" and a.verb == "create")
+    assert created.name != stale.name
 
 
 def test_remote_token_copy_is_refreshed() -> None:

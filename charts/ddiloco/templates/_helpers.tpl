@@ -29,9 +29,17 @@ chart's name ("ddiloco" -> "ddiloco"), else "<release>-<name>".
 {{- printf "%s-operator" (include "ddiloco.fullname" . | trunc 54 | trimSuffix "-") -}}
 {{- end -}}
 
-{{/* "<fullname>-remote": the identity of remote-region mode. */}}
+{{/*
+The identity of remote-region mode: the fullname when it already ends in "-remote" (release
+"ddiloco-remote" -> "ddiloco-remote", as the READMEs say), else "<fullname>-remote".
+*/}}
 {{- define "ddiloco.remoteName" -}}
-{{- printf "%s-remote" (include "ddiloco.fullname" . | trunc 56 | trimSuffix "-") -}}
+{{- $full := include "ddiloco.fullname" . -}}
+{{- if hasSuffix "-remote" $full -}}
+{{- $full | trunc 57 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-remote" ($full | trunc 50 | trimSuffix "-") -}}
+{{- end -}}
 {{- end -}}
 
 {{/* The ServiceAccount of either mode. */}}
