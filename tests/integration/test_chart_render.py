@@ -128,11 +128,15 @@ def test_production_values_reach_the_pod(helm: c.Helm) -> None:
     assert pod["serviceAccountName"] == "diloco-controller"
     assert pod["nodeSelector"] == {"pool": "system"}
     assert pod["imagePullSecrets"] == [{"name": "regcred"}]
-    test_args = c.one(docs, "Pod")["spec"]["containers"][0]["command"]
-    assert test_args[-2:] == [
+    test_pod = c.one(docs, "Pod")["spec"]
+    assert test_pod["containers"][0]["command"][-2:] == [
         "http://diloco-operator.default.svc:9090/healthz",
-        "http://tiny-cpu-synchronizer.default.svc:8470/healthz",
+        "https://tiny-cpu-synchronizer.default.svc:8470/healthz",
     ]
+    # the https synchronizer is verified against the job's CA, from its trust Secret
+    assert test_pod["volumes"][0]["secret"]["secretName"] == "tiny-cpu-trust"
+    mount = test_pod["containers"][0]["volumeMounts"][0]
+    assert mount["mountPath"] == "/etc/ddiloco/trust" and mount["readOnly"]
 
 
 def test_bring_your_own_rbac_renders_none(helm: c.Helm) -> None:

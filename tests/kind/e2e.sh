@@ -79,7 +79,7 @@ done
 
 say "helm test, now also calling the synchronizer"
 helm upgrade ddiloco charts/ddiloco --kube-context "$CTX" -n "$NS" --reuse-values \
-  --set tests.synchronizerUrl="http://$JOB-synchronizer.default.svc:8470"
+  --set tests.synchronizerUrl="https://$JOB-synchronizer.default.svc:8470" --set tests.synchronizerTrustSecret="$JOB-trust"
 helm test ddiloco --kube-context "$CTX" -n "$NS" --logs
 
 kubectl --context "$CTX" get ddj "$JOB" \
