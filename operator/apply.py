@@ -18,7 +18,7 @@ from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
 from ddiloco.operator import api as ddapi
-from ddiloco.operator import builders
+from ddiloco.operator import builders, certs
 from ddiloco.operator.plan import Action, Target
 
 Timeout: TypeAlias = float | tuple[float, float]  # seconds, or (connect, read)
@@ -62,6 +62,11 @@ def delete_job_objects(
             builders.token_secret_name(job),
         )
     ]
+    # the TLS Secrets (certs.py): CA, server certificate, trust bundle, client certificates
+    named += [
+        (core.read_namespaced_secret, core.delete_namespaced_secret, name)
+        for name in certs.secret_names(job, tgt, all_clients=True)
+    ]
     if tgt.secret is None:  # the home cluster also holds the synchronizer
         named += [
             (
@@ -88,17 +93,6 @@ def delete_job_objects(
                     name, ns, body={"preconditions": {"uid": uid}}, **kw
                 )
             )
-    # the TLS Secrets (certs.py): CA, server certificate, trust bundle, client certificates
-    labelled = core.list_namespaced_secret(
-        ns, label_selector=f"{builders.LABEL_JOB}={job.name}", **kw
-    )
-    deletes += [
-        lambda s=s: core.delete_namespaced_secret(
-            s.metadata.name, ns, body={"preconditions": {"uid": s.metadata.uid}}, **kw
-        )
-        for s in labelled.items
-        if builders.made_by(job, s.metadata) and s.metadata.name != builders.token_secret_name(job)
-    ]
     if (
         tgt.secret is None
         and job.spec is not None

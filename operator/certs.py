@@ -405,14 +405,50 @@ class StatusTLS:
 # --------------------------------------------------------------------------- observation (I/O)
 
 
-def observe_secrets(core: Any, job: DecoupledDiLoCoJob, namespace: str, timeout: float):
-    """The Secrets labelled with the job's name in one namespace (one list call)."""
-    listed = core.list_namespaced_secret(
-        namespace, label_selector=f"{builders.LABEL_JOB}={job.name}", _request_timeout=timeout
-    )
+def secret_names(job: DecoupledDiLoCoJob, tgt: Target, *, all_clients: bool = False) -> list[str]:
+    """The names the job's TLS Secrets can have in one target, so that each is read by name
+    (RBAC `get`) and nothing has to list a namespace's Secrets: at home the CA and the server
+    certificate, everywhere the trust bundle, and with mutual TLS (or `all_clients`, for the
+    cleanup) the client certificate of every slot the spec or the last status has there."""
+    names = [builders.trust_secret_name(job)]
+    if tgt.secret is None:
+        names = [builders.ca_secret_name(job), builders.tls_secret_name(job), *names]
+    mutual = job.spec is not None and job.spec.synchronizer.tls.mutual
+    if not (mutual or all_clients):
+        return names
+    slots: dict[str, int] = {}
+    for g in job.spec.learner_groups if job.spec is not None else []:
+        if target_of(job, g) == tgt:
+            slots[g.name] = max(slots.get(g.name, 0), g.replicas)
+    for gs in job.status.groups:
+        if Target(gs.kubeconfig_secret, gs.namespace or job.namespace) == tgt:
+            slots[gs.name] = max(slots.get(gs.name, 0), len(gs.shards), gs.desired)
+    names += [
+        builders.client_secret_name(job, g, i) for g, n in sorted(slots.items()) for i in range(n)
+    ]
+    return names
+
+
+def observe_secrets(
+    core: Any, job: DecoupledDiLoCoJob, tgt: Target, timeout: float
+) -> dict[str, SecretView]:
+    """The job's Secrets in one target, each read by name: its token Secret (tokens.py keeps
+    the rotation's state in its annotations) and the TLS ones (`secret_names`). A Secret of
+    that name the job did not make is left out: writing it then meets the apiserver's
+    AlreadyExists, a NameConflict, instead of overwriting someone else's object."""
+    from kubernetes.client.exceptions import ApiException
+
     out: dict[str, SecretView] = {}
-    for item in listed.items:
-        out[item.metadata.name] = SecretView(
+    for name in [builders.token_secret_name(job), *secret_names(job, tgt)]:
+        try:
+            item = core.read_namespaced_secret(name, tgt.namespace, _request_timeout=timeout)
+        except ApiException as e:
+            if e.status == 404:
+                continue
+            raise
+        if not builders.made_by(job, item.metadata):
+            continue
+        out[name] = SecretView(
             data={k: _b64(v) for k, v in (item.data or {}).items()},
             job_uid=(item.metadata.labels or {}).get(builders.LABEL_JOB_UID, ""),
             annotations=dict(item.metadata.annotations or {}),

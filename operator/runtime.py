@@ -197,7 +197,7 @@ class Runtime:
                     builders.token_secret_name(job), tgt.namespace, _request_timeout=self.timeout
                 )
             )
-            job_secrets = certs.observe_secrets(core, job, tgt.namespace, self.timeout)
+            job_secrets = certs.observe_secrets(core, job, tgt, self.timeout)
         except ClusterProblem as p:
             return ClusterView(problem=(p.reason, p.message))
         except Exception as e:

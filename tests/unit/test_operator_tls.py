@@ -42,6 +42,17 @@ from ddiloco.synchronizer import tls as x
 # The issuing functions (synchronizer/tls.py) date certificates by the wall clock; the
 # observations start there and move forward.
 T0 = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=1)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_t0() -> None:
+    """Each test's clock starts at the real time: certificates are issued by the real clock
+    (backdated 5 minutes), and in the whole suite this module is imported long before its
+    tests run, so a T0 taken at import would be before what they issue."""
+    global T0
+    T0 = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=1)
+
+
 REMOTE = Target(api.SecretKeyRef(name="region-a-kubeconfig"), "ns")
 REMOTE_URL = "https://sync.example.com:8470"
 
@@ -723,3 +734,36 @@ def test_actions_never_put_a_secret_in_their_repr() -> None:
     ca = w.pair(home(w.job), "tj-ca")
     assert ca.key_pem.decode().splitlines()[1] not in text
     assert all(isinstance(a, Action) for a in plan.actions)
+
+
+def test_the_job_s_tls_secrets_are_named_ahead_so_none_is_listed() -> None:
+    """RBAC grants no `list` on Secrets: every TLS Secret the job may hold is read by a name
+    known from the spec and the last status, including slots that scaling removed."""
+    home = Target(None, "ns")
+    plain, mutual = make_job(), make_job(tls={"mutual": True})
+    trust, ca, srv = (
+        builders.trust_secret_name(plain),
+        builders.ca_secret_name(plain),
+        builders.tls_secret_name(plain),
+    )
+    assert certs.secret_names(plain, home) == [ca, srv, trust]
+    assert certs.secret_names(plain, REMOTE) == [trust]
+    clients = [builders.client_secret_name(mutual, "home", i) for i in range(2)]
+    assert certs.secret_names(mutual, home) == [ca, srv, trust, *clients]
+    assert certs.secret_names(mutual, REMOTE) == [
+        trust,
+        builders.client_secret_name(mutual, "ra", 0),
+    ]
+    # a slot the last status still had (scaled down since) is read too, to be pruned
+    scaled = mutual.model_copy(
+        update={
+            "status": api.JobStatus.model_validate(
+                {"groups": [{"name": "home", "cluster": "local", "shards": [0, 1, 2]}]}
+            )
+        }
+    )
+    assert certs.secret_names(scaled, home)[-1] == builders.client_secret_name(mutual, "home", 2)
+    # the cleanup reads every slot's client name, also after mutual TLS was turned off
+    assert certs.secret_names(plain, home, all_clients=True)[3:] == [
+        builders.client_secret_name(plain, "home", i) for i in range(2)
+    ]
