@@ -133,9 +133,14 @@ def test_a_frozen_region_stops_nothing_elsewhere_and_recovers(
         degraded = h.wait_condition(cl, job, "Degraded", reason="ClusterUnreachable", timeout=40)
         message = h.condition(degraded, "Degraded")["message"]
         assert "region-b-kubeconfig" in message and "region-a" not in message, message
+
         # the status keeps moving: the replacements at home and in region-a are counted
-        groups_now = {g["name"]: g for g in cl.job(job)["status"]["groups"]}
-        assert groups_now["home"]["ready"] == 1 and groups_now["region-a"]["ready"] == 1
+        # (within a few passes: the pass that noticed the replacement may predate its Ready)
+        def counted() -> bool:
+            groups_now = {g["name"]: g for g in cl.job(job)["status"]["groups"]}
+            return groups_now["home"]["ready"] == 1 and groups_now["region-a"]["ready"] == 1
+
+        k8senv.wait_until("the replacements counted while region-b is frozen", counted, 20)
     t0 = time.monotonic()
     h.wait_condition(cl, job, "Ready", timeout=60)
     print(f"frozen region: Ready again {time.monotonic() - t0:.1f}s after the thaw")
