@@ -432,14 +432,14 @@ def secret_names(job: DecoupledDiLoCoJob, tgt: Target, *, all_clients: bool = Fa
 def observe_secrets(
     core: Any, job: DecoupledDiLoCoJob, tgt: Target, timeout: float
 ) -> dict[str, SecretView]:
-    """The job's Secrets in one target, each read by name: its token Secret (tokens.py keeps
-    the rotation's state in its annotations) and the TLS ones (`secret_names`). A Secret of
+    """The job's TLS Secrets in one target, each read by name (`secret_names`). A Secret of
     that name the job did not make is left out: writing it then meets the apiserver's
-    AlreadyExists, a NameConflict, instead of overwriting someone else's object."""
+    AlreadyExists, a NameConflict, instead of overwriting someone else's object. (The token
+    Secret is read once by the runtime, which adds it.)"""
     from kubernetes.client.exceptions import ApiException
 
     out: dict[str, SecretView] = {}
-    for name in [builders.token_secret_name(job), *secret_names(job, tgt)]:
+    for name in secret_names(job, tgt):
         try:
             item = core.read_namespaced_secret(name, tgt.namespace, _request_timeout=timeout)
         except ApiException as e:
@@ -448,11 +448,7 @@ def observe_secrets(
             raise
         if not builders.made_by(job, item.metadata):
             continue
-        out[name] = SecretView(
-            data={k: _b64(v) for k, v in (item.data or {}).items()},
-            job_uid=(item.metadata.labels or {}).get(builders.LABEL_JOB_UID, ""),
-            annotations=dict(item.metadata.annotations or {}),
-        )
+        out[name] = SecretView.from_k8s(core.api_client.sanitize_for_serialization(item))
     return out
 
 
@@ -489,9 +485,3 @@ def observe_cert_manager(
             return True, None
         raise
     return True, dict(cert)
-
-
-def _b64(value: str) -> bytes:
-    import base64
-
-    return base64.b64decode(value)

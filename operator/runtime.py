@@ -44,6 +44,7 @@ from ddiloco.operator.plan import (
     Event,
     Observed,
     PodView,
+    SecretView,
     Target,
     home,
     targets,
@@ -209,6 +210,10 @@ class Runtime:
             name = builders.token_secret_name(job)
             return ClusterView(
                 problem=(c.NAME_CONFLICT, _foreign(job, "Secret", tgt.namespace, name, tgt))
+            )
+        if secret is not None:  # tokens.py keeps a rotation's state in its annotations
+            job_secrets[builders.token_secret_name(job)] = SecretView.from_k8s(
+                as_dict(client, secret)
             )
         token = builders.secret_token({"data": secret.data}) if secret is not None else None
         redact.register(token)
