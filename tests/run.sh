@@ -6,8 +6,11 @@
 # 1. a virtual environment in .venv with the project and its dev extras (pip's cache in
 #    ~/.cache/pip makes reruns fast);
 # 2. ruff (lint and format check);
-# 3. the test control plane (kube-apiserver, etcd, KCM, scheduler, kwok, kubectl, helm) built
-#    from Go modules once per machine into ~/.cache/ddiloco/k8senv/ (cold: tens of minutes);
+# 3. Debian's podman, buildah, runc, debootstrap, iptables and CNI plugins (apt, when missing);
+#    the test control plane (kube-apiserver, etcd, KCM, scheduler, kwok, kubectl, helm, and
+#    for the real node kubelet, kube-proxy, containerd, CoreDNS) built from Go modules once per
+#    machine into ~/.cache/ddiloco/k8senv/; the image from our Dockerfile on a debootstrap
+#    base, cached in /var/lib/containers;
 # 4. every test: unit, e2e (real processes) and integration (real apiservers).
 # Extra arguments go to pytest, e.g. `bash tests/run.sh -m "not integration"`.
 set -euo pipefail
@@ -16,6 +19,17 @@ PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
+# Debian packages for the real node and the image build (containers, CNI, debootstrap); apt
+# only when one is missing, so a warm machine pays nothing.
+DEBS=(podman buildah runc debootstrap iptables containernetworking-plugins conntrack uidmap
+      fuse-overlayfs)
+missing=()
+for deb in "${DEBS[@]}"; do dpkg -s "$deb" >/dev/null 2>&1 || missing+=("$deb"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[dev]'
 .venv/bin/ruff check .
@@ -23,4 +37,7 @@ fi
 start=$(date +%s)
 .venv/bin/python tests/integration/k8senv.py build
 echo "k8senv ready after $(( $(date +%s) - start ))s"
+start=$(date +%s)
+.venv/bin/python tests/integration/image.py build
+echo "image ready after $(( $(date +%s) - start ))s"
 exec .venv/bin/python -m pytest tests "$@"

@@ -48,6 +48,21 @@ Failure injection (kwok stages): label a Running pod
 shape it; tested). Labelling a node `node-not-ready.stage.kwok.x-k8s.io=true` sets it NotReady
 (untested here; it taints the shared node, so its pods get evicted after 10 s).
 
+``real_plane`` (session scope) -> ``k8senv.ControlPlane`` with one cluster "home", no fake nodes
+    and one real node (realnode.py): pods run real containers (containerd + runc). Started on
+    first use (~10-20 s), separate from ``k8s``. Besides the ``k8s`` API above:
+    real_plane.real_node        realnode.RealNode: .name "home-node" (label
+                                ddiloco.dev/real-node=true), .node_ip, .host_ip (the apiserver
+                                listens there), .pod_cidr, .run(*argv) inside the node,
+                                .ctr(*args) (`ctr -n k8s.io`), .images()
+    real_plane.import_image(archive) -> [image names]   OCI or docker-archive tar into the
+                                node's containerd (pods: imagePullPolicy IfNotPresent/Never)
+    realnode.PROBE_IMAGE        our tiny test image (tests/k8senv/probe: serve/get/kube-api/...)
+    Services, cluster DNS (<svc>.<ns>.svc[.cluster.local]), the `kubernetes` Service with
+    ServiceAccount tokens, kubectl logs/exec, and PVCs of the default StorageClass `standard`
+    (hostPath, chmod 0777, pinned to the node) work. Needs root and Debian's runc and
+    containernetworking-plugins: without them it fails (never skips).
+
 With CI=true a missing build or toolchain fails the session; elsewhere the tests skip with the
 command to run. A build that failed is an error everywhere. The build never runs inside pytest.
 """
@@ -67,7 +82,7 @@ import pytest
 
 # --import-mode=importlib puts nothing on sys.path; load the harness and the test helpers of
 # this folder by path, once, under their own names, so test modules just `import k8senv` etc.
-for _name in ("k8senv", "operator_helpers", "chart_helpers"):  # in dependency order
+for _name in ("k8senv", "realnode", "operator_helpers", "chart_helpers"):  # in dependency order
     if _name not in sys.modules:
         _spec = importlib.util.spec_from_file_location(
             _name, Path(__file__).with_name(f"{_name}.py")
@@ -76,6 +91,7 @@ for _name in ("k8senv", "operator_helpers", "chart_helpers"):  # in dependency o
         sys.modules[_name] = importlib.util.module_from_spec(_spec)
         _spec.loader.exec_module(sys.modules[_name])
 import k8senv  # noqa: E402 - registered by path just above
+import realnode  # noqa: E402 - registered by path just above
 
 NAMESPACE_TIMEOUT_S = 30.0
 
@@ -129,6 +145,33 @@ def k8s(
             left = [p.name for p in plane.procs if k8senv.pid_alive(p.pid)]
             if left:
                 pytest.fail(f"k8senv: processes left behind after stop(): {left}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def real_plane(
+    k8s_bindir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[k8senv.ControlPlane]:
+    if problems := realnode.problems():
+        pytest.fail("k8senv real node cannot run here: " + "; ".join(problems), pytrace=False)
+    plane = k8senv.ControlPlane(
+        k8s_bindir, tmp_path_factory.mktemp("realnode"), ["home"], nodes_per_cluster=0,
+        real_node=True,
+    )  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PATH", f"{k8s_bindir}{os.pathsep}{os.environ.get('PATH', '')}")
+        try:
+            plane.start()
+            yield plane
+        finally:
+            plane.stop()
+            node = plane.real_node
+            assert node is not None
+            left = [p.name for p in plane.procs if k8senv.pid_alive(p.pid)]
+            if node.holder_pid and k8senv.pid_alive(node.holder_pid):
+                left.append(f"node holder {node.holder_pid}")
+            left += node.leftovers()
+            if left:
+                pytest.fail(f"k8senv: left behind after stop(): {left}", pytrace=False)
 
 
 def _wait_default_sa(k8s: k8senv.ControlPlane, name: str) -> None:

@@ -7,10 +7,11 @@ tests/k8senv/README.md. Standard library only, so CI can run it before the venv 
 
     python tests/integration/k8senv.py build             # build once per machine (CI's build step)
     python tests/integration/k8senv.py up --clusters 3   # start, print kubeconfigs, Ctrl-C stops
+    python tests/integration/k8senv.py up --clusters 1 --real-node   # + a real node (realnode.py)
     python tests/integration/k8senv.py key               # cache key and directory (for CI caches)
 
 Binaries live in ~/.cache/ddiloco/k8senv/<version-key>/ (XDG_CACHE_HOME is honoured); the key
-hashes tests/k8senv/'s go.mod, go.sum, *.sh and *.yaml files, so a version bump rebuilds.
+hashes tests/k8senv/'s go.mod, go.sum, *.go, *.sh and *.yaml files, so a version bump rebuilds.
 DDILOCO_K8SENV_BIN=<dir> uses prebuilt binaries instead. The pytest fixtures that use this module
 are in tests/integration/conftest.py.
 """
@@ -22,6 +23,7 @@ import contextlib
 import ctypes
 import fcntl
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -40,7 +42,10 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import IO, TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from realnode import RealNode
 
 log = logging.getLogger("k8senv")
 
@@ -57,6 +62,15 @@ BINARIES: Final = (
     "etcd",
     "kwok",
     "helm",
+    # the real node (realnode.py)
+    "kubelet",
+    "kube-proxy",
+    "containerd",
+    "containerd-shim-runc-v2",
+    "ctr",
+    "coredns",
+    "pause.oci.tar",
+    "probe.oci.tar",
 )
 START_TIMEOUT_S: Final = 150.0
 STOP_GRACE_S: Final = 10.0
@@ -97,12 +111,13 @@ class BuildFailed(RuntimeError):
 
 
 def version_key() -> str:
-    """16 hex digits over the build inputs in tests/k8senv (paths and bytes)."""
+    """16 hex digits over the build inputs in tests/k8senv (paths and bytes; .go for our own
+    programs there)."""
     h = hashlib.sha256()
     files = sorted(
         p
         for p in K8SENV_DIR.rglob("*")
-        if p.is_file() and (p.suffix in {".mod", ".sum", ".sh", ".yaml"})
+        if p.is_file() and (p.suffix in {".mod", ".sum", ".sh", ".yaml", ".go"})
     )
     for p in files:
         h.update(p.relative_to(K8SENV_DIR).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
@@ -164,7 +179,7 @@ def missing_message() -> str:
             f"({problem}; https://go.dev/doc/install)"
         )
     else:
-        msg += " (cold build: about 40 min on 2 cores, once per machine)"
+        msg += " (cold build: about 45 min on 2 cores, once per machine)"
     return msg
 
 
@@ -426,8 +441,9 @@ def _openssl(*args: str | Path) -> None:
     subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True)
 
 
-def _write_pki(pki: Path) -> None:
-    """A CA, one serving cert for every apiserver (127.0.0.1), and a service-account key."""
+def _write_pki(pki: Path, extra_ips: Sequence[str] = ()) -> None:
+    """A CA, one serving cert for every apiserver (127.0.0.1 and extra_ips: the real node's
+    host address), and a service-account key."""
     pki.mkdir(parents=True, exist_ok=True)
     ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
     _openssl(
@@ -456,8 +472,10 @@ def _write_pki(pki: Path) -> None:
         pki / "apiserver.csr",
     )
     (pki / "server.ext").write_text(
-        "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,"
-        "DNS:kubernetes.default,DNS:kubernetes.default.svc\nextendedKeyUsage=serverAuth\n"
+        "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,"
+        + "".join(f"IP:{ip}," for ip in extra_ips)
+        + "DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,"
+        "DNS:kubernetes.default.svc.cluster.local\nextendedKeyUsage=serverAuth\n"
     )
     _openssl(
         "x509",
@@ -497,13 +515,14 @@ class ControlPlane:
         names: Sequence[str] = DEFAULT_CLUSTERS,
         *,
         nodes_per_cluster: int = 2,
+        real_node: bool = False,
     ) -> None:
         if not names or len(set(names)) != len(names):
             raise ValueError(f"names must be distinct and non-empty, got {list(names)}")
         for n in names:
             if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", n):
                 raise ValueError(f"cluster name {n!r} must be a DNS label")
-        if nodes_per_cluster < 1:
+        if nodes_per_cluster < (0 if real_node else 1):
             raise ValueError(f"nodes_per_cluster must be >= 1, got {nodes_per_cluster}")
         self.bindir = Path(bindir)
         self.run_dir = Path(run_dir).resolve()
@@ -512,6 +531,13 @@ class ControlPlane:
         self.clusters: dict[str, Cluster] = {}
         self.procs: list[Proc] = []
         self._token = secrets.token_urlsafe(32)
+        # real_node=True: one real node (realnode.py) joins the first cluster, whose apiserver
+        # then listens on the node's host-side address instead of 127.0.0.1.
+        self.real_node: RealNode | None = (
+            _realnode().RealNode(self.bindir, self.run_dir / "node", self.names[0])
+            if real_node
+            else None
+        )
 
     # -- public helpers
 
@@ -547,6 +573,13 @@ class ControlPlane:
         return subprocess.run(
             argv, input=input, capture_output=True, text=True, check=check, timeout=timeout
         )
+
+    def import_image(self, archive: Path) -> list[str]:
+        """Import an image archive (OCI or docker-archive tar) into the real node's containerd;
+        returns the image names (pods must not pull: imagePullPolicy IfNotPresent or Never)."""
+        if self.real_node is None:
+            raise RuntimeError("import_image needs ControlPlane(..., real_node=True)")
+        return self.real_node.import_image(archive)
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
@@ -603,7 +636,13 @@ class ControlPlane:
     def _start(self, deadline: float) -> None:
         run, pki = self.run_dir, self.run_dir / "pki"
         run.mkdir(parents=True, exist_ok=True)
-        _write_pki(pki)
+        rnode = self.real_node
+        if rnode is not None:
+            rnode.create_network()  # before the apiserver, which binds node.host_ip
+            self.procs += rnode.procs
+        _write_pki(pki, [rnode.host_ip] if rnode else [])
+        if rnode is not None:
+            rnode.write_certs(pki)
         tokens = run / "tokens.csv"
         tokens.write_text(f'{self._token},admin,admin-uid,"system:masters"\n')
         tokens.chmod(0o600)
@@ -633,7 +672,9 @@ class ControlPlane:
 
         apiservers = []
         for name, port in zip(self.names, api_ports, strict=True):
-            server = f"https://127.0.0.1:{port}"
+            on_node = rnode is not None and name == self.names[0]
+            addr = rnode.host_ip if rnode is not None and on_node else "127.0.0.1"
+            server = f"https://{addr}:{port}"
             self.clusters[name] = Cluster(
                 name, server, run / f"{name}.kubeconfig", pki / "ca.crt", self._token
             )
@@ -646,8 +687,8 @@ class ControlPlane:
                         self.bin("kube-apiserver"),
                         f"--etcd-servers={etcd_url}",
                         f"--etcd-prefix=/{name}/registry",
-                        "--bind-address=127.0.0.1",
-                        "--advertise-address=127.0.0.1",
+                        f"--bind-address={addr}",
+                        f"--advertise-address={addr}",
                         f"--secure-port={port}",
                         f"--cert-dir={run / name / 'certs'}",
                         f"--tls-cert-file={pki / 'apiserver.crt'}",
@@ -664,6 +705,8 @@ class ControlPlane:
                         "--profiling=false",
                         "--default-not-ready-toleration-seconds=10",
                         "--default-unreachable-toleration-seconds=10",
+                        # later flags win: the real node's replace --endpoint-reconciler-type
+                        *(rnode.apiserver_flags(pki) if rnode is not None and on_node else []),
                     ],
                 )
             )
@@ -699,6 +742,8 @@ class ControlPlane:
                     "--secure-port=0",
                 ],
             )
+            if self.nodes_per_cluster == 0:
+                continue  # no fake nodes: no kwok
             self._spawn(
                 "kwok",
                 logs / "kwok.log",
@@ -731,6 +776,8 @@ class ControlPlane:
                 self.procs,
                 deadline,
             )
+        if rnode is not None:
+            self.procs += rnode.start(self.home, pki, deadline)
 
     def stop(self) -> None:
         """Stop everything in reverse order: SIGTERM, then SIGKILL after a grace period."""
@@ -743,7 +790,13 @@ class ControlPlane:
             [p for p in self.procs if p.name == "kube-apiserver"],
             [p for p in self.procs if p.name == "etcd"],
         ]
-        for tier in tiers:
+        if self.real_node is not None:
+            self.real_node.stop_clients()  # or the apiserver's shutdown waits on their streams
+        for i, tier in enumerate(tiers):
+            if i == 2 and self.real_node is not None:
+                # After the apiservers (whose shutdown talks to itself on the node's host
+                # address, which goes with the node): the whole node at once.
+                self.real_node.stop()
             for p in tier:
                 if p.alive():
                     p.popen.send_signal(signal.SIGTERM)
@@ -873,7 +926,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    plane = ControlPlane(bindir, run_dir, names, nodes_per_cluster=args.nodes)
+    nodes = args.nodes if args.nodes is not None else (0 if args.real_node else 2)
+    plane = ControlPlane(bindir, run_dir, names, nodes_per_cluster=nodes, real_node=args.real_node)
     t0 = time.monotonic()
     try:
         plane.start()
@@ -884,6 +938,14 @@ def _cmd_up(args: argparse.Namespace) -> int:
         )
         for cl in plane.clusters.values():
             print(f"  {cl.name:10} {cl.server}  KUBECONFIG={cl.kubeconfig}", flush=True)
+        if plane.real_node is not None:
+            rn = plane.real_node
+            print(
+                f"  real node  {rn.name} ({rn.node_ip}, pods {rn.pod_cidr}) in "
+                f"{names[0]}; logs {rn.run_dir}; inside it: nsenter --target "
+                f"{rn.holder_pid} --pid --mount --net",
+                flush=True,
+            )
         print(f"  binaries: export PATH={bindir}:$PATH", flush=True)
         print("k8senv: ready; Ctrl-C stops everything", flush=True)
         while True:
@@ -914,7 +976,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("key", help="print the version key and the cache directory")
     up = sub.add_parser("up", help="start a control plane until Ctrl-C")
     up.add_argument("--clusters", type=int, default=3, help="number of clusters (default 3)")
-    up.add_argument("--nodes", type=int, default=2, help="fake GPU nodes per cluster (default 2)")
+    up.add_argument(
+        "--nodes", type=int, help="fake GPU nodes per cluster (default 2; 0 with --real-node)"
+    )
+    up.add_argument(
+        "--real-node",
+        action="store_true",
+        help="join one real node (kubelet, containerd, kube-proxy, CoreDNS) to the first cluster",
+    )
     up.add_argument("--run-dir", help="where logs, PKI and kubeconfigs go (default: a temp dir)")
     up.add_argument("--keep", action="store_true", help="keep the temp run dir after stopping")
     args = parser.parse_args(argv)
@@ -936,5 +1005,18 @@ def running(
         yield plane
 
 
+def _realnode() -> Any:
+    """The realnode module (realnode.py beside this file), loaded by path once."""
+    if (mod := sys.modules.get("realnode")) is None:
+        spec = importlib.util.spec_from_file_location(
+            "realnode", Path(__file__).with_name("realnode.py")
+        )
+        assert spec is not None and spec.loader is not None
+        mod = sys.modules["realnode"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    return mod
+
+
 if __name__ == "__main__":
+    sys.modules.setdefault("k8senv", sys.modules[__name__])  # realnode's `import k8senv`
     sys.exit(main())

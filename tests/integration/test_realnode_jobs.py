@@ -1,0 +1,451 @@
+"""Jobs in real pods: the chart and a DecoupledDiLoCoJob on the real node (realnode.py), with the
+image built from our Dockerfile (image.py). Nothing here is played by kwok: the operator, the
+synchronizer and the learners are containers that containerd started with runc.
+
+    python tests/integration/k8senv.py build      # kubelet, containerd, CoreDNS, ... (once)
+    python tests/integration/image.py build       # the image (once per project change)
+    .venv/bin/pytest tests/integration/test_realnode_jobs.py -s
+
+The tests run in file order and share one job (module scope): install the chart (operator
+Running and Ready, `helm test`), run deploy/examples/tiny-cpu.yaml, evict a learner with the
+Eviction API, delete the synchronizer pod, leave a pod as a preempted node would (Failed,
+reason Evicted, a DisruptionTarget condition), then delete the job. Measured times are printed
+(`-s`), never asserted; the timeouts are only there so that a broken run ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import ipaddress
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import chart_helpers as c
+import k8senv
+import pytest
+import yaml
+
+# the module fixture saves and imports a 5 GB image (minutes); each test waits on real pods
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+if "image" not in sys.modules:  # image.py sits beside k8senv.py; loaded by path like it
+    _spec = importlib.util.spec_from_file_location("image", Path(__file__).with_name("image.py"))
+    assert _spec is not None and _spec.loader is not None
+    sys.modules["image"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["image"])
+import image  # noqa: E402
+
+JOB = "tiny-cpu"
+SYNC_POD_LABEL = "app.kubernetes.io/component=synchronizer"
+LEARNER_LABEL = "app.kubernetes.io/component=learner"
+
+# Polls the synchronizer's own /v1/status from inside its pod (its token file is mounted there)
+# and prints one JSON line per poll: the host clock (containers share the kernel's) and the
+# learners' incarnations and accepted contributions. One exec for a whole measurement.
+POLLER = """
+import json, os, ssl, sys, time, urllib.request
+token = open(os.environ["DDILOCO_TOKEN_FILE"]).read().split()[0]
+ctx, scheme = None, "http"
+if cert := os.environ.get("DDILOCO_TLS_CERT_FILE"):  # the job's CA signed it; not for 127.0.0.1
+    ctx, scheme = ssl.create_default_context(cafile=os.path.dirname(cert) + "/ca.crt"), "https"
+    ctx.check_hostname = False
+end = time.time() + float(sys.argv[1])
+while time.time() < end:
+    try:
+        req = urllib.request.Request(f"{scheme}://127.0.0.1:8470/v1/status",
+                                     headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(req, timeout=2, context=ctx) as r:
+            s = json.load(r)
+        print(json.dumps({"t": time.time(), "version": s["global_version"],
+                          "learners": {l["learner_id"]: [l["incarnation"], l["contributions"]]
+                                       for l in s["learners"]}}), flush=True)
+    except OSError as e:
+        print(json.dumps({"t": time.time(), "error": str(e)}), flush=True)
+    time.sleep(0.2)
+"""
+
+
+@dataclass
+class Run:
+    """What the tests share: the plane, the namespace, the release and measured figures."""
+
+    plane: Any
+    ns: str
+    release: str
+    image: str
+    figures: dict[str, float] = field(default_factory=dict)
+
+    def kubectl(self, *args: str, check: bool = True, timeout: float = 60.0) -> str:
+        return self.plane.kubectl("home", "-n", self.ns, *args, check=check, timeout=timeout).stdout
+
+    def get(self, *args: str) -> Any:
+        return json.loads(self.kubectl("get", *args, "-o", "json"))
+
+    def pods(self, selector: str) -> list[dict[str, Any]]:
+        return self.get("pods", "-l", f"ddiloco.dev/job={JOB},{selector}")["items"]
+
+    def job(self) -> dict[str, Any]:
+        return self.get("ddj", JOB)
+
+    def api(self, method: str, path: str, body: Any = None) -> Any:
+        return self.plane.home.api(method, path, body)
+
+
+def running_ready(pod: dict[str, Any]) -> bool:
+    st = pod.get("status", {})
+    if st.get("phase") != "Running" or pod["metadata"].get("deletionTimestamp"):
+        return False
+    conds = {c_["type"]: c_["status"] for c_ in st.get("conditions", [])}
+    return conds.get("Ready") == "True"
+
+
+def real_container(pod: dict[str, Any]) -> str:
+    """The container ID the kubelet reports: containerd's, so a real runtime ran it."""
+    statuses = pod["status"].get("containerStatuses", [])
+    assert statuses, pod["status"]
+    cid = statuses[0].get("containerID", "")
+    assert cid.startswith("containerd://"), statuses
+    return cid
+
+
+@pytest.fixture(scope="module")
+def run(real_plane: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    t0 = time.monotonic()
+    tag = image.ensure_image()
+    node = real_plane.real_node
+    if not any(name.endswith(tag) for name in node.images()):
+        archive = tmp_path_factory.mktemp("image") / "ddiloco.tar"
+        image.save_archive(tag, archive)
+        t1 = time.monotonic()
+        real_plane.import_image(archive)
+        print(f"\nimage {tag}: imported into the node in {time.monotonic() - t1:.1f}s")
+        archive.unlink()
+    ns = f"t-realnode-{uuid.uuid4().hex[:6]}"
+    real_plane.kubectl("home", "create", "namespace", ns)
+    k8senv.wait_until(
+        "default ServiceAccount",
+        lambda: (
+            real_plane.kubectl("home", "-n", ns, "get", "sa", "default", check=False).returncode
+            == 0
+        ),
+        timeout=30,
+    )
+    print(f"image ready on the node after {time.monotonic() - t0:.1f}s")
+    r = Run(real_plane, ns, f"dd-{uuid.uuid4().hex[:5]}", tag)
+    try:
+        yield r
+    finally:
+        if r.figures:
+            print("\nreal-node figures: " + json.dumps(r.figures, indent=1))
+        with contextlib.suppress(subprocess.SubprocessError):
+            r.kubectl("delete", "ddj", "--all", "--wait=true", "--timeout=90s", check=False)
+        helm = k8senv_helm(real_plane)
+        subprocess.run(
+            [helm, "uninstall", r.release, "-n", ns, "--wait", "--timeout", "60s",
+             "--kubeconfig", str(real_plane.home.kubeconfig)],
+            capture_output=True, timeout=120, check=False,
+        )  # fmt: skip
+        real_plane.kubectl("home", "delete", "namespace", ns, "--wait=false", check=False)
+
+
+def k8senv_helm(plane: Any) -> str:
+    return str(plane.bin("helm"))
+
+
+def helm(r: Run, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    argv = [k8senv_helm(r.plane), *args, "--kubeconfig", str(r.plane.home.kubeconfig)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"helm {' '.join(args)}:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def sync_pod(r: Run) -> dict[str, Any]:
+    pods = [p for p in r.pods(SYNC_POD_LABEL) if not p["metadata"].get("deletionTimestamp")]
+    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
+    return pods[0]
+
+
+def learner_pods(r: Run) -> dict[str, dict[str, Any]]:
+    """Learner id -> its live (not terminating, not failed) pod."""
+    out: dict[str, dict[str, Any]] = {}
+    for p in r.pods(LEARNER_LABEL):
+        if p["metadata"].get("deletionTimestamp") or p["status"].get("phase") in (
+            "Failed",
+            "Succeeded",
+        ):
+            continue
+        out[p["metadata"]["labels"]["ddiloco.dev/learner-id"]] = p
+    return out
+
+
+def wait_job_running(r: Run, timeout: float = 240) -> dict[str, dict[str, Any]]:
+    def probe() -> dict[str, dict[str, Any]] | None:
+        pods = learner_pods(r)
+        syncs = [p for p in r.pods(SYNC_POD_LABEL) if running_ready(p)]
+        if len(syncs) == 1 and len(pods) == 2 and all(running_ready(p) for p in pods.values()):
+            return pods
+        return None
+
+    return k8senv.wait_until(
+        "the synchronizer and 2 learner pods Running and Ready", probe, timeout
+    )
+
+
+class Poller:
+    """A status poller running inside the synchronizer pod (one `kubectl exec`)."""
+
+    def __init__(self, r: Run, seconds: float) -> None:
+        pod = sync_pod(r)["metadata"]["name"]
+        argv = [
+            str(r.plane.bin("kubectl")), f"--kubeconfig={r.plane.home.kubeconfig}", "-n", r.ns,
+            "exec", pod, "--", "python", "-u", "-c", POLLER, str(seconds),
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.samples: list[dict[str, Any]] = []
+        self.cv = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with contextlib.suppress(ValueError):
+                sample = json.loads(line)
+                with self.cv:
+                    self.samples.append(sample)
+                    self.cv.notify_all()
+        with self.cv:
+            self.cv.notify_all()
+
+    def wait(self, what: str, pred: Any, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        seen = 0
+        with self.cv:
+            while True:
+                for s in self.samples[seen:]:
+                    if "learners" in s and pred(s):
+                        return s
+                seen = len(self.samples)
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.proc.poll() is not None and seen == len(self.samples)):
+                    last = self.samples[-3:]
+                    err = self.proc.stderr.read() if self.proc.poll() is not None else ""
+                    raise TimeoutError(f"{what}: not within {timeout}s; last {last} {err}")
+                self.cv.wait(min(left, 1.0))
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+def test_helm_install_operator_runs_in_a_real_container(run: Run) -> None:
+    repo, tag = run.image.rsplit(":", 1)
+    t0 = time.monotonic()
+    helm(
+        run, "install", run.release, str(c.CHART), "-n", run.ns,
+        "--set", f"image.repository={repo}", "--set", f"image.tag={tag}",
+        "--set", "image.pullPolicy=Never", "--set", f"operator.watchNamespaces={{{run.ns}}}",
+        "--wait", "--timeout", "240s",
+    )  # fmt: skip
+    run.figures["helm_install_wait_s"] = round(time.monotonic() - t0, 1)
+    pods = run.get("pods", "-l", "app.kubernetes.io/component=operator")["items"]
+    assert len(pods) == 1 and running_ready(pods[0]), [p["status"] for p in pods]
+    real_container(pods[0])
+    assert pods[0]["spec"]["nodeName"] == run.plane.real_node.name
+    t0 = time.monotonic()
+    out = helm(run, "test", run.release, "-n", run.ns, "--timeout", "180s").stdout
+    run.figures["helm_test_s"] = round(time.monotonic() - t0, 1)
+    assert "Phase:          Succeeded" in out or "Succeeded" in out, out
+
+
+def test_tiny_cpu_example_trains_in_real_pods(run: Run) -> None:
+    body = yaml.safe_load((c.REPO / "deploy" / "examples" / "tiny-cpu.yaml").read_text())
+    body["spec"]["image"] = run.image
+    body["spec"]["imagePullPolicy"] = "Never"
+    body["spec"]["training"]["maxSteps"] = 1_000_000  # runs until the last test deletes it
+    t0 = time.monotonic()
+    run.plane.kubectl("home", "-n", run.ns, "apply", "-f", "-", input=yaml.safe_dump(body))
+    pods = wait_job_running(run)
+    run.figures["apply_to_pods_ready_s"] = round(time.monotonic() - t0, 1)
+    for p in [*pods.values(), sync_pod(run)]:
+        real_container(p)
+    # the learners name the synchronizer by its Service's DNS name, never by an IP
+    for p in pods.values():
+        env = {e["name"]: e.get("value") for e in p["spec"]["containers"][0]["env"]}
+        host = urlsplit(env["DDILOCO_SYNC_URL"]).hostname or ""
+        assert host == f"{JOB}-synchronizer.{run.ns}.svc", env["DDILOCO_SYNC_URL"]
+        with pytest.raises(ValueError):
+            ipaddress.ip_address(host)
+
+    def merged() -> int | None:
+        v = run.job().get("status", {}).get("globalVersion") or 0
+        return v if v >= 4 else None
+
+    v1 = k8senv.wait_until("merges in the job's status", merged, timeout=180)
+    run.figures["apply_to_4_merges_s"] = round(time.monotonic() - t0, 1)
+    v2 = k8senv.wait_until("merges advancing", lambda: (merged() or 0) > v1 or None, timeout=120)
+    table = run.kubectl("get", "ddj", JOB)
+    print(f"\n{table}")
+    assert str(v2) in table or "Running" in table, table
+    # both learners reached the synchronizer (through that name): their work was accepted
+    poller = Poller(run, 60)
+    try:
+        poller.wait(
+            "both learners' updates accepted",
+            lambda s: all(s["learners"].get(lid, [0, 0])[1] > 0 for lid in pods),
+            timeout=60,
+        )
+    finally:
+        poller.close()
+
+
+def _replace_and_rejoin(run: Run, victim_lid: str, disrupt: Any, figure: str) -> None:
+    """Disrupt one learner's pod; the operator replaces it, the replacement rejoins (a new
+    incarnation) and its updates are accepted; the other learner keeps its pod (same uid)."""
+    before = learner_pods(run)
+    victim = before[victim_lid]
+    others = {lid: p["metadata"]["uid"] for lid, p in before.items() if lid != victim_lid}
+    poller = Poller(run, 300)
+    try:
+        s0 = poller.wait("a status sample", lambda s: victim_lid in s["learners"], timeout=30)
+        inc0 = s0["learners"][victim_lid][0]
+        t0 = time.time()
+        disrupt(victim)
+
+        def gone() -> bool:
+            """The old pod's process has ended: the pod is gone, or its container stopped."""
+            for p in run.pods(LEARNER_LABEL):
+                if p["metadata"]["uid"] == victim["metadata"]["uid"]:
+                    statuses = p["status"].get("containerStatuses", [])
+                    return bool(statuses) and "terminated" in statuses[0].get("state", {})
+            return True
+
+        k8senv.wait_until(f"{victim['metadata']['name']} gone", gone, timeout=120)
+        s_gone = poller.wait("a sample after the old pod went", lambda s: s["t"] > time.time() - 1,
+                             timeout=30)  # fmt: skip
+        c_gone = s_gone["learners"][victim_lid][1]
+        first = poller.wait(
+            "the replacement's first accepted update",
+            lambda s: s["learners"][victim_lid][0] > inc0 and s["learners"][victim_lid][1] > c_gone,
+            timeout=240,
+        )
+        run.figures[figure] = round(first["t"] - t0, 1)
+        print(f"\n{figure}: {first['t'] - t0:.1f}s (poll resolution 0.2s)")
+    finally:
+        poller.close()
+    after = wait_job_running(run)
+    assert after[victim_lid]["metadata"]["uid"] != victim["metadata"]["uid"]
+    real_container(after[victim_lid])
+    for lid, uid in others.items():
+        assert after[lid]["metadata"]["uid"] == uid, f"{lid} was restarted"
+    v = run.job()["status"].get("globalVersion", 0)
+    k8senv.wait_until(
+        "merges continue",
+        lambda: run.job()["status"].get("globalVersion", 0) > v or None,
+        timeout=120,
+    )
+
+
+def test_evicted_learner_is_replaced_and_rejoins(run: Run) -> None:
+    def evict(pod: dict[str, Any]) -> None:
+        name = pod["metadata"]["name"]
+        run.api(
+            "POST",
+            f"/api/v1/namespaces/{run.ns}/pods/{name}/eviction",
+            {
+                "apiVersion": "policy/v1",
+                "kind": "Eviction",
+                "metadata": {"name": name, "namespace": run.ns},
+            },
+        )
+
+    lid = sorted(learner_pods(run))[0]
+    _replace_and_rejoin(run, lid, evict, "eviction_to_first_accepted_update_s")
+
+
+def test_synchronizer_pod_deleted_comes_back_on_its_volume(run: Run) -> None:
+    old = sync_pod(run)
+    learners = {lid: p["metadata"]["uid"] for lid, p in learner_pods(run).items()}
+    poller = Poller(run, 30)
+    try:
+        s = poller.wait("versions", lambda s: True, timeout=30)
+    finally:
+        poller.close()
+    v_before = s["version"]
+    claim = [v for v in old["spec"]["volumes"] if "persistentVolumeClaim" in v]
+    assert claim, old["spec"]["volumes"]
+    t0 = time.monotonic()
+    run.kubectl("delete", "pod", old["metadata"]["name"], "--wait=false")
+
+    def back() -> dict[str, Any] | None:
+        pods = [p for p in run.pods(SYNC_POD_LABEL) if running_ready(p)]
+        return pods[0] if pods and pods[0]["metadata"]["uid"] != old["metadata"]["uid"] else None
+
+    new = k8senv.wait_until("a new synchronizer pod Ready", back, timeout=180)
+    run.figures["synchronizer_delete_to_ready_s"] = round(time.monotonic() - t0, 1)
+    assert [v for v in new["spec"]["volumes"] if "persistentVolumeClaim" in v] == claim
+    poller = Poller(run, 120)
+    try:
+        # it resumed from the volume: versions continue from where they were, and grow
+        s = poller.wait("versions after the restart", lambda s: True, timeout=30)
+        assert s["version"] >= v_before, (s["version"], v_before)
+        poller.wait("merges after the restart", lambda s: s["version"] > v_before, timeout=120)
+    finally:
+        poller.close()
+    # the learners carried on: same pods, never restarted
+    now = learner_pods(run)
+    for lid, uid in learners.items():
+        assert now[lid]["metadata"]["uid"] == uid
+        assert now[lid]["status"]["containerStatuses"][0]["restartCount"] == 0
+
+
+def test_pod_left_as_by_a_preempted_node_is_replaced(run: Run) -> None:
+    def preempted(pod: dict[str, Any]) -> None:
+        # what the kubelet of a node under pressure (or a spot node's shutdown) writes
+        name = pod["metadata"]["name"]
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        obj = run.get("pod", name)
+        msg = "The node was low on resource: memory."
+        conditions = [
+            c_ for c_ in obj["status"].get("conditions", []) if c_["type"] != "DisruptionTarget"
+        ]
+        conditions.append(
+            {"type": "DisruptionTarget", "status": "True", "reason": "TerminationByKubelet",
+             "message": msg, "lastTransitionTime": now}
+        )  # fmt: skip
+        obj["status"].update(phase="Failed", reason="Evicted", message=msg, conditions=conditions)
+        run.api("PUT", f"/api/v1/namespaces/{run.ns}/pods/{name}/status", obj)
+
+    lid = sorted(learner_pods(run))[-1]
+    _replace_and_rejoin(run, lid, preempted, "preempted_to_first_accepted_update_s")
+
+
+def test_deleting_the_job_removes_everything_it_made(run: Run) -> None:
+    uid = run.job()["metadata"]["uid"]
+    run.kubectl("delete", "ddj", JOB, "--wait=true", "--timeout=120s", timeout=150)
+    kinds = (
+        "pods,services,secrets,configmaps,persistentvolumeclaims,serviceaccounts,roles,rolebindings"
+    )
+
+    def left() -> list[str]:
+        items = run.get(kinds)["items"]
+        return [
+            f"{i['kind']}/{i['metadata']['name']}"
+            for i in items
+            if i["metadata"].get("labels", {}).get("ddiloco.dev/job-uid") == uid
+            or any(o.get("uid") == uid for o in i["metadata"].get("ownerReferences", []))
+        ]
+
+    k8senv.wait_until("every object of the job gone", lambda: not left() or None, timeout=120)
