@@ -110,6 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg.token_source()  # a token file that holds no token is refused here, by name
     except (OSError, ValueError) as e:
         raise SystemExit(f"ddiloco learner: {e}") from None
+    from ddiloco.learner import spare
+
+    if spare.enabled():  # a hot spare (DDILOCO_SPARE=1): warm up, wait for a slot's identity
+        init_logging(args.log_level, "spare")
+        spare.wait_for_slot(args)
+        logging.getLogger().handlers.clear()  # from here on the lines carry the slot's id
+        cfg = build_config(args)
     init_logging(args.log_level, cfg.learner_id)
     if unread := LearnerConfig.unread_env(os.environ):
         # not fatal: an older image under a newer operator must still train

@@ -3,6 +3,7 @@
     ddiloco local                                   # 4 learners, tiny GPT, 60 s, stdlib corpus
     ddiloco local --learners 3 --max-seconds 60 --seed 1 --report r.json
     ddiloco local --chaos kill                      # SIGKILL a learner every ~12 s, restart it
+    ddiloco local --chaos kill --warm-spares 0      # ... without the hot spare taking over
     ddiloco local --tls                             # HTTPS (h2 by ALPN), the run's own CA
     ddiloco local --mtls                            # ... and client certificates (mutual TLS)
 
@@ -89,8 +90,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--warm-spares",
         type=int,
-        default=0,
-        help="pre-started learner processes that replace killed ones (skips the torch import)",
+        default=1,
+        help="pre-started learner processes that replace killed ones (default 1; 0: a killed "
+        "learner restarts as a fresh process after the schedule's delay)",
+    )
+    ap.add_argument(
+        "--spare-takeover",
+        choices=["immediate", "after-delay"],
+        default="immediate",
+        help="immediate (default): a ready spare takes a killed learner's slot at once, as a "
+        "hot spare pod does; after-delay: only once the schedule's restart delay is over "
+        "(what the bench does for every arm)",
     )
     ap.add_argument(
         "--tls",
@@ -211,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=args.batch_size,
         inner_lr=args.inner_lr,
         warm_spares=args.warm_spares,
+        spare_takeover=args.spare_takeover,
         tls=args.tls,
         mtls=args.mtls,
         **({"out": args.out} if args.out else {}),

@@ -74,6 +74,12 @@ class LocalConfig:
     warm_spares: int = 0
     """Pre-warmed spare learner processes standing by to replace killed ones (local/spare.py);
     0 restarts a killed learner as a fresh process."""
+    spare_takeover: str = "after-delay"
+    """When a killed learner's slot goes to a warm spare: `immediate` (hot spares, as the
+    operator's `failurePolicy.hotSpares`: the schedule's long-tailed delay models a pod's
+    rescheduling and image pull, which a started spare does not pay; without a ready spare
+    the delay applies) or `after-delay` (the spare only saves the import once the delay is
+    over; what the bench uses for every arm, so that arms differ only in the method)."""
     tls: bool = False
     """Serve the synchronizer over HTTPS (a CA of the run's own); learners verify it."""
     mtls: bool = False
@@ -89,6 +95,10 @@ class LocalConfig:
             raise ValueError(f"quorum must be in 1..learners ({self.learners}), got {self.quorum}")
         if self.max_seconds <= 0 and self.max_steps <= 0:
             self.max_seconds = 60.0
+        if self.spare_takeover not in ("immediate", "after-delay"):
+            raise ValueError(
+                f"spare_takeover must be immediate or after-delay, got {self.spare_takeover!r}"
+            )
 
 
 class LocalRun:
@@ -290,6 +300,7 @@ class LocalRun:
         while self.schedule.events and self.schedule.events[0].at <= now:
             ev = self.schedule.events.pop(0)
             child = by_name[ev.target]
+            hot = False  # handed to a hot spare at once (spare_takeover immediate)
             if ev.action == "add":
                 if child.proc is not None:
                     continue
@@ -307,11 +318,24 @@ class LocalRun:
             elif ev.action in ("kill", "kill_sync"):
                 child.kill()
                 child.restart_at = now + ev.delay
+                if (
+                    ev.action == "kill"
+                    and self.cfg.spare_takeover == "immediate"
+                    and self.spares is not None
+                    and self.spares.ready()
+                ):
+                    child.restart_at, hot = now, True  # a hot spare takes the slot over
             elif ev.action == "pause":
                 child.pause()
                 child.resume_at = now + ev.delay
-            self.applied.append({**asdict(ev), "applied_at": round(now, 3)})
-            log.info("Chaos %s %s (back in %.1fs)", ev.action, ev.target, ev.delay)
+            self.applied.append({**asdict(ev), "applied_at": round(now, 3), "hot_spare": hot})
+            log.info(
+                "Chaos %s %s (back in %.1fs%s)",
+                ev.action,
+                ev.target,
+                0.0 if hot else ev.delay,
+                ", a hot spare takes over" if hot else "",
+            )
         for lid, at in list(self.reconnect_at.items()):
             if now >= at:
                 self.proxies[lid].restore()

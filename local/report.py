@@ -173,6 +173,8 @@ def build_report(run: LocalRun) -> dict[str, Any]:
             "taken": run.spares.taken,
             "started": run.spares.started,
             "standby_seconds": round(run.spares.standby_seconds, 3),
+            "takeover": cfg.spare_takeover,
+            "hot_takeovers": sum(1 for e in run.applied if e.get("hot_spare")),
         }
         if run.spares is not None
         else None,
@@ -192,6 +194,7 @@ def build_report(run: LocalRun) -> dict[str, Any]:
             "max_seconds": cfg.max_seconds,
             "max_steps": cfg.max_steps,
             "warm_spares": cfg.warm_spares,
+            "spare_takeover": cfg.spare_takeover,
             "batch_size": cfg.batch_size,
             "tokens_per_step": _tokens_per_batch(run),
             "inner_lr": cfg.inner_lr,

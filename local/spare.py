@@ -6,14 +6,20 @@
 A spare does what a fresh process spends its first seconds on (import torch and the training
 code, first optimizer step) before it is needed, then blocks reading one line from stdin: the
 argv of the slot it takes over and the log file to write to. This is what a warm standby pod
-with the image already pulled would do in a cluster. It does not make a replacement arrive
-sooner: the launcher still waits the schedule's long-tailed delay before it hands the slot
-over, and the slot counts as dead until then. It removes the import cost (3-8 s on a 2-core
-machine, up to 12 s when loaded) from the time after the delay. Spares are started with the
-run and refilled right after one is taken; their start-up competes for CPU with the running
-learners, which shows in their step times. The bench reports how long spares stood by.
+with the image already pulled would do in a cluster. Once warm it writes its ready file
+(`SparePool.ready()` counts those). Spares are started with the run and refilled right after
+one is taken; their start-up competes for CPU with the running learners, which shows in their
+step times. The bench reports how long spares stood by.
 
-Run by the pool as `python -P -m ddiloco.local.spare <module to pre-import>`.
+When the slot is handed over is the launcher's choice (local/launcher.py, `spare_takeover`):
+`immediate` (`ddiloco local`'s default, what the operator's hot spares do) hands a killed slot
+to a ready spare at once, since the long-tailed delay models a pod's rescheduling and image
+pull, which a started spare does not pay; `after-delay` (the bench, for every arm alike)
+still waits the schedule's delay and the slot counts as dead until then: the spare only
+removes the import cost (3-8 s on a 2-core machine, up to 12 s when loaded) from the time
+after it.
+
+Run by the pool as `python -P -m ddiloco.local.spare <module to pre-import> [<ready file>]`.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class SparePool:
         self.logs = logs
         self.size = size
         self.spares: list[tuple[subprocess.Popen[bytes], float]] = []
+        self.ready_files: dict[int, Path] = {}  # pid -> the file it writes once warm
         self.started = 0
         self.taken = 0
         self.standby_seconds = 0.0
@@ -48,9 +55,11 @@ class SparePool:
     def fill(self) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
         while len(self.spares) < self.size:
+            ready = self.logs / f"spare-{self.started}.ready"
+            ready.unlink(missing_ok=True)
             with open(self.logs / f"spare-{self.started}.log", "ab") as log:
                 proc = subprocess.Popen(
-                    [sys.executable, "-P", "-m", "ddiloco.local.spare", self.module],
+                    [sys.executable, "-P", "-m", "ddiloco.local.spare", self.module, str(ready)],
                     env=self.env,
                     stdin=subprocess.PIPE,
                     stdout=log,
@@ -58,11 +67,22 @@ class SparePool:
                     preexec_fn=_die_with_parent,
                 )
             self.spares.append((proc, time.time()))
+            self.ready_files[proc.pid] = ready
             self.started += 1
 
+    def _ready(self, proc: subprocess.Popen[bytes]) -> bool:
+        file = self.ready_files.get(proc.pid)
+        return proc.poll() is None and file is not None and file.exists()
+
+    def ready(self) -> int:
+        """Standing spares that finished warming up."""
+        return sum(self._ready(proc) for proc, _ in self.spares)
+
     def take(self, argv: list[str], log_path: Path) -> subprocess.Popen[bytes] | None:
-        """Hand `argv` (a full `python -P -m module ...` command) to a standing spare; None
-        when none is left (the caller starts a cold process). Refills the pool."""
+        """Hand `argv` (a full `python -P -m module ...` command) to a standing spare, a warm
+        one first; None when none is left (the caller starts a cold process). Refills the
+        pool."""
+        self.spares.sort(key=lambda item: not self._ready(item[0]))  # the warm ones first
         while self.spares:
             proc, since = self.spares.pop(0)
             if proc.poll() is not None:
@@ -110,6 +130,8 @@ def main() -> int:
     opt.step()
     sys.stderr.write(f"spare: ready after {time.time() - t_start:.1f}s\n")
     sys.stderr.flush()
+    if len(sys.argv) > 2:
+        Path(sys.argv[2]).write_text(f"{time.time():.3f}\n")
     line = sys.stdin.readline()
     if not line:
         return 0  # the launcher closed the pool

@@ -38,6 +38,7 @@ MAX_GROUPS: Final = 16
 MAX_REPLICAS: Final = 512
 DNS_LABEL: Final = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 MAX_SLOT_DETAIL: Final = 32  # status.slots lists at most this many unhealthy slots
+MAX_HOT_SPARES: Final = 16  # failurePolicy.hotSpares per group
 # A DNS name (optionally a wildcard's "*." first label) or an IPv4/IPv6 address, for a SAN.
 EXTERNAL_NAME: Final = r"^(\*\.)?[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?$|^[0-9A-Fa-f:.]+$"
 
@@ -307,6 +308,12 @@ class FailurePolicy(_Model):
     """Delay before a slot's first replacement; it doubles with each further one."""
     max_backoff_seconds: float = Field(300.0, ge=0, le=86_400)
     """Upper bound of the doubling delay."""
+    hot_spares: int = Field(0, ge=0, le=MAX_HOT_SPARES)
+    """Idle learner pods kept started per learner group (image pulled, Python and torch
+    imported, model built), holding no slot. When a slot's pod fails and its replacement is
+    due, a Ready spare of its group takes over the slot's identity (learner id, data shard)
+    within about a second instead of a cold start, and a new spare is started in the
+    background. Without a Ready spare the slot is replaced by a new pod, as with 0."""
 
 
 class JobSpec(_Model):
@@ -416,6 +423,12 @@ class GroupStatus(_Model):
     from there was deleted, a failure."""
     failed_slots: list[FailedSlots] = Field(default_factory=list)
     """Slots whose pod failed and whose replacement is pending (backoff) or refused (limit)."""
+    spares: int = 0
+    """Hot spare pods of the group that hold no slot (failurePolicy.hotSpares)."""
+    spares_ready: int = 0
+    """Of those, the Ready ones: what a failed slot can be handed to at once."""
+    promoted: int = 0
+    """Replacements in this group made by promoting a hot spare since the job started."""
 
 
 class SlotStatus(_Model):

@@ -170,7 +170,10 @@ def send(client: ApiClient, action: Action, timeout: Timeout) -> None:
         verb = {"create": "create", "replace": "replace", "delete": "delete"}[action.verb]
         _certificate_api(client, verb, ns, name, timeout, body)
         return
-    if action.verb == "create":
+    if action.verb == "patch":  # a JSON patch (a list: the client sends json-patch+json)
+        assert action.kind == "Pod" and body is not None
+        core.patch_namespaced_pod(name, ns, body["patch"], **kw)
+    elif action.verb == "create":
         create[action.kind](ns, body, **kw)
     elif action.verb == "replace":
         replace[action.kind](name, ns, body, **kw)

@@ -50,6 +50,16 @@ LABEL_LEARNER_ID: Final = "ddiloco.dev/learner-id"
 LABEL_DATA_SHARD: Final = "ddiloco.dev/data-shard"
 LABEL_ATTEMPT: Final = "ddiloco.dev/attempt"
 LABEL_COMPONENT: Final = "app.kubernetes.io/component"
+# Hot spares (failurePolicy.hotSpares, operator/spares.py): a spare pod carries role "spare"
+# and no slot labels; promoting it patches role to "learner" and adds the slot's labels. Its
+# serial (LABEL_SPARE, in its name too) stays, so a promoted spare is still known as one.
+LABEL_ROLE: Final = "ddiloco.dev/role"
+LABEL_SPARE: Final = "ddiloco.dev/spare"
+ROLE_SPARE: Final = "spare"
+ROLE_LEARNER: Final = "learner"
+ANNOTATION_PROMOTED_AT: Final = "ddiloco.dev/promoted-at"
+SPARE_READY_FILE: Final = "/tmp/ddiloco-spare-ready"  # learner/spare.py writes it once warm
+PODINFO_DIR: Final = "/etc/ddiloco/podinfo"  # downward API: the pod's labels, kept current
 ANNOTATION_SPEC_HASH: Final = "ddiloco.dev/spec-hash"
 # On the synchronizer's pod template: a digest of the certificates it serves and trusts. The
 # synchronizer loads them at startup, so a renewed certificate rolls its pod (the token, which
@@ -89,6 +99,20 @@ def certificate_name(job: DecoupledDiLoCoJob) -> str:
 def client_secret_name(job: DecoupledDiLoCoJob, group: str, index: int) -> str:
     """A learner slot's client certificate (mutual TLS); it outlives the slot's pods."""
     return f"{learner_pod_name(job, group, index)}-client"
+
+
+def spare_pod_name(job: DecoupledDiLoCoJob, group: str, serial: int) -> str:
+    """`<job>-<group>-spare-<serial>-<tag>`: a hot spare of a group (the tag as for slots).
+    A promoted spare keeps its name; the next spare takes the lowest serial not in use."""
+    digest = hashlib.sha256(f"{job.uid}/{group}".encode()).digest()
+    tail = f"-spare-{serial}-{base64.b32encode(digest).decode()[:5].lower()}"
+    return f"{job.name}-{group}"[: 63 - len(tail)].rstrip("-") + tail
+
+
+def spare_client_secret_name(job: DecoupledDiLoCoJob, group: str, serial: int) -> str:
+    """A hot spare's own client certificate (mutual TLS, CN = its pod name): it keeps it
+    when promoted, so no slot's key is ever mounted into another pod."""
+    return f"{spare_pod_name(job, group, serial)}-client"
 
 
 def state_claim_name(job: DecoupledDiLoCoJob) -> str:
@@ -400,6 +424,10 @@ def build_synchronizer_deployment(
         "command": ["ddiloco", "synchronizer"],
         "env": env,
         "ports": [{"name": "http", "containerPort": SYNC_PORT, "protocol": "TCP"}],
+        # Liveness counts only once the port first answers: loading the state and replaying
+        # the pending log of a large model takes minutes, and a busy 2-core node took over the
+        # liveness budget (60 s) to start one, which the kubelet then killed in a loop.
+        "startupProbe": {**probe, "periodSeconds": 2, "failureThreshold": 300},
         "readinessProbe": {**probe, "periodSeconds": 5},
         "livenessProbe": {**probe, "failureThreshold": 6},
         "resources": sync.resources.to_k8s(),
@@ -533,6 +561,70 @@ def build_learner_pod(
     if group.priority_class_name:
         pod_spec["priorityClassName"] = group.priority_class_name
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+SLOT_ENV: Final = ("DDILOCO_LEARNER_ID", "DDILOCO_LEARNER_INDEX", "DDILOCO_NUM_LEARNERS")
+"""What a slot's pod has that a spare's has not: the spare receives them on promotion."""
+
+
+def build_spare_pod(
+    job: DecoupledDiLoCoJob,
+    group: LearnerGroup,
+    serial: int,
+    namespace: str | None = None,
+    owned: bool = True,
+) -> dict[str, Any]:
+    """A hot spare of `group`: a learner pod without a slot identity (operator/spares.py).
+
+    Everything else is a slot pod's (image, resources, scheduling, token and trust files),
+    plus DDILOCO_SPARE=1 and its own name (DDILOCO_POD_NAME, downward API): `ddiloco
+    learner` then warms up (learner/spare.py), writes SPARE_READY_FILE, which its readiness
+    probe waits for, and long-polls the synchronizer's GET /v1/spares/<pod> for the slot it
+    takes over. Its labels are also mounted (PODINFO_DIR), which the kubelet refreshes after
+    the operator's patch: the fallback should the synchronizer lose the assignment. Under
+    mutual TLS it mounts its own client certificate (`spare_client_secret_name`)."""
+    pod = build_learner_pod(job, group, 0, namespace, owned)
+    name = spare_pod_name(job, group.name, serial)
+    meta = pod["metadata"]
+    meta["name"] = name
+    for key in (LABEL_SLOT, LABEL_LEARNER_ID, LABEL_DATA_SHARD, LABEL_ATTEMPT):
+        meta["labels"].pop(key)
+    meta["labels"].update({LABEL_ROLE: ROLE_SPARE, LABEL_SPARE: str(serial)})
+    meta["annotations"] = {ANNOTATION_PROMOTED_AT: ""}  # the promotion's patch sets it
+    spec = pod["spec"]
+    (container,) = spec["containers"]
+    env = [e for e in container["env"] if e["name"] not in SLOT_ENV]
+    env += [
+        {"name": "DDILOCO_SPARE", "value": "1"},
+        {"name": "DDILOCO_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+    ]
+    container["env"] = env
+    container["readinessProbe"] = {
+        "exec": {"command": ["test", "-e", SPARE_READY_FILE]},
+        "periodSeconds": 1,
+    }
+    container["volumeMounts"] = [*container["volumeMounts"], _mount("podinfo", PODINFO_DIR)]
+    spec["volumes"] = [
+        *(
+            {
+                **v,
+                "secret": {
+                    **v["secret"],
+                    "secretName": spare_client_secret_name(job, group.name, serial),
+                },
+            }
+            if v["name"] == "client"
+            else v
+            for v in spec["volumes"]
+        ),
+        {
+            "name": "podinfo",
+            "downwardAPI": {
+                "items": [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]
+            },
+        },
+    ]
+    return pod
 
 
 def spec_hash(obj: Any) -> str:

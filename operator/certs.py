@@ -351,6 +351,21 @@ def _clients(
             ):
                 pair = x.issue_client(ca, lid, days=days)
             w.put(name, {builders.CERT_KEY: pair.cert_pem, builders.KEY_KEY: pair.key_pem})
+        # hot spares (spares.py): each its own, CN = its pod name, kept when it is promoted
+        from ddiloco.operator.spares import serials_wanted
+
+        for serial in sorted(serials_wanted(job, group, w.view.pods)):
+            name = builders.spare_client_secret_name(job, group.name, serial)
+            cn = builders.spare_pod_name(job, group.name, serial)
+            pair = _pair(w.want(name))
+            if (
+                pair is None
+                or pair.common_name != cn
+                or needs_renewal(pair.certificate, now, days)
+                or not issued_by(pair.certificate, ca.certificate)
+            ):
+                pair = x.issue_client(ca, cn, days=days)
+            w.put(name, {builders.CERT_KEY: pair.cert_pem, builders.KEY_KEY: pair.key_pem})
 
 
 # --------------------------------------------------------------------------- the operator as a client
@@ -425,6 +440,20 @@ def secret_names(job: DecoupledDiLoCoJob, tgt: Target, *, all_clients: bool = Fa
             slots[gs.name] = max(slots.get(gs.name, 0), len(gs.shards), gs.desired)
     names += [
         builders.client_secret_name(job, g, i) for g, n in sorted(slots.items()) for i in range(n)
+    ]
+    # hot spares' own (spares.py): serials stay below the group's pods born spares plus
+    # hotSpares, at most slots + 2 hotSpares (the cleanup: the spec's, or the status' spares)
+    hot = job.spec.failure_policy.hot_spares if job.spec is not None else 0
+    had = {gs.name: gs for gs in job.status.groups if gs.spares or gs.promoted}
+    spare_slots = {
+        g: max(n + 2 * hot, len(had[g].shards) + 2 * had[g].spares if g in had else 0)
+        for g, n in slots.items()
+        if hot or g in had
+    }
+    names += [
+        builders.spare_client_secret_name(job, g, k)
+        for g, n in sorted(spare_slots.items())
+        for k in range(n)
     ]
     return names
 

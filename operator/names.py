@@ -90,6 +90,16 @@ def derived(job: DecoupledDiLoCoJob) -> Iterator[tuple[str, str, Rule]]:
                 yield "Secret", secret, dns1123_subdomain
             for label, value in pod["metadata"]["labels"].items():
                 yield f"learner pod {name}: label {label}", value, label_value
+        hot = job.spec.failure_policy.hot_spares
+        if hot:  # hot spares (spares.py): serials stay below replicas + 2 hotSpares
+            serial = group.replicas + 2 * hot
+            pod = builders.build_spare_pod(job, group, serial)
+            name = pod["metadata"]["name"]
+            yield "Pod", name, dns1123_subdomain
+            secret = builders.spare_client_secret_name(job, group.name, serial)
+            yield "Secret", secret, dns1123_subdomain
+            for label, value in pod["metadata"]["labels"].items():
+                yield f"spare pod {name}: label {label}", value, label_value
         if group.cluster is not None and group.cluster.namespace:
             yield "namespace", group.cluster.namespace, dns1123_label
 

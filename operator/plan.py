@@ -67,13 +67,17 @@ class PodView:
     exit_code: int | None = None
     attempt: int = 0  # which incarnation of its slot (builders.LABEL_ATTEMPT)
     shard: tuple[int, int] | None = None  # (data shard, count) it trains; None: not labelled
+    spare: bool = False  # a hot spare holding no slot (index -1); operator/spares.py
+    serial: int | None = None  # born a hot spare: its serial (kept when promoted)
+    promoted_at: str | None = None  # when a spare was promoted to its slot (ISO time)
 
     @classmethod
     def from_k8s(cls, pod: Mapping[str, Any]) -> PodView | None:
         meta, status = pod.get("metadata") or {}, pod.get("status") or {}
         labels = meta.get("labels") or {}
+        spare = labels.get(builders.LABEL_ROLE) == builders.ROLE_SPARE
         try:
-            index = int(labels[builders.LABEL_SLOT])
+            index = -1 if spare else int(labels[builders.LABEL_SLOT])
             group = labels[builders.LABEL_GROUP]
         except (KeyError, ValueError):
             return None
@@ -102,6 +106,9 @@ class PodView:
             exit_code=ended.get("exitCode"),
             attempt=_int(labels.get(builders.LABEL_ATTEMPT)) or 0,
             shard=_shard(labels.get(builders.LABEL_DATA_SHARD)),
+            spare=spare,
+            serial=_int(labels.get(builders.LABEL_SPARE)),
+            promoted_at=(meta.get("annotations") or {}).get(builders.ANNOTATION_PROMOTED_AT),
         )
 
 
@@ -178,14 +185,26 @@ class Observed:
 
 
 @dataclass(frozen=True)
+class Assignment:
+    """A slot's identity for a hot spare pod: PUT to the synchronizer's /v1/spares/<pod>,
+    where the spare's long poll picks it up (operator/spares.py)."""
+
+    pod: str
+    uid: str
+    body: Mapping[str, Any]  # learner_id, learner_index, num_learners, group, slot, attempt
+
+
+@dataclass(frozen=True)
 class Action:
-    verb: Literal["create", "replace", "delete"]
+    verb: Literal["create", "replace", "delete", "patch"]
     target: Target
     kind: str
     name: str
     body: dict[str, Any] | None = field(default=None, repr=False)  # may hold the token
     uid: str | None = None  # delete only this incarnation
     grace_seconds: int | None = None  # delete: None keeps the pod's own grace period
+    then: Assignment | None = None  # patch of a promoted spare: send this once it is done
+    event: Event | None = None  # ... and post this (never for a patch that was refused)
 
     def describe(self) -> str:
         return f"{self.verb} {self.kind} {self.target.namespace}/{self.name} in {self.target.label}"
@@ -203,6 +222,9 @@ class Plan:
     actions: list[Action] = field(default_factory=list)
     status: JobStatus | None = None  # None: leave the status alone
     events: list[Event] = field(default_factory=list)
+    # assignments of promoted spares to (re)send to the synchronizer; not actions (they
+    # do not make the runtime observe again): runtime.py sends each until it is delivered
+    assignments: list[Assignment] = field(default_factory=list)
 
 
 def iso(t: datetime) -> str:

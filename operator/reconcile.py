@@ -24,9 +24,10 @@ re-shard (slots.py) restarts the learners whose data shard changed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime, timedelta
 
-from ddiloco.operator import builders, names, slots
+from ddiloco.operator import builders, names, slots, spares
 from ddiloco.operator import conditions as c
 from ddiloco.operator.api import (
     DecoupledDiLoCoJob,
@@ -127,8 +128,12 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
             kept = [books.get((group.name, i)) or Slot(group.name, i) for i in range(len(ids))]
             new_slots += kept
             not_ready += ids
+            keep = ("ready", "spares", "spares_ready", "promoted")
             groups.append(
-                slots.encode(gstat.model_copy(update={"ready": old.ready if old else 0}), kept)
+                slots.encode(
+                    gstat.model_copy(update={k: getattr(old, k) for k in keep} if old else {}),
+                    kept,
+                )
             )
             continue
         if tgt.secret is not None and view.token != token and tgt not in copied:
@@ -143,13 +148,17 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
                     builders.build_token_secret(job, token, tgt.namespace, owned=False),
                 )
             )
-        pods = {(p.group, p.index): p for p in view.pods if p.job_uid == job.uid}
-        ready = replaced = 0
+        pods = {(p.group, p.index): p for p in view.pods if p.job_uid == job.uid and not p.spare}
+        hot = spares.observe(job, group, view.pods)  # hot spares (operator/spares.py)
+        ready = replaced = promoted = 0
         mine: list[Slot] = []
         for index, sid in enumerate(ids):
             rec, pod = books[(group.name, index)], pods.get((group.name, index))
-            rec, counted = _slot(job, group, index, tgt, rec, pod, obs.now, plan, shard_count)
+            rec, counted = _slot(
+                job, group, index, tgt, rec, pod, obs.now, plan, shard_count, hot.take
+            )
             replaced += counted
+            promoted += counted if pod is not None and pod.serial is not None else 0
             mine.append(rec)
             if pod is not None and pod.phase == "Succeeded":
                 done += 1
@@ -160,9 +169,20 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
             if rec.failed and rec.replacements >= limit and not job.spec.suspend:
                 at_limit.append(rec)
         new_slots += mine
+        spares.refill(job, group, tgt, hot, plan)
+        spares.resend(job, group, view.pods, obs.now, plan)
+        standing, standing_ready = hot.counts()
         groups.append(
             slots.encode(
-                gstat.model_copy(update={"ready": ready, "replaced": gstat.replaced + replaced}),
+                gstat.model_copy(
+                    update={
+                        "ready": ready,
+                        "replaced": gstat.replaced + replaced,
+                        "spares": standing,
+                        "spares_ready": standing_ready,
+                        "promoted": (old.promoted if old else 0) + promoted,
+                    }
+                ),
                 mine,
             )
         )
@@ -224,8 +244,10 @@ def _slot(
     now: datetime,
     plan: Plan,
     shard_count: int,
+    take_spare: Callable[[], PodView | None] | None = None,
 ) -> tuple[Slot, int]:
-    """One slot's next step; returns its new record and 1 if a replacement was counted."""
+    """One slot's next step; returns its new record and 1 if a replacement was counted.
+    A due replacement goes to a Ready hot spare when `take_spare` gives one (spares.py)."""
     counted = 0
     if pod is not None and pod.attempt > rec.replacements:
         counted = 1  # a pod we created after a failure: the replacement happened
@@ -261,6 +283,11 @@ def _slot(
                 return rec, counted
             since = datetime.strptime(rec.time or iso(now), "%Y-%m-%dT%H:%M:%SZ")
             if now.replace(tzinfo=None) < since + backoff(job, rec.replacements):
+                return rec, counted
+            spare = take_spare() if take_spare is not None else None
+            if spare is not None:
+                shard = (rec.shard if rec.shard is not None else index, shard_count)
+                spares.promote(job, group, tgt, rec, spare, shard, rec.replacements + 1, now, plan)
                 return rec, counted
         plan.actions.append(
             Action(
@@ -361,6 +388,8 @@ def _prune(job: DecoupledDiLoCoJob, obs: Observed, plan: Plan, groups: list[Grou
         for pod in view.pods:
             if pod.job_uid != job.uid:
                 continue  # another job's (an older one of this name): never ours to delete
+            if pod.spare and tgt == target_of_group(job, pod.group):
+                continue  # a hot spare of a group in the spec: spares.refill keeps those
             if (
                 (pod.group, pod.index) not in wanted or tgt != target_of_group(job, pod.group)
             ) and not pod.terminating:

@@ -25,7 +25,7 @@ from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
 from ddiloco.operator import api as ddapi
-from ddiloco.operator import builders, certs, redact, tokens
+from ddiloco.operator import builders, certs, redact, spares, tokens
 from ddiloco.operator import conditions as c
 from ddiloco.operator.apply import delete_job_objects, foreign, get_or_none, send
 from ddiloco.operator.clusters import (
@@ -40,6 +40,7 @@ from ddiloco.operator.clusters import (
 from ddiloco.operator.config import OperatorSettings
 from ddiloco.operator.plan import (
     Action,
+    Assignment,
     ClusterView,
     Event,
     Observed,
@@ -91,6 +92,7 @@ class Runtime:
         self.timeout = request_timeout(settings.api_timeout_seconds)
         self._warned: dict[str, float] = {}
         self._refused: dict[str, dict[str, tuple[str, str]]] = {}  # job uid -> key -> refusal
+        self._delivered: dict[str, set[str]] = {}  # job uid -> promoted spares' pod uids
 
     # -- the kopf timer's work -------------------------------------------------------------
     def reconcile(
@@ -115,7 +117,8 @@ class Runtime:
                 return
             fresh = secrets.token_urlsafe(32)
             redact.register(fresh)
-            plan = reconcile(job, self.observe(job), fresh_token=fresh)
+            obs = self.observe(job)
+            plan = reconcile(job, obs, fresh_token=fresh)
             if plan.status is not None:
                 body = self._write_status(body, plan.status, logger)
                 if body is None:
@@ -124,9 +127,17 @@ class Runtime:
                 post(event)
             refused: dict[str, tuple[str, str]] = {}
             for action in plan.actions:
+                if action.verb == "patch":  # a hot spare's promotion (spares.py)
+                    if self._patch(job, action, logger):
+                        if action.then is not None:
+                            self._assign(job, obs, [action.then], logger)
+                        if action.event is not None:
+                            post(action.event)
+                    continue
                 if (refusal := self._apply(job, action, logger, post)) is not None:
                     refused[action.describe()] = refusal
             self._refused[job.uid] = refused  # what the next pass reports
+            self._assign(job, obs, plan.assignments, logger)
             if not plan.actions:
                 return
 
@@ -293,6 +304,75 @@ class Runtime:
             logger.debug("Could not %s: %s", action.describe(), why)
         return refusal
 
+    def _patch(
+        self,
+        job: ddapi.DecoupledDiLoCoJob,
+        action: Action,
+        logger: logging.Logger | logging.LoggerAdapter,
+    ) -> bool:
+        """Promote a hot spare (its label patch, preconditions included); False when it was
+        refused (the spare went, or was promoted meanwhile): the next pass decides again."""
+        try:
+            client = self.clusters.client(action.target, job.namespace)
+            send(client, action, self.timeout)
+        except ClusterProblem as p:
+            logger.warning("Could not %s: %s", action.describe(), p.message)
+            return False
+        except ApiException as e:
+            logger.info("Did not %s: %s", action.describe(), api_reason(e))
+            if e.status in (404, 409, 422):  # gone, or a precondition failed
+                return False
+            if action.target.secret is not None:
+                self.clusters.failed(action.target, job.namespace, e)
+                return False
+            raise
+        except Exception as e:
+            if action.target.secret is None and not isinstance(e, UNREACHABLE_ERRORS):
+                raise
+            if action.target.secret is not None:
+                self.clusters.failed(action.target, job.namespace, e)
+            logger.warning("Could not %s: %s", action.describe(), api_reason(e))
+            return False
+        logger.info("Done: %s", action.describe())
+        return True
+
+    def _assign(
+        self,
+        job: ddapi.DecoupledDiLoCoJob,
+        obs: Observed,
+        items: list[Assignment],
+        logger: logging.Logger | logging.LoggerAdapter,
+    ) -> None:
+        """PUT promoted spares' assignments to the synchronizer, each until it says the spare
+        fetched it (spares.py); a failure is logged and the next pass sends it again."""
+        delivered = self._delivered.setdefault(job.uid, set())
+        todo = [a for a in items if a.uid not in delivered]
+        if not todo:
+            return
+        view = obs.clusters.get(home(job), ClusterView())
+        token = tokens.current(view.token)
+        if token is None:
+            return
+        url = self.status.url(job)
+        context = self.status_tls.context(job, view, obs.now)
+        for item in todo:
+            try:
+                done = spares.put_assignment(
+                    url, token, context, item, self.settings.http_timeout_seconds
+                )
+            except (OSError, ValueError) as e:
+                logger.info(
+                    "Could not send the assignment of spare %s to the synchronizer: %s",
+                    item.pod,
+                    type(e).__name__,
+                )
+                continue
+            logger.debug("Sent the assignment of spare %s (delivered: %s)", item.pod, done)
+            if done:
+                if len(delivered) > 100_000:
+                    delivered.clear()
+                delivered.add(item.uid)
+
     # -- status ------------------------------------------------------------------------------
     def _read_job(self, name: str, namespace: str) -> dict[str, Any] | None:
         return get_or_none(
@@ -428,6 +508,7 @@ class Runtime:
         self.status.forget(job.uid)
         self.status_tls.forget(job.uid)
         self._refused.pop(job.uid, None)
+        self._delivered.pop(job.uid, None)
         logger.info("Deleted the objects of DecoupledDiLoCoJob %s in every cluster", job.name)
 
     def _sweep(

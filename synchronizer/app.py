@@ -29,6 +29,8 @@ from ddiloco.synchronizer.config import SyncSettings, get_settings
 from ddiloco.synchronizer.errors import HTTP_STATUS, Refusal, SyncError
 from ddiloco.synchronizer.routes import public, v1
 from ddiloco.synchronizer.service import Synchronizer
+from ddiloco.synchronizer.spares import SpareBook
+from ddiloco.synchronizer.spares import router as spares_router
 
 log = logging.getLogger(__name__)
 
@@ -163,4 +165,6 @@ def create_app(settings: SyncSettings | None = None) -> FastAPI:
     add_handlers(app)
     app.include_router(public)
     app.include_router(v1)
+    app.state.spares = SpareBook()  # hot spares' assignments, in memory (spares.py)
+    app.include_router(spares_router)
     return app

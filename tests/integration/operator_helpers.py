@@ -366,11 +366,13 @@ def remote(name: str, replicas: int, secret: str | None = None) -> dict[str, Any
 
 
 def pods_by_slot(cl: Clusters, clusters: list[str], job: str) -> dict[str, list[Any]]:
-    """Pods of the job in the given clusters, by learner id."""
+    """Pods of the job in the given clusters, by learner id (hot spares, which hold no slot
+    and have no learner id, are left out)."""
     out: dict[str, list[Any]] = {}
     for name in clusters:
         for p in cl.pods(name, job):
-            out.setdefault(p.metadata.labels["ddiloco.dev/learner-id"], []).append(p)
+            if lid := p.metadata.labels.get("ddiloco.dev/learner-id"):
+                out.setdefault(lid, []).append(p)
     return out
 
 

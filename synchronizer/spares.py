@@ -1,0 +1,168 @@
+"""Hot spares' assignments: the operator hands a failed slot's identity to a waiting spare.
+
+    PUT /v1/spares/{pod}   (operator)  body SpareAssignment -> {"pod", "delivered", ...}
+    GET /v1/spares/{pod}?wait_s=20     (the spare, learner/spare.py) -> 200 SpareAssignment,
+                                       or 204 when none arrived within wait_s: poll again
+
+A hot spare pod (operator/spares.py) starts `ddiloco learner` with no slot identity, warms up,
+and long-polls GET for its pod name; the operator promotes it by patching its labels, then
+PUTs the slot's identity here, which wakes the waiting GET at once. Both need the job token,
+like every /v1 route. Assignments live in memory only (`SpareBook`): a restarted synchronizer
+has none, and the operator re-sends what it promoted recently (PUT is idempotent; the answer's
+`delivered` says whether the spare has fetched it, so the operator stops). The spare's own
+pod labels carry the same identity as a fallback (learner/spare.py), so nothing here needs to
+survive a restart. A second PUT with another identity for a pod that already fetched one is
+refused (409): a spare becomes one slot, once.
+
+These routes are part of the operator's control plane, not of the learners' training API:
+they are left out of /openapi.json (README "API" lists them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Annotated, Final
+
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ddiloco.synchronizer.errors import Refusal, SyncError
+from ddiloco.synchronizer.protocol import API_PREFIX
+from ddiloco.synchronizer.routes import ERRORS, GuardedRoute, require_token
+
+MAX_WAIT_S: Final = 30.0
+DEFAULT_WAIT_S: Final = 20.0
+MAX_PODS: Final = 4096
+"""Assignments kept; past it the oldest delivered ones are forgotten first."""
+POD_NAME: Final = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"  # a DNS-1123 subdomain
+
+
+class SpareAssignment(BaseModel):
+    """A learner slot's identity, as a slot pod has it in its env (DDILOCO_LEARNER_ID,
+    DDILOCO_LEARNER_INDEX, DDILOCO_NUM_LEARNERS), and where it stands in the slot's books."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    learner_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    """The slot's learner id, `<group>-<index>`."""
+    learner_index: int = Field(ge=0, le=1 << 20)
+    """The slot's data shard."""
+    num_learners: int = Field(ge=1, le=1 << 20)
+    """The number of data shards."""
+    group: str | None = Field(None, max_length=63)
+    """The slot's learner group."""
+    slot: int | None = Field(None, ge=0, le=1 << 20)
+    """The slot's index in its group."""
+    attempt: int = Field(0, ge=0, le=1 << 30)
+    """Which incarnation of the slot the spare becomes."""
+
+    @model_validator(mode="after")
+    def _shard_in_range(self) -> SpareAssignment:
+        if self.learner_index >= self.num_learners:
+            raise ValueError(
+                f"learner_index {self.learner_index} must be below num_learners {self.num_learners}"
+            )
+        return self
+
+
+class SpareAnswer(BaseModel):
+    pod: str
+    delivered: bool
+    """The spare has fetched this assignment (GET answered it)."""
+    assignment: SpareAssignment
+
+
+@dataclass
+class _Entry:
+    assignment: SpareAssignment | None = None
+    delivered: bool = False
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    at: float = field(default_factory=time.monotonic)
+
+
+class SpareBook:
+    """Assignments by pod name, in memory, used on the event loop only (no locks needed)."""
+
+    def __init__(self, max_pods: int = MAX_PODS) -> None:
+        self.max_pods = max_pods
+        self.entries: OrderedDict[str, _Entry] = OrderedDict()
+
+    def _entry(self, pod: str) -> _Entry:
+        entry = self.entries.get(pod)
+        if entry is None:
+            entry = self.entries[pod] = _Entry()
+            self._trim()
+        return entry
+
+    def _trim(self) -> None:
+        while len(self.entries) > self.max_pods:
+            victim = next((k for k, e in self.entries.items() if e.delivered), None)
+            if victim is None:
+                victim = next(iter(self.entries))
+            self.entries.pop(victim)
+
+    def put(self, pod: str, assignment: SpareAssignment) -> SpareAnswer:
+        entry = self._entry(pod)
+        if entry.delivered and entry.assignment != assignment:
+            assert entry.assignment is not None
+            raise SyncError(
+                Refusal.CONFLICT,
+                f"spare {pod} already took over {entry.assignment.learner_id} "
+                f"(attempt {entry.assignment.attempt}); a spare becomes one slot, once",
+            )
+        if entry.assignment != assignment:
+            entry.assignment, entry.at = assignment, time.monotonic()
+        entry.arrived.set()
+        return SpareAnswer(pod=pod, delivered=entry.delivered, assignment=assignment)
+
+    async def wait(self, pod: str, wait_s: float) -> SpareAssignment | None:
+        entry = self._entry(pod)
+        if entry.assignment is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(entry.arrived.wait(), timeout=wait_s)
+        if entry.assignment is None:
+            return None
+        entry.delivered = True
+        return entry.assignment
+
+
+def get_book(request: Request) -> SpareBook:
+    book: SpareBook | None = getattr(request.app.state, "spares", None)
+    if book is None:
+        book = request.app.state.spares = SpareBook()
+    return book
+
+
+BookDep = Annotated[SpareBook, Depends(get_book)]
+PodName = Annotated[str, Path(min_length=1, max_length=253, pattern=POD_NAME)]
+
+
+# the same body guard, token check and error bodies as every /v1 route
+router = APIRouter(
+    prefix=API_PREFIX,
+    route_class=GuardedRoute,
+    dependencies=[Depends(require_token)],
+    responses=ERRORS,
+    include_in_schema=False,
+)
+
+
+@router.put("/spares/{pod}")
+async def assign(pod: PodName, body: SpareAssignment, book: BookDep) -> SpareAnswer:
+    """The operator: hand `pod` (a Ready hot spare, just promoted) its slot."""
+    return book.put(pod, body)
+
+
+@router.get("/spares/{pod}", response_model=None)
+async def await_assignment(
+    pod: PodName,
+    book: BookDep,
+    wait_s: Annotated[float, Query(ge=0.0, le=MAX_WAIT_S)] = DEFAULT_WAIT_S,
+) -> SpareAssignment | Response:
+    """The spare: its assignment as soon as there is one, else 204 after `wait_s`."""
+    found = await book.wait(pod, wait_s)
+    return found if found is not None else Response(status_code=204)

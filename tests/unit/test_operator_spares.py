@@ -1,0 +1,405 @@
+"""Hot spares in the operator (failurePolicy.hotSpares): the API field, the spare pod, and the
+pure reconcile's promotions (operator/spares.py).
+
+    .venv/bin/pytest tests/unit/test_operator_spares.py
+
+The reconcile tests replay passes against a namespace kept as a dict of pod manifests (the
+builders' own, as an apiserver would store them): creates add a Running, Ready pod, deletes
+remove it, a promotion's JSON patch is applied op by op, its `test` ops included. The real
+apiserver does the same in tests/integration/test_operator_spares.py.
+"""
+
+from __future__ import annotations
+
+import copy
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import pytest
+import yaml
+
+from ddiloco.operator import builders, names, spares
+from ddiloco.operator.api import DecoupledDiLoCoJob, FailurePolicy
+from ddiloco.operator.plan import Action, ClusterView, Observed, Plan, PodView, home
+from ddiloco.operator.reconcile import reconcile
+
+T0 = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC)
+CRD = (
+    Path(__file__).resolve().parents[2] / "deploy" / "crds" / "ddiloco.dev_decoupleddilocojobs.yaml"
+)
+
+
+def make_job(hot: int = 1, replicas: int = 2, **extra: Any) -> DecoupledDiLoCoJob:
+    spec: dict[str, Any] = {
+        "image": "ddiloco:dev",
+        "training": {"model": "tiny"},
+        "synchronizer": {"tls": {"enabled": False}},
+        "learnerGroups": [{"name": "a", "replicas": replicas}],
+        "failurePolicy": {"hotSpares": hot, "backoffSeconds": 0, "maxReplacementsPerSlot": 5},
+    }
+    spec.update(extra)
+    return DecoupledDiLoCoJob.from_body(
+        {
+            "metadata": {"name": "hs", "namespace": "ns", "uid": "uid-1", "generation": 1},
+            "spec": spec,
+        }
+    )
+
+
+# --------------------------------------------------------------------------- the API
+
+
+def test_hot_spares_default_to_none_and_are_bounded() -> None:
+    assert FailurePolicy().hot_spares == 0
+    assert FailurePolicy.model_validate({"hotSpares": 16}).hot_spares == 16
+    for bad in (-1, 17, "many"):
+        with pytest.raises(pydantic.ValidationError, match=r"hotSpares|hot_spares"):
+            FailurePolicy.model_validate({"hotSpares": bad})
+
+
+def test_the_crd_bounds_hot_spares_and_counts_them_in_the_status() -> None:
+    crd = yaml.safe_load(CRD.read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    field = schema["properties"]["spec"]["properties"]["failurePolicy"]["properties"]["hotSpares"]
+    assert (field["type"], field["minimum"], field["maximum"], field["default"]) == (
+        "integer",
+        0,
+        16,
+        0,
+    )
+    group = schema["properties"]["status"]["properties"]["groups"]["items"]["properties"]
+    assert {"spares", "sparesReady", "promoted"} <= set(group)
+
+
+# --------------------------------------------------------------------------- the spare pod
+
+
+def env_of(pod: dict[str, Any]) -> dict[str, Any]:
+    (container,) = pod["spec"]["containers"]
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def test_a_spare_pod_is_a_learner_pod_without_a_slot() -> None:
+    job = make_job()
+    group = job.spec.learner_groups[0]
+    spare = builders.build_spare_pod(job, group, 3)
+    slot = builders.build_learner_pod(job, group, 0)
+    name = spare["metadata"]["name"]
+    assert name == builders.spare_pod_name(job, "a", 3)
+    assert name.startswith("hs-a-spare-3-") and name != slot["metadata"]["name"]
+    labels = spare["metadata"]["labels"]
+    assert labels[builders.LABEL_ROLE] == "spare" and labels[builders.LABEL_SPARE] == "3"
+    assert labels[builders.LABEL_GROUP] == "a" and labels[builders.LABEL_JOB_UID] == "uid-1"
+    for key in (builders.LABEL_SLOT, builders.LABEL_LEARNER_ID, builders.LABEL_DATA_SHARD):
+        assert key not in labels
+    env, slot_env = env_of(spare), env_of(slot)
+    assert env["DDILOCO_SPARE"] == "1"
+    assert env["DDILOCO_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert not set(builders.SLOT_ENV) & set(env)
+    # everything else as a slot's pod: image, model, schedule, token file, resources
+    assert {k: v for k, v in slot_env.items() if k not in builders.SLOT_ENV} == {
+        k: v for k, v in env.items() if k not in ("DDILOCO_SPARE", "DDILOCO_POD_NAME")
+    }
+    (c,) = spare["spec"]["containers"]
+    (s,) = slot["spec"]["containers"]
+    assert (c["image"], c["command"], c["resources"]) == (s["image"], s["command"], s["resources"])
+    assert c["readinessProbe"]["exec"]["command"] == ["test", "-e", builders.SPARE_READY_FILE]
+    volumes = {v["name"]: v for v in spare["spec"]["volumes"]}
+    assert volumes["podinfo"]["downwardAPI"]["items"][0]["fieldRef"]["fieldPath"] == (
+        "metadata.labels"
+    )
+    assert spare["spec"]["restartPolicy"] == "Never"
+    # its learner_selector sees it (so the job's deletion removes it); from_k8s reads it as one
+    assert labels[builders.LABEL_COMPONENT] == "learner"
+    view = PodView.from_k8s(spare)
+    assert view is not None and view.spare and view.serial == 3 and view.index == -1
+
+
+def test_under_mutual_tls_a_spare_mounts_its_own_client_certificate() -> None:
+    job = make_job(synchronizer={"tls": {"enabled": True, "mutual": True}})
+    spare = builders.build_spare_pod(job, job.spec.learner_groups[0], 0)
+    client = next(v for v in spare["spec"]["volumes"] if v["name"] == "client")
+    assert client["secret"]["secretName"] == builders.spare_client_secret_name(job, "a", 0)
+    assert builders.spare_client_secret_name(job, "a", 0) != builders.client_secret_name(
+        job, "a", 0
+    )
+    env = env_of(spare)
+    assert env["DDILOCO_CLIENT_CERT_FILE"].startswith(builders.CLIENT_DIR)
+
+
+def test_the_longest_names_with_spares_are_valid() -> None:
+    long = "j" * 40
+    job = DecoupledDiLoCoJob.from_body(
+        {
+            "metadata": {"name": long, "namespace": "n" * 63, "uid": "u"},
+            "spec": {
+                "image": "x",
+                "training": {"model": "tiny"},
+                "synchronizer": {"tls": {"mutual": True}},
+                "learnerGroups": [{"name": "g" * 16, "replicas": 512}],
+                "failurePolicy": {"hotSpares": 16},
+            },
+        }
+    )
+    assert names.problems(job) == []
+    assert len(builders.spare_pod_name(job, "g" * 16, 543)) <= 63
+
+
+# --------------------------------------------------------------------------- reconcile
+
+
+class Namespace:
+    """The pods of one namespace, changed by a plan's actions as an apiserver would."""
+
+    def __init__(self) -> None:
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.serial = 0
+        self.refused: list[Action] = []
+
+    def views(self) -> tuple[PodView, ...]:
+        return tuple(v for p in self.pods.values() if (v := PodView.from_k8s(p)) is not None)
+
+    def apply(self, plan: Plan, ready: bool = True) -> None:
+        for a in plan.actions:
+            if a.kind != "Pod":
+                continue
+            if a.verb == "create":
+                assert a.body is not None
+                if a.name in self.pods:
+                    self.refused.append(a)
+                    continue
+                self.serial += 1
+                body = copy.deepcopy(a.body)
+                body["metadata"]["uid"] = f"uid-{self.serial}"
+                body["status"] = {
+                    "phase": "Running",
+                    "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+                }
+                self.pods[a.name] = body
+            elif a.verb == "delete":
+                if a.name in self.pods and self.pods[a.name]["metadata"]["uid"] == a.uid:
+                    del self.pods[a.name]
+            elif a.verb == "patch":
+                assert a.body is not None
+                if not self.json_patch(a.name, a.body["patch"]):
+                    self.refused.append(a)
+
+    def json_patch(self, name: str, ops: list[dict[str, Any]]) -> bool:
+        pod = copy.deepcopy(self.pods.get(name))
+        if pod is None:
+            return False
+        for op in ops:
+            *parents, last = [
+                p.replace("~1", "/").replace("~0", "~") for p in op["path"][1:].split("/")
+            ]
+            node = pod
+            for key in parents:
+                node = node[key]
+            if op["op"] == "test" and node.get(last) != op["value"]:
+                return False
+            if op["op"] in ("add", "replace"):
+                node[last] = op["value"]
+        self.pods[name] = pod
+        return True
+
+    def fail(self, name: str) -> None:
+        self.pods[name]["status"] = {"phase": "Failed", "reason": "Evicted"}
+
+
+def run(
+    job: DecoupledDiLoCoJob, ns: Namespace, now: datetime, passes: int = 4, ready: bool = True
+) -> tuple[DecoupledDiLoCoJob, list[Plan]]:
+    plans = []
+    for k in range(passes):
+        obs = Observed(
+            now=now + timedelta(seconds=k),
+            clusters={home(job): ClusterView(pods=ns.views(), token="tok")},
+            deployment={"status": {"availableReplicas": 1}},
+            service=True,
+            claim=True,
+            sync_status={"global_version": 0},
+        )
+        plan = reconcile(job, obs, fresh_token="tok")
+        if plan.status is not None:
+            job = job.model_copy(update={"status": plan.status})
+        ns.apply(plan, ready)
+        plans.append(plan)
+    return job, plans
+
+
+def spare_names(ns: Namespace) -> list[str]:
+    return sorted(
+        n for n, p in ns.pods.items() if p["metadata"]["labels"].get(builders.LABEL_ROLE) == "spare"
+    )
+
+
+def test_hot_spares_one_makes_one_spare_per_group_and_counts_it() -> None:
+    job = make_job(learnerGroups=[{"name": "a", "replicas": 2}, {"name": "b", "replicas": 1}])
+    ns = Namespace()
+    job, _ = run(job, ns, T0)
+    assert [n.rsplit("-", 1)[0] for n in spare_names(ns)] == ["hs-a-spare-0", "hs-b-spare-0"]
+    slots = sorted(n.rsplit("-", 1)[0] for n in ns.pods if "spare" not in n)
+    assert slots == ["hs-a-0", "hs-a-1", "hs-b-0"]
+    groups = {g.name: (g.spares, g.spares_ready) for g in job.status.groups}
+    assert groups == {"a": (1, 1), "b": (1, 1)}
+    assert job.status.phase == "Running"
+
+
+def test_a_failed_slot_is_handed_to_the_ready_spare_and_a_new_spare_follows() -> None:
+    job = make_job()
+    ns = Namespace()
+    job, _ = run(job, ns, T0)
+    (spare,) = spare_names(ns)
+    uid = ns.pods[spare]["metadata"]["uid"]
+    slot0 = builders.learner_pod_name(job, "a", 0)
+    ns.fail(slot0)
+    job, plans = run(job, ns, T0 + timedelta(seconds=10))
+    # the spare, the same pod, now holds slot 0: labels, attempt 1, the slot's data shard
+    labels = ns.pods[spare]["metadata"]["labels"]
+    assert ns.pods[spare]["metadata"]["uid"] == uid
+    assert (labels[builders.LABEL_ROLE], labels[builders.LABEL_SLOT]) == ("learner", "0")
+    assert labels[builders.LABEL_LEARNER_ID] == "a-0" and labels[builders.LABEL_ATTEMPT] == "1"
+    assert labels[builders.LABEL_DATA_SHARD] == "0-of-2"
+    assert ns.pods[spare]["metadata"]["annotations"][builders.ANNOTATION_PROMOTED_AT]
+    assert slot0 not in ns.pods  # the failed pod went, and no cold replacement was made
+    events = [e for p in plans for e in p.events]
+    # posted by the runtime once the patch is done, never before
+    assert not [e for e in events if e.reason == spares.PROMOTED]
+    promoted = [a.event for p in plans for a in p.actions if a.event is not None]
+    assert len(promoted) == 1 and spare in promoted[0].message and "a-0" in promoted[0].message
+    assert any(e.reason == "LearnerReplaced" and spare in e.message for e in events)
+    patch = next(a for p in plans for a in p.actions if a.verb == "patch")
+    assert patch.then is not None and patch.then.body["learner_id"] == "a-0"
+    assert {"op": "test", "path": "/metadata/uid", "value": uid} in patch.body["patch"]  # type: ignore[index]
+    # a new spare stands by, with the next serial; the books count one replacement, promoted
+    (new,) = spare_names(ns)
+    assert new.startswith("hs-a-spare-1-")
+    (g,) = job.status.groups
+    assert (g.replaced, g.promoted, g.slot_replacements, g.spares) == (1, 1, [1, 0], 1)
+    assert job.status.ready_learners == 2 and not job.status.slots
+    # while young, each pass re-derives the assignment from the promoted pod's labels
+    assert any(
+        a.pod == spare and a.body["learner_index"] == 0 for p in plans for a in p.assignments
+    )
+    _, plans = run(job, ns, T0 + timedelta(seconds=10 + spares.RESEND_S + 5), passes=1)
+    assert not plans[0].assignments
+
+
+def test_without_a_ready_spare_the_slot_gets_a_new_pod() -> None:
+    job = make_job()
+    ns = Namespace()
+    job, _ = run(job, ns, T0, ready=False)  # the spare never turns Ready (still warming up)
+    (spare,) = spare_names(ns)
+    ns.fail(builders.learner_pod_name(job, "a", 1))
+    job, plans = run(job, ns, T0 + timedelta(seconds=10), ready=False)
+    assert not [a for p in plans for a in p.actions if a.verb == "patch"]
+    assert builders.learner_pod_name(job, "a", 1) in ns.pods  # recreated under its own name
+    assert spare_names(ns) == [spare]
+    (g,) = job.status.groups
+    assert (g.replaced, g.promoted, g.spares, g.spares_ready) == (1, 0, 1, 0)
+
+
+def test_a_promotion_whose_precondition_fails_changes_nothing() -> None:
+    job = make_job()
+    ns = Namespace()
+    job, _ = run(job, ns, T0)
+    (spare,) = spare_names(ns)
+    ns.fail(builders.learner_pod_name(job, "a", 0))
+    obs_pods = ns.views()
+    ns.pods[spare]["metadata"]["uid"] = "someone-else"  # replaced between observe and patch
+    plan = reconcile(
+        job,
+        Observed(
+            now=T0 + timedelta(seconds=10),
+            clusters={home(job): ClusterView(pods=obs_pods, token="tok")},
+            deployment={"status": {"availableReplicas": 1}},
+            service=True,
+            claim=True,
+        ),
+        fresh_token="tok",
+    )
+    ns.pods.pop(builders.learner_pod_name(job, "a", 0))  # the failed pod is gone by now
+    job = job.model_copy(update={"status": plan.status})
+    plan2 = reconcile(
+        job,
+        Observed(
+            now=T0 + timedelta(seconds=11),
+            clusters={home(job): ClusterView(pods=obs_pods[1:], token="tok")},
+            deployment={"status": {"availableReplicas": 1}},
+            service=True,
+            claim=True,
+        ),
+        fresh_token="tok",
+    )
+    ns.apply(plan2)
+    assert [a.verb for a in ns.refused] == ["patch"]
+    assert ns.pods[spare]["metadata"]["labels"][builders.LABEL_ROLE] == "spare"
+
+
+def test_suspend_and_fewer_spares_delete_spares_and_scaling_keeps_them() -> None:
+    job = make_job(hot=2)
+    ns = Namespace()
+    job, _ = run(job, ns, T0)
+    assert len(spare_names(ns)) == 2
+    job = job.model_copy(
+        update={"spec": job.spec.model_copy(update={"failure_policy": FailurePolicy(hot_spares=1)})}
+    )
+    job, _ = run(job, ns, T0 + timedelta(seconds=5))
+    assert len(spare_names(ns)) == 1
+    job = job.model_copy(update={"spec": job.spec.model_copy(update={"suspend": True})})
+    job, _ = run(job, ns, T0 + timedelta(seconds=10))
+    assert ns.pods == {}
+    (g,) = job.status.groups
+    assert (g.spares, g.replaced, g.promoted) == (0, 0, 0)
+
+
+def test_serials_wanted_cover_promoted_spares_and_the_next_ones() -> None:
+    job = make_job(hot=2)
+    pods = (
+        PodView(name="x", uid="1", job_uid="uid-1", group="a", index=0, serial=1),
+        PodView(name="y", uid="2", job_uid="uid-1", group="a", index=-1, spare=True, serial=3),
+        PodView(name="z", uid="3", job_uid="other", group="a", index=-1, spare=True, serial=0),
+    )
+    assert spares.serials_wanted(job, job.spec.learner_groups[0], pods) == {0, 1, 2, 3}
+
+
+def test_a_spare_that_fails_is_deleted_and_replaced() -> None:
+    job = make_job()
+    ns = Namespace()
+    job, _ = run(job, ns, T0)
+    (spare,) = spare_names(ns)
+    ns.fail(spare)
+    job, plans = run(job, ns, T0 + timedelta(seconds=5))
+    assert spare not in ns.pods
+    (new,) = spare_names(ns)
+    assert new != spare
+    assert any(e.reason == "SpareFailed" and spare in e.message for p in plans for e in p.events)
+    assert not [a for p in plans for a in p.actions if a.verb == "patch"]  # never promoted
+
+
+def test_under_mutual_tls_each_spare_gets_its_own_certificate() -> None:
+    import base64
+
+    from cryptography import x509
+
+    from ddiloco.operator import certs
+
+    job = make_job(synchronizer={"tls": {"enabled": True, "mutual": True}})
+    promoted = PodView(name="p", uid="1", job_uid="uid-1", group="a", index=0, serial=2)
+    obs = Observed(now=T0, clusters={home(job): ClusterView(pods=(promoted,), token="tok")})
+    plan = Plan()
+    certs.tls_plan(job, obs, plan)
+    made = {a.name: a.body for a in plan.actions if a.kind == "Secret" and a.verb == "create"}
+    # the promoted spare (serial 2) keeps its own, and the next spare's (serial 0) is ready
+    for serial in (0, 2):
+        body = made[builders.spare_client_secret_name(job, "a", serial)]
+        assert body is not None
+        cert = x509.load_pem_x509_certificate(base64.b64decode(body["data"]["tls.crt"]))
+        cn = cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value
+        assert cn == builders.spare_pod_name(job, "a", serial)
+    assert builders.spare_client_secret_name(job, "a", 1) not in made  # not wanted
+    # and they are read by name, never listed: the spares' names are among those read
+    names = certs.secret_names(job, home(job))
+    assert builders.spare_client_secret_name(job, "a", 0) in names
