@@ -9,12 +9,14 @@ synchronizer and the learners are containers that containerd started with runc.
 The tests run in file order and share one job (module scope): install the chart (operator
 Running and Ready, `helm test`), run deploy/examples/tiny-cpu.yaml, evict a learner with the
 Eviction API, delete the synchronizer pod, leave a pod as a preempted node would (Failed,
-reason Evicted, a DisruptionTarget condition), then delete the job. Measured times are printed
+reason Evicted, a DisruptionTarget condition), turn on a hot spare and evict again (the
+spare takes the slot), then delete the job. Measured times are printed
 (`-s`), never asserted; the timeouts are only there so that a broken run ends.
 """
 
 from __future__ import annotations
 
+import calendar
 import contextlib
 import importlib.util
 import ipaddress
@@ -145,8 +147,10 @@ def run(real_plane: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[R
     try:
         yield r
     finally:
-        if r.figures:
+        if r.figures:  # also kept beside pytest's temporary files, for a run without -s
             print("\nreal-node figures: " + json.dumps(r.figures, indent=1))
+            out = tmp_path_factory.getbasetemp() / "realnode-figures.json"
+            out.write_text(json.dumps(r.figures, indent=1))
         with contextlib.suppress(subprocess.SubprocessError):
             r.kubectl("delete", "ddj", "--all", "--wait=true", "--timeout=90s", check=False)
         helm = k8senv_helm(real_plane)
@@ -184,6 +188,8 @@ def learner_pods(r: Run) -> dict[str, dict[str, Any]]:
             "Succeeded",
         ):
             continue
+        if "ddiloco.dev/learner-id" not in p["metadata"]["labels"]:
+            continue  # a hot spare, holding no slot yet
         out[p["metadata"]["labels"]["ddiloco.dev/learner-id"]] = p
     return out
 
@@ -202,31 +208,43 @@ def wait_job_running(r: Run, timeout: float = 240) -> dict[str, dict[str, Any]]:
 
 
 class Poller:
-    """A status poller running inside the synchronizer pod (one `kubectl exec`)."""
+    """A status poller running inside the synchronizer pod (one `kubectl exec`; started again
+    in the current synchronizer pod should that container end, e.g. when its pod is replaced)."""
 
     def __init__(self, r: Run, seconds: float) -> None:
-        pod = sync_pod(r)["metadata"]["name"]
-        argv = [
-            str(r.plane.bin("kubectl")), f"--kubeconfig={r.plane.home.kubeconfig}", "-n", r.ns,
-            "exec", pod, "--", "python", "-u", "-c", POLLER, str(seconds),
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
+        self.run, self.end = r, time.monotonic() + seconds
+        self.proc: subprocess.Popen[str] | None = None
         self.samples: list[dict[str, Any]] = []
+        self.errors: list[str] = []
+        self.closed = False
         self.cv = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._loop, daemon=True).start()
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            with contextlib.suppress(ValueError):
-                sample = json.loads(line)
-                with self.cv:
-                    self.samples.append(sample)
+    def _loop(self) -> None:
+        while not self.closed and (left := self.end - time.monotonic()) > 1:
+            try:
+                pod = sync_pod(self.run)["metadata"]["name"]
+            except (AssertionError, subprocess.SubprocessError) as e:
+                self.errors.append(repr(e))
+                time.sleep(1)
+                continue
+            argv = [
+                str(self.run.plane.bin("kubectl")), f"--kubeconfig={self.run.plane.home.kubeconfig}",
+                "-n", self.run.ns, "exec", pod, "--", "python", "-u", "-c", POLLER, str(left),
+            ]  # fmt: skip
+            self.proc = proc = subprocess.Popen(
+                argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            assert proc.stdout is not None and proc.stderr is not None
+            for line in proc.stdout:
+                with contextlib.suppress(ValueError), self.cv:
+                    self.samples.append(json.loads(line))
                     self.cv.notify_all()
-        with self.cv:
-            self.cv.notify_all()
+            proc.wait()
+            self.errors.append(
+                f"exec in {pod} ended ({proc.returncode}): {proc.stderr.read()[-300:]}"
+            )
+            time.sleep(1)
 
     def wait(self, what: str, pred: Any, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
@@ -238,15 +256,18 @@ class Poller:
                         return s
                 seen = len(self.samples)
                 left = deadline - time.monotonic()
-                if left <= 0 or (self.proc.poll() is not None and seen == len(self.samples)):
+                if left <= 0:
                     last = self.samples[-3:]
-                    err = self.proc.stderr.read() if self.proc.poll() is not None else ""
-                    raise TimeoutError(f"{what}: not within {timeout}s; last {last} {err}")
+                    raise TimeoutError(
+                        f"{what}: not within {timeout}s; last {last}; poller: {self.errors[-3:]}"
+                    )
                 self.cv.wait(min(left, 1.0))
 
     def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
+        self.closed = True
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,7 +332,7 @@ def test_tiny_cpu_example_trains_in_real_pods(run: Run) -> None:
         poller.close()
 
 
-def _replace_and_rejoin(run: Run, victim_lid: str, disrupt: Any, figure: str) -> None:
+def _replace_and_rejoin(run: Run, victim_lid: str, disrupt: Any, figure: str) -> float:
     """Disrupt one learner's pod; the operator replaces it, the replacement rejoins (a new
     incarnation) and its updates are accepted; the other learner keeps its pod (same uid)."""
     before = learner_pods(run)
@@ -356,23 +377,14 @@ def _replace_and_rejoin(run: Run, victim_lid: str, disrupt: Any, figure: str) ->
         lambda: run.job()["status"].get("globalVersion", 0) > v or None,
         timeout=120,
     )
+    return t0
 
 
 def test_evicted_learner_is_replaced_and_rejoins(run: Run) -> None:
-    def evict(pod: dict[str, Any]) -> None:
-        name = pod["metadata"]["name"]
-        run.api(
-            "POST",
-            f"/api/v1/namespaces/{run.ns}/pods/{name}/eviction",
-            {
-                "apiVersion": "policy/v1",
-                "kind": "Eviction",
-                "metadata": {"name": name, "namespace": run.ns},
-            },
-        )
-
     lid = sorted(learner_pods(run))[0]
-    _replace_and_rejoin(run, lid, evict, "eviction_to_first_accepted_update_s")
+    _replace_and_rejoin(
+        run, lid, lambda pod: evict(run, pod), "eviction_to_first_accepted_update_s"
+    )
 
 
 def test_synchronizer_pod_deleted_comes_back_on_its_volume(run: Run) -> None:
@@ -430,6 +442,69 @@ def test_pod_left_as_by_a_preempted_node_is_replaced(run: Run) -> None:
 
     lid = sorted(learner_pods(run))[-1]
     _replace_and_rejoin(run, lid, preempted, "preempted_to_first_accepted_update_s")
+
+
+def evict(run: Run, pod: dict[str, Any]) -> None:
+    name = pod["metadata"]["name"]
+    run.api(
+        "POST",
+        f"/api/v1/namespaces/{run.ns}/pods/{name}/eviction",
+        {
+            "apiVersion": "policy/v1",
+            "kind": "Eviction",
+            "metadata": {"name": name, "namespace": run.ns},
+        },
+    )
+
+
+def spares(run: Run) -> list[dict[str, Any]]:
+    return [
+        p
+        for p in run.pods("ddiloco.dev/role=spare")
+        if not p["metadata"].get("deletionTimestamp") and p["status"].get("phase") == "Running"
+    ]
+
+
+def test_hot_spare_takes_over_an_evicted_slot(run: Run) -> None:
+    """failurePolicy.hotSpares: 1 on the running job: a spare pod warms up (Ready once its
+    learner process has imported torch and built the model), an eviction promotes it to the
+    evicted slot (same pod, now labelled with the slot), and a new spare follows. The time from
+    the eviction to the slot's first accepted update is printed beside the cold replacement's
+    (test_evicted_learner_is_replaced_and_rejoins) of the same run."""
+    run.kubectl(
+        "patch",
+        "ddj",
+        JOB,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"failurePolicy": {"hotSpares": 1}}}),
+    )
+    t0 = time.monotonic()
+    spare = k8senv.wait_until(
+        "a Ready hot spare",
+        lambda: next((p for p in spares(run) if running_ready(p)), None),
+        timeout=180,
+    )
+    run.figures["hot_spare_ready_s"] = round(time.monotonic() - t0, 1)
+    real_container(spare)
+    lid = sorted(learner_pods(run))[0]
+    t0 = _replace_and_rejoin(
+        run, lid, lambda pod: evict(run, pod), "eviction_with_hot_spare_to_first_accepted_update_s"
+    )
+    now = learner_pods(run)[lid]
+    assert now["metadata"]["uid"] == spare["metadata"]["uid"], "the slot was not given to the spare"
+    # the operator's share of that time (its annotation has 1 s resolution)
+    stamp = now["metadata"]["annotations"]["ddiloco.dev/promoted-at"]
+    promoted = calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ"))
+    run.figures["eviction_to_spare_promoted_s"] = round(promoted - t0, 1)
+    k8senv.wait_until(
+        "a new spare",
+        lambda: any(p["metadata"]["uid"] != spare["metadata"]["uid"] for p in spares(run)) or None,
+        timeout=180,
+    )
+    cold = run.figures.get("eviction_to_first_accepted_update_s")
+    print(f"\neviction to first accepted update: cold {cold}s, hot spare "
+          f"{run.figures['eviction_with_hot_spare_to_first_accepted_update_s']}s")  # fmt: skip
 
 
 def test_deleting_the_job_removes_everything_it_made(run: Run) -> None:

@@ -295,6 +295,18 @@ def test_mutual_tls_adds_the_client_ca_and_a_tcp_probe() -> None:
     assert mounts(dep)["/var/run/ddiloco/trust"] == "tj-trust"
     # the kubelet has no client certificate: an HTTPS probe would fail the handshake
     assert "tcpSocket" in container(dep)["livenessProbe"]
+    assert "tcpSocket" in container(dep)["startupProbe"]
+
+
+def test_liveness_waits_for_a_slow_start() -> None:
+    """A synchronizer that takes minutes to load its state is not killed before it answers:
+    the startup probe allows 10 minutes, liveness counts only after it."""
+    c = container(builders.build_synchronizer_deployment(make_job()))
+    start = c["startupProbe"]
+    assert start["httpGet"]["path"] == "/healthz"
+    assert start["periodSeconds"] * start["failureThreshold"] >= 600
+    live = c["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] < 600
 
 
 def test_without_tls_the_synchronizer_gets_only_the_token_file() -> None:
