@@ -104,9 +104,7 @@ def client_secret_name(job: DecoupledDiLoCoJob, group: str, index: int) -> str:
 def spare_pod_name(job: DecoupledDiLoCoJob, group: str, serial: int) -> str:
     """`<job>-<group>-spare-<serial>-<tag>`: a hot spare of a group (the tag as for slots).
     A promoted spare keeps its name; the next spare takes the lowest serial not in use."""
-    digest = hashlib.sha256(f"{job.uid}/{group}".encode()).digest()
-    tail = f"-spare-{serial}-{base64.b32encode(digest).decode()[:5].lower()}"
-    return f"{job.name}-{group}"[: 63 - len(tail)].rstrip("-") + tail
+    return _tagged_pod_name(job, group, f"spare-{serial}")
 
 
 def spare_client_secret_name(job: DecoupledDiLoCoJob, group: str, serial: int) -> str:
@@ -134,8 +132,13 @@ def learner_pod_name(job: DecoupledDiLoCoJob, group: str, index: int) -> str:
     the slots apart. Should two names meet anyway, the pod that exists is not the job's, and
     the operator refuses to use it (runtime.py) instead of adopting it.
     """
+    return _tagged_pod_name(job, group, str(index))
+
+
+def _tagged_pod_name(job: DecoupledDiLoCoJob, group: str, middle: str) -> str:
+    """`<job>-<group>` cut to fit, then `-<middle>-<tag>` (learner_pod_name says why)."""
     digest = hashlib.sha256(f"{job.uid}/{group}".encode()).digest()
-    tail = f"-{index}-{base64.b32encode(digest).decode()[:5].lower()}"
+    tail = f"-{middle}-{base64.b32encode(digest).decode()[:5].lower()}"
     return f"{job.name}-{group}"[: 63 - len(tail)].rstrip("-") + tail
 
 

@@ -64,6 +64,7 @@ from ddiloco.operator.plan import (
     home,
     target_of,
 )
+from ddiloco.operator.spares import serials_wanted
 from ddiloco.synchronizer import tls as x
 
 CA_LIFETIME_FACTOR: Final = 10
@@ -341,31 +342,25 @@ def _clients(
             continue
         for index in range(group.replicas):
             name = builders.client_secret_name(job, group.name, index)
-            lid = builders.learner_id(group.name, index)
-            pair = _pair(w.want(name))
-            if (
-                pair is None
-                or pair.common_name != lid
-                or needs_renewal(pair.certificate, now, days)
-                or not issued_by(pair.certificate, ca.certificate)
-            ):
-                pair = x.issue_client(ca, lid, days=days)
-            w.put(name, {builders.CERT_KEY: pair.cert_pem, builders.KEY_KEY: pair.key_pem})
+            _client_cert(w, ca, name, builders.learner_id(group.name, index), now, days)
         # hot spares (spares.py): each its own, CN = its pod name, kept when it is promoted
-        from ddiloco.operator.spares import serials_wanted
-
         for serial in sorted(serials_wanted(job, group, w.view.pods)):
             name = builders.spare_client_secret_name(job, group.name, serial)
-            cn = builders.spare_pod_name(job, group.name, serial)
-            pair = _pair(w.want(name))
-            if (
-                pair is None
-                or pair.common_name != cn
-                or needs_renewal(pair.certificate, now, days)
-                or not issued_by(pair.certificate, ca.certificate)
-            ):
-                pair = x.issue_client(ca, cn, days=days)
-            w.put(name, {builders.CERT_KEY: pair.cert_pem, builders.KEY_KEY: pair.key_pem})
+            _client_cert(w, ca, name, builders.spare_pod_name(job, group.name, serial), now, days)
+
+
+def _client_cert(w: _Writer, ca: x.KeyPair, name: str, cn: str, now: datetime, days: int) -> None:
+    """Keep Secret `name` holding a client certificate for `cn` from `ca`: the one it has
+    unless it names another CN, is due for renewal or was issued by another CA."""
+    pair = _pair(w.want(name))
+    if (
+        pair is None
+        or pair.common_name != cn
+        or needs_renewal(pair.certificate, now, days)
+        or not issued_by(pair.certificate, ca.certificate)
+    ):
+        pair = x.issue_client(ca, cn, days=days)
+    w.put(name, {builders.CERT_KEY: pair.cert_pem, builders.KEY_KEY: pair.key_pem})
 
 
 # --------------------------------------------------------------------------- the operator as a client
