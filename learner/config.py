@@ -1,27 +1,29 @@
-"""Learner knobs, in torchtitan's style: keyword-only fields, a docstring under each.
+"""Learner knobs, in torchtitan's style: a docstring under each field, validated by pydantic.
 
 Every field can come from the environment (`DDILOCO_<FIELD>` upper-cased, as the operator
 sets them in learner pods; `LearnerConfig.env_names()` lists them) and be overridden by
-`ddiloco learner` flags. No torch here.
+`ddiloco learner` flags. A value that does not parse as its field (`DDILOCO_ADOPTION=rebse`,
+`DDILOCO_H=12.0`, `DDILOCO_GRAD_CLIP=nan`) is refused, naming the variable, never taken as
+the default. No torch here.
+
+    cfg = LearnerConfig.from_env(strict=True, learner_id="l0")   # os.environ, then overrides
+    cfg = LearnerConfig(h=12, num_fragments=3)                   # fields only, for tests
 """
 
 from __future__ import annotations
 
-import math
-import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from functools import cache
-from types import MappingProxyType, NoneType, UnionType
-from typing import (
-    TYPE_CHECKING,
-    Any,
-    Final,
-    Literal,
-    Union,
-    get_args,
-    get_origin,
-    get_type_hints,
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
+
+from pydantic import BeforeValidator, Field, ValidationError, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
 )
 
 if TYPE_CHECKING:
@@ -41,16 +43,78 @@ READ_ELSEWHERE: Final[Mapping[str, str]] = MappingProxyType(
 with the code that does. `from_env(strict=True)` accepts these and refuses every other unread
 `DDILOCO_*` name; this is the one list of them, so add a name only with the code reading it."""
 
-_TRUE: Final = ("1", "true", "yes", "on")
-_FALSE: Final = ("0", "false", "no", "off")
+
+def _whole_number(value: Any) -> Any:
+    """An int field takes an int or the text of one: "12" but not "12.0" or "1e3" (pydantic
+    alone would take "12.0" as 12, and a float knob set as an int knob is a typo to refuse)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if not text.lstrip("+-").isdigit():
+            raise ValueError(f"not an integer: {value!r}")
+        return int(text)
+    return value
 
 
-@dataclass(kw_only=True)
-class LearnerConfig:
+Int = Annotated[int, BeforeValidator(_whole_number)]
+
+_ENVIRON: ContextVar[Mapping[str, str] | None] = ContextVar("learner_environ", default=None)
+"""The environment `from_env` reads (os.environ when None)."""
+
+
+class _MappingEnv(EnvSettingsSource):
+    """pydantic-settings' environment source, reading a given mapping instead of os.environ."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        self._mapping = environ
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return {
+            k.lower(): v
+            for k, v in self._mapping.items()
+            if k.startswith(ENV_PREFIX) and not (self.env_ignore_empty and v == "")
+        }
+
+
+@contextmanager
+def _reading(environ: Mapping[str, str] | None) -> Iterator[None]:
+    token = _ENVIRON.set(environ)
+    try:
+        yield
+    finally:
+        _ENVIRON.reset(token)
+
+
+class LearnerConfig(BaseSettings):
+    """What one learner runs with. Keyword arguments win over the environment."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_ignore_empty=True,
+        extra="forbid",
+        populate_by_name=True,
+        allow_inf_nan=False,
+        validate_default=True,
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        environ = _ENVIRON.get()
+        if environ is None:  # a plain LearnerConfig(...): its arguments and defaults only
+            return (init_settings,)
+        return (init_settings, _MappingEnv(settings_cls, environ))
+
     # --- identity and synchronizer ---
     sync_url: str = "http://127.0.0.1:8470"
     """Base URL of the synchronizer: http:// (h2c) or https:// (TLS, HTTP/2 by ALPN)."""
-    token: str = field(default="", repr=False)
+    token: str = Field("", repr=False)
     """Per-job bearer token (a Secret in Kubernetes); never logged."""
     token_file: str | None = None
     """A file holding the token instead (a mounted Secret): its first non-empty line is sent,
@@ -63,9 +127,9 @@ class LearnerConfig:
     """PEM private key of `client_cert_file`."""
     learner_id: str = "learner-0"
     """Stable id of this learner slot; a replacement with the same id takes its place."""
-    learner_index: int = 0
+    learner_index: Int = Field(0, ge=0)
     """Index of this learner among `num_learners`: picks its data shard."""
-    num_learners: int = 1
+    num_learners: Int = Field(1, ge=1)
     """M, the number of learner slots (for data sharding only)."""
 
     # --- model and data ---
@@ -75,31 +139,36 @@ class LearnerConfig:
     """`module:function` returning a Task: bring your own model and data."""
     data: str | None = None
     """Corpus: None = the Python standard library's sources; a text file, folder or uint16 .bin."""
-    batch_size: int = 8
+    tokenizer: str | None = None
+    """A local tokenizer (a directory or tokenizer.json) for `data`; None: the model's own (an
+    `hf:` model directory's), else byte-level tokens."""
+    data_field: str = "text"
+    """The text column of JSONL and Parquet data."""
+    batch_size: Int = Field(8, ge=1)
     """Sequences per inner step."""
-    seed: int = 0
+    seed: Int = 0
     """Seed of the initial model (identical on every learner) and of this learner's batches."""
 
     # --- inner optimizer (AdamW) ---
-    inner_lr: float = 3e-3
+    inner_lr: float = Field(3e-3, gt=0.0)
     """Peak inner learning rate."""
-    weight_decay: float = 0.1
-    warmup_steps: int = 20
+    weight_decay: float = Field(0.1, ge=0.0)
+    warmup_steps: Int = Field(20, ge=1)
     """Linear warm-up of the inner learning rate, in inner steps."""
-    grad_clip: float = 1.0
+    grad_clip: float = Field(1.0, ge=0.0)
     """Clip the gradient norm to this (0 disables)."""
 
     # --- Decoupled DiLoCo (the paper §3; README "How it fits together") ---
-    h: int = 24
+    h: Int = Field(24, ge=1, validation_alias="DDILOCO_H")
     """H: inner steps between two hand-overs of the same fragment."""
-    num_fragments: int = 4
+    num_fragments: Int = Field(4, ge=1, validation_alias="DDILOCO_P")
     """P: fragments the parameters are split into; one falls due every H/P steps."""
     adoption: Literal["overwrite", "rebase"] = "rebase"
     """What a learner does with a merged fragment that arrives. `overwrite` (the paper):
     theta_p <- Theta_p, dropping the steps it took on p since its last hand-over. `rebase`:
     theta_p <- Theta_p + (theta_p - theta_p at its last hand-over), keeping those steps (they
     go out with its next hand-over), so no step taken during the overlap tau is lost."""
-    mix_alpha: float = 0.0
+    mix_alpha: float = Field(0.0, ge=0.0, lt=1.0)
     """alpha, with `overwrite` only (refused with `rebase`, which never mixes):
     theta <- alpha*theta_local + (1-alpha)*Theta on arrival (Streaming DiLoCo); 0 overwrites."""
     wire_dtype: Literal["float32", "bfloat16"] = "bfloat16"
@@ -111,65 +180,60 @@ class LearnerConfig:
     server (bench/http2_upload.py: 0.11 vs 0.23 GB/s for 64 MiB on the 2-core machine)."""
 
     # --- budget and runtime ---
-    max_steps: int = 0
+    max_steps: Int = Field(0, ge=0)
     """Stop after this many inner steps (0: no step limit)."""
-    max_seconds: float = 0.0
+    max_seconds: float = Field(0.0, ge=0.0)
     """Stop after this many seconds of training (0: no time limit)."""
-    max_tokens: int = 0
+    max_tokens: Int = Field(0, ge=0)
     """Stop after this many tokens of inner steps (0: no token limit)."""
     device: str = "auto"
     """`auto` picks cuda when present (bf16 autocast), else cpu."""
-    threads: int = 1
+    nproc_per_node: Int = Field(1, ge=1, le=256)
+    """Ranks in this learner's data-parallel group, one per device: `ddiloco learner` starts
+    them (under torchrun, the launcher's WORLD_SIZE is the group instead). To the
+    synchronizer the group is one learner."""
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    """How the ranks of a group train together: DDP (every rank holds the model) or FSDP2
+    (`fully_shard`: parameters sharded over the ranks, for a model one device cannot hold)."""
+    threads: Int = Field(1, ge=1)
     """torch intra-op threads on CPU."""
-    slow_factor: float = 1.0
+    slow_factor: float = Field(1.0, ge=1.0)
     """Chaos: each inner step takes this many times longer (a slower accelerator)."""
-    poll_s: float = 0.5
+    poll_s: float = Field(0.5, gt=0.0, le=5.0)
     """Heartbeats are long polls: the synchronizer answers at once when a fragment merged
     or a round opened, else after this long (so also the longest heartbeat period)."""
-    drain_s: float = 30.0
+    drain_s: float = Field(30.0, ge=0.0)
     """At the end of training, how long queued uploads may take to reach the synchronizer
     (it may be restarting) before the learner exits with them undelivered."""
     log_path: str | None = None
     """Append one JSON line per step and per fragment event here."""
-    log_every: int = 50
+    log_every: Int = Field(50, ge=0)
     """Print a step line every this many steps."""
 
-    def __post_init__(self) -> None:
-        for name, allowed in _choices().items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"invalid learner config: {name}={getattr(self, name)!r} "
-                    f"(one of {', '.join(allowed)})"
-                )
-        checks = {
-            "num_learners": self.num_learners >= 1,
-            "learner_index": 0 <= self.learner_index < self.num_learners,
-            "batch_size": self.batch_size >= 1,
-            "h": self.h >= 1,
-            "num_fragments": 1 <= self.num_fragments <= self.h,
-            "mix_alpha": 0.0 <= self.mix_alpha < 1.0,
-            "inner_lr": self.inner_lr > 0,
-            "slow_factor": self.slow_factor >= 1.0,
-            "max_steps": self.max_steps >= 0,
-            "max_seconds": self.max_seconds >= 0,
-            "drain_s": self.drain_s >= 0,
-            "max_tokens": self.max_tokens >= 0,
-        }
+    @model_validator(mode="after")
+    def _consistent(self) -> LearnerConfig:
+        if self.learner_index >= self.num_learners:
+            raise ValueError(
+                f"invalid learner config: learner_index={self.learner_index} must be below "
+                f"num_learners={self.num_learners}"
+            )
+        if self.num_fragments > self.h:
+            raise ValueError(
+                f"invalid learner config: num_fragments={self.num_fragments} (P) must be at "
+                f"most h={self.h} (H)"
+            )
         if (self.client_cert_file is None) != (self.client_key_file is None):
             raise ValueError(
                 "invalid learner config: set both client_cert_file and client_key_file "
                 "(DDILOCO_CLIENT_CERT_FILE, DDILOCO_CLIENT_KEY_FILE) or neither"
             )
-        bad = [k for k, ok in checks.items() if not ok]
-        if bad:
-            k = bad[0]
-            raise ValueError(f"invalid learner config: {k}={getattr(self, k)!r}")
         if self.mix_alpha and self.adoption != "overwrite":
             # `rebase` adds the global progress to the local copy and never mixes (diloco.py)
             raise ValueError(
                 f"invalid learner config: mix_alpha={self.mix_alpha!r} needs "
                 f"adoption='overwrite' (adoption={self.adoption!r} does not mix)"
             )
+        return self
 
     def token_source(self) -> Tokens:
         """What the learner authenticates with: `token` when set, else `token_file` (re-read
@@ -191,7 +255,7 @@ class LearnerConfig:
     @classmethod
     def env_names(cls) -> dict[str, str]:
         """Field name -> the `DDILOCO_*` variable `from_env` reads it from."""
-        return {f.name: ENV_PREFIX + ENV_ALIASES.get(f.name, f.name).upper() for f in fields(cls)}
+        return {name: ENV_PREFIX + ENV_ALIASES.get(name, name).upper() for name in cls.model_fields}
 
     @classmethod
     def unread_env(cls, environ: Mapping[str, str]) -> list[str]:
@@ -203,63 +267,43 @@ class LearnerConfig:
     def from_env(
         cls, environ: Mapping[str, str] | None = None, *, strict: bool = False, **overrides: Any
     ) -> LearnerConfig:
-        """Fields from `DDILOCO_*` variables (`DDILOCO_H`, `DDILOCO_P` for num_fragments,
-        `DDILOCO_MODEL`...; see `env_names()`), then `overrides` (None values ignored). An
-        empty variable counts as unset; a value that does not parse as its field's type
-        raises ValueError naming the variable. `strict` also refuses, by name, any
-        `DDILOCO_*` variable that nothing reads (a misspelt or retired knob)."""
-        env = os.environ if environ is None else environ
+        """Fields from `DDILOCO_*` variables of `environ` (default os.environ; `DDILOCO_H`,
+        `DDILOCO_P` for num_fragments, `DDILOCO_MODEL`...; see `env_names()`), then
+        `overrides` (None values ignored). An empty variable counts as unset; a value that
+        does not parse as its field raises ValueError naming the variable. `strict` also
+        refuses, by name, any `DDILOCO_*` variable that nothing reads (a misspelt or retired
+        knob)."""
+        import os
+
+        env = dict(os.environ if environ is None else environ)
         if strict and (unread := cls.unread_env(env)):
             raise ValueError(
                 f"unknown learner environment variable(s) {', '.join(unread)}: the learner "
                 f"reads {', '.join(sorted(cls.env_names().values()))} and "
                 f"{', '.join(READ_ELSEWHERE)}"
             )
-        hints = _hints()
-        values: dict[str, Any] = {}
-        for name, var in cls.env_names().items():
-            raw = env.get(var)
-            if raw is None or raw == "":
-                continue
-            values[name] = _parse(var, raw, hints[name])
-        values |= {k: v for k, v in overrides.items() if v is not None}
-        return cls(**values)
-
-
-@cache
-def _hints() -> dict[str, Any]:
-    return get_type_hints(LearnerConfig)
-
-
-@cache
-def _choices() -> dict[str, tuple[str, ...]]:
-    """The fields typed as a Literal, with the values they allow."""
-    return {k: get_args(t) for k, t in _hints().items() if get_origin(t) is Literal}
-
-
-def _parse(var: str, raw: str, hint: Any) -> Any:
-    """`raw` as a value of type `hint` (int, float, bool, str, a Literal, or one of them | None)."""
-    if get_origin(hint) in (Union, UnionType):
-        (hint,) = (a for a in get_args(hint) if a is not NoneType)
-    if get_origin(hint) is Literal:
-        if raw not in get_args(hint):
-            raise ValueError(f"{var}={raw!r}: one of {', '.join(get_args(hint))}")
-        return raw
-    if hint is bool:
-        word = raw.strip().lower()
-        if word not in _TRUE + _FALSE:
-            raise ValueError(f"{var}={raw!r}: not a boolean ({'/'.join(_TRUE + _FALSE)})")
-        return word in _TRUE
-    if hint in (int, float):
+        given = {k: v for k, v in overrides.items() if v is not None}
         try:
-            value = hint(raw)
-        except ValueError:
-            raise ValueError(
-                f"{var}={raw!r}: not {'an int' if hint is int else 'a number'}"
-            ) from None
-        if not math.isfinite(value):
-            raise ValueError(f"{var}={raw!r}: not a finite number")
-        return value
-    if hint is str:
-        return raw
-    raise TypeError(f"{var}: no parser for fields of type {hint!r}")
+            with _reading(env):
+                return cls(**given)
+        except ValidationError as e:
+            raise ValueError(_explain(e, env, given, cls.env_names())) from None
+
+
+def _explain(
+    e: ValidationError, env: Mapping[str, str], given: Mapping[str, Any], names: dict[str, str]
+) -> str:
+    """One line per problem, naming the variable (or the flag's field) the bad value came from."""
+    lines = []
+    for err in e.errors():
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        field = str(err["loc"][0]) if err["loc"] else ""
+        field = next((f for f, var in names.items() if var.lower() == field.lower()), field)
+        var = names.get(field, "")
+        if field and field not in given and var in env:
+            lines.append(f"{var}={env[var]!r}: {msg}")
+        elif field:
+            lines.append(f"invalid learner config: {field}={given.get(field)!r}: {msg}")
+        else:
+            lines.append(msg)
+    return "; ".join(lines)
