@@ -157,3 +157,31 @@ def test_main_warns_of_unread_names_and_trains_with_env_and_flags(
     [cfg] = trained
     assert (cfg.token, cfg.h, cfg.num_fragments) == ("t", 12, 3)
     assert "DDILOCO_INNER_STEPS" in caplog.text
+
+
+def test_group_and_data_settings_from_the_environment() -> None:
+    env = {
+        "DDILOCO_NPROC_PER_NODE": "8",
+        "DDILOCO_PARALLEL": "fsdp",
+        "DDILOCO_TOKENIZER": "/models/tok",
+        "DDILOCO_DATA_FIELD": "content",
+    }
+    cfg = LearnerConfig.from_env(env, strict=True)
+    assert (cfg.nproc_per_node, cfg.parallel, cfg.tokenizer, cfg.data_field) == (
+        8,
+        "fsdp",
+        "/models/tok",
+        "content",
+    )
+    for var, raw in [("DDILOCO_NPROC_PER_NODE", "0"), ("DDILOCO_PARALLEL", "zero3")]:
+        with pytest.raises(ValueError, match=var):
+            LearnerConfig.from_env({var: raw})
+
+
+def test_a_plain_config_reads_no_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # only from_env reads variables: a LearnerConfig built in code is what the code says
+    monkeypatch.setenv("DDILOCO_H", "48")
+    monkeypatch.setenv("DDILOCO_ADOPTION", "rebse")
+    assert LearnerConfig().h == 24
+    with pytest.raises(ValueError, match="DDILOCO_ADOPTION='rebse'"):
+        LearnerConfig.from_env()
