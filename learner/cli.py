@@ -44,12 +44,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--client-key", dest="client_key_file", help="PEM key of --client-cert")
     # --- model and data ---
-    ap.add_argument("--model", help="model preset: tiny, small, base, gpt2")
+    ap.add_argument(
+        "--model",
+        help="model preset (tiny, small, base, gpt2) or hf:PATH, a local Hugging Face config "
+        "or model directory (hf:llama-tiny: the one shipped)",
+    )
     ap.add_argument("--model-entry", help="module:function returning a Task (your model and data)")
     ap.add_argument(
         "--data", help="text file, folder, or uint16 .bin (default: Python stdlib sources)"
     )
-    ap.add_argument("--batch-size", type=int)
+    ap.add_argument(
+        "--tokenizer", help="local tokenizer directory or tokenizer.json (default: the model's)"
+    )
+    ap.add_argument("--data-field", help="text column of JSONL and Parquet data (default text)")
+    ap.add_argument("--batch-size", type=int, help="sequences per inner step, per rank")
     ap.add_argument("--seed", type=int)
     # --- optimization and schedule ---
     ap.add_argument("--inner-lr", type=float, help="inner AdamW learning rate")
@@ -79,6 +87,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-seconds", type=float)
     ap.add_argument("--max-tokens", type=int, help="stop after this many training tokens")
     ap.add_argument("--device", help="auto, cpu, cuda, cuda:1 ...")
+    ap.add_argument(
+        "--nproc-per-node",
+        type=int,
+        help="ranks of this learner's data-parallel group, one per device (default 1)",
+    )
+    ap.add_argument(
+        "--parallel", choices=["ddp", "fsdp"], help="how the group's ranks train (default ddp)"
+    )
     ap.add_argument("--threads", type=int, help="torch CPU threads")
     ap.add_argument(
         "--slow-factor", type=float, help="chaos: make every step this many times slower"
