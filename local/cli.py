@@ -66,11 +66,26 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     # --- model and data ---
     ap.add_argument(
-        "--model", default="tiny", help="preset: tiny, small, base, gpt2 (default tiny)"
+        "--model",
+        default="tiny",
+        help="preset: tiny, small, base, gpt2 (default tiny), or hf:PATH, a local Hugging Face "
+        "config or model directory (hf:llama-tiny: the small Llama shipped with ddiloco)",
     )
     ap.add_argument("--model-entry", help="module:function returning a Task (your model and data)")
     ap.add_argument(
-        "--data", help="text file, folder or uint16 .bin (default: Python stdlib sources)"
+        "--data",
+        help="text, JSONL or Parquet files or a folder, or a uint16 .bin "
+        "(default: Python stdlib sources)",
+    )
+    ap.add_argument("--tokenizer", help="local tokenizer for --data (default: the model's)")
+    ap.add_argument(
+        "--data-field", default="text", help="text column of JSONL and Parquet (default text)"
+    )
+    ap.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        help="ranks per learner: each learner a data-parallel group of processes (default 1)",
     )
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--inner-lr", type=float, default=3e-3)
@@ -209,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model,
         model_entry=args.model_entry,
         data=args.data,
+        tokenizer=args.tokenizer,
+        data_field=args.data_field,
+        nproc_per_node=args.nproc_per_node,
         max_seconds=args.max_seconds,
         max_steps=args.max_steps,
         chaos=args.chaos,

@@ -47,8 +47,16 @@ class LocalConfig:
     merge: str = "rda"
     """rda or mean for non-embedding fragments."""
     model: str = "tiny"
+    """A preset (tiny, small, base, gpt2) or hf:PATH (a local Hugging Face config)."""
     model_entry: str | None = None
     data: str | None = None
+    """Text, JSONL or Parquet files or a folder, or a uint16 .bin (None: stdlib sources)."""
+    tokenizer: str | None = None
+    """A local tokenizer for `data` (None: the model's own, else bytes)."""
+    data_field: str = "text"
+    """The text column of JSONL and Parquet data."""
+    nproc_per_node: int = 1
+    """Ranks per learner (a data-parallel group of processes, gloo on CPU)."""
     max_seconds: float = 0.0
     """Training wall-clock budget (0: none; 60 s when no step budget either)."""
     max_steps: int = 0
@@ -93,6 +101,8 @@ class LocalConfig:
             raise ValueError(f"learners must be >= 1, got {self.learners}")
         if not 1 <= self.quorum <= self.learners:
             raise ValueError(f"quorum must be in 1..learners ({self.learners}), got {self.quorum}")
+        if self.nproc_per_node < 1:
+            raise ValueError(f"nproc_per_node must be >= 1, got {self.nproc_per_node}")
         if self.max_seconds <= 0 and self.max_steps <= 0:
             self.max_seconds = 60.0
         if self.spare_takeover not in ("immediate", "after-delay"):
@@ -233,7 +243,11 @@ class LocalRun:
         else:
             argv += ["--model", c.model]
         if c.data:
-            argv += ["--data", c.data]
+            argv += ["--data", c.data, "--data-field", c.data_field]
+        if c.tokenizer:
+            argv += ["--tokenizer", c.tokenizer]
+        if c.nproc_per_node > 1:
+            argv += ["--nproc-per-node", str(c.nproc_per_node)]
         if c.tls:  # flags, not env: a warm spare takes the slot's argv (local/spare.py)
             argv += ["--ca-file", str(self.tls_dir / "ca.crt")]
         if c.mtls:
