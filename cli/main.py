@@ -5,6 +5,7 @@
     ddiloco learner --sync-url http://127.0.0.1:8470 --learner-id l0
     ddiloco operator                                 # the Kubernetes operator (kopf)
     ddiloco simulate paper-table                     # the discrete-event simulator
+    ddiloco export --state-dir /tmp/s --out model/   # the trained model, as safetensors
 
 Each subcommand lives with its component and is imported only when it runs, so
 `ddiloco operator` never pays for torch and `ddiloco learner` never imports kopf.
@@ -23,6 +24,7 @@ SUBCOMMANDS: Final[dict[str, tuple[str, str]]] = {
     "learner": ("ddiloco.learner.cli", "run one learner against a synchronizer"),
     "operator": ("ddiloco.operator.cli", "run the Kubernetes operator"),
     "simulate": ("ddiloco.simulator.cli", "simulate the method at fleet scale"),
+    "export": ("ddiloco.cli.export", "write a job's global model out as safetensors"),
 }
 
 

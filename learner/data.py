@@ -1,26 +1,34 @@
-"""Training data for the learners: byte-level token arrays, shards, batches and the eval loss.
+"""Training data for the learners: token arrays, shards, the batch stream and the eval loss.
 
-Tokens are bytes (values 0..255) held in a ``uint16`` numpy array, so pre-tokenized ``.bin``
-files with a larger vocabulary use the same type. By default the corpus is the Python standard
-library's own ``.py`` sources, which every machine has and nothing needs downloading:
+Tokens are held in an unsigned numpy array: bytes (values 0..255) for the byte-level presets,
+``uint16`` for pre-tokenized ``.bin`` files; corpora tokenized with a model's tokenizer
+(JSONL, Parquet, text documents) come from ``corpus.py``, which uses the same stream. By
+default the corpus is the Python standard library's own ``.py`` sources, which every machine
+has and nothing needs downloading:
 
     tokens = load_tokens(None)                     # or a .bin file, a text file, a directory
     train, held_out = split_eval(tokens)           # the tail is the eval split, same everywhere
     mine = shard(train, index=2, count=4)          # contiguous shard of learner 2 of 4
-    x, y = next(BatchIterator(mine, batch_size=8, block_size=64, seed=2))
+    batches = BatchIterator(mine, batch_size=8, block_size=64, seed=(0, 2))
+    x, y = next(batches)                           # batches.position == 8 windows consumed
+    batches.seek(800)                              # a replacement resumes the slot's stream
     loss = eval_loss(model, held_out, batch_size=8, block_size=64)
 
 Every function is deterministic given its arguments, so learners agree on the eval split and on
-their disjoint shards without talking to each other. Caveat: the default corpus is whatever
-standard library this interpreter has; learners of one job must run the same Python build (one
-container image does that).
+their disjoint shards without talking to each other, and a slot's stream of windows is the
+same sequence in every process that plays the slot (the data contract: corpus.py). Caveat:
+the default corpus is whatever standard library this interpreter has; learners of one job
+must run the same Python build (one container image does that).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sysconfig
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -157,12 +165,34 @@ def _check_length(tokens: np.ndarray, block_size: int, what: str) -> None:
         )
 
 
-class BatchIterator:
-    """Endless random training batches ``(x, y)``, both ``LongTensor[batch_size, block_size]``
-    with ``y`` shifted one token ahead of ``x``.
+RESERVE_SECONDS: Final = 10.0
+"""How much training the reservation a learner reports covers ahead of what it consumed:
+a new one is reported when less than half of it is left, so a heartbeat has at least half
+this long to reach the synchronizer before a window outside its reservation is drawn."""
+MIN_RESERVE_STEPS: Final = 8
+"""The reservation covers at least this many group steps (the join reserves this many)."""
 
-    Window starts are drawn uniformly from a numpy Generator seeded with ``seed``, so the same
-    seed gives the same sequence of batches. State: that generator (``batches_drawn`` counts).
+
+def join_reserve(batch_size: int, world: int = 1) -> int:
+    """Windows a learner reserves at join (``JoinRequest.data_reserve``): ``MIN_RESERVE_STEPS``
+    group steps of ``world`` ranks of ``batch_size``, drawn before its first heartbeat."""
+    return MIN_RESERVE_STEPS * batch_size * world
+
+
+class BatchIterator:
+    """A slot's data stream, as the training batches ``(x, y)`` of one rank of its group:
+    both ``LongTensor[batch_size, block_size]``, ``y`` one token ahead of ``x``.
+
+    The stream is the shard's windows (``block_size + 1`` tokens at stride ``block_size``:
+    neighbours share one token, every next-token pair is a target once per epoch), epoch
+    ``e`` in the order of a permutation drawn from ``numpy.random.default_rng([*seed, e])``. Stream
+    position ``p`` is window ``perm_e[p % n]`` of epoch ``e = p // n``. A group step takes
+    positions ``[position, position + world * batch_size)``, rank ``r`` the ``r``-th
+    ``batch_size`` of them, and every rank advances ``position`` by the whole step, so the
+    position counts windows consumed by the slot whatever the group size. State: ``position``
+    and the reservation (``reservation()``); ``seek(p)`` moves to position ``p``.
+    ``last = (lo, hi)`` are the positions of the group step just drawn. With the logger at
+    DEBUG each draw is logged (positions, rank, window indices) before it is trained.
     """
 
     def __init__(
@@ -170,32 +200,118 @@ class BatchIterator:
         tokens: np.ndarray,
         batch_size: int,
         block_size: int,
-        seed: int,
+        seed: int | Sequence[int],
         device: str | torch.device = "cpu",
+        *,
+        rank: int = 0,
+        world: int = 1,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if world < 1 or not 0 <= rank < world:
+            raise ValueError(f"rank must be in [0, world), got rank {rank} of world {world}")
         _check_length(tokens, block_size, "the training shard")
         self.tokens = tokens
         self.batch_size = batch_size
         self.block_size = block_size
         self.device = torch.device(device)
-        self.rng = np.random.default_rng(seed)
-        self.batches_drawn = 0
+        self.rank, self.world = rank, world
+        self.seed = tuple(
+            int(s) % (1 << 64) for s in (seed if isinstance(seed, Sequence) else [seed])
+        )
+        self.windows = (len(tokens) - 1) // block_size
+        """Windows per epoch (the shard's tokens minus one, over block_size)."""
+        self.position = 0
+        self.last = (0, 0)
+        self._perms: dict[int, np.ndarray] = {}
+        self._reserved = 0
+        self._interval: float | None = None
+        self._drawn_at: float | None = None
 
     @property
     def tokens_per_batch(self) -> int:
         return self.batch_size * self.block_size
 
+    @property
+    def group_batch(self) -> int:
+        """Windows one group step consumes: ``world * batch_size``."""
+        return self.world * self.batch_size
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """The order of the windows in ``epoch`` (the same on every rank and replacement)."""
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = np.random.default_rng([*self.seed, epoch]).permutation(self.windows)
+            self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}
+            self._perms[epoch] = perm
+        return perm
+
+    def window_indices(self, positions: np.ndarray) -> np.ndarray:
+        """The windows (index ``i``: tokens ``[i*block_size, (i+1)*block_size]`` of the shard)
+        at these stream positions."""
+        epochs, slots = np.divmod(np.asarray(positions, dtype=np.int64), self.windows)
+        out = np.empty_like(slots)
+        for e in np.unique(epochs):
+            mask = epochs == e
+            out[mask] = self.permutation(int(e))[slots[mask]]
+        return out
+
     def __iter__(self) -> BatchIterator:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = self.rng.integers(0, len(self.tokens) - self.block_size, size=self.batch_size)
-        self.batches_drawn += 1
-        return _to_device(_windows(self.tokens, starts, self.block_size), self.device)
+        lo = self.position + self.rank * self.batch_size
+        windows = self.window_indices(np.arange(lo, lo + self.batch_size, dtype=np.int64))
+        self.last = (self.position, self.position + self.group_batch)
+        self.position += self.group_batch
+        now = time.monotonic()
+        if self._drawn_at is not None:
+            dt = now - self._drawn_at
+            self._interval = dt if self._interval is None else 0.8 * self._interval + 0.2 * dt
+        self._drawn_at = now
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "data positions=%d:%d rank=%d windows=%s",
+                lo,
+                lo + self.batch_size,
+                self.rank,
+                ",".join(map(str, windows.tolist())),
+            )
+        return _to_device(
+            _windows(self.tokens, windows * self.block_size, self.block_size), self.device
+        )
+
+    def seek(self, position: int) -> None:
+        """Continue the stream at ``position`` (a replacement: where the synchronizer
+        counted the slot); what lies between is skipped, never trained this epoch."""
+        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+            raise ValueError(f"data position must be an int >= 0, got {position!r}")
+        self.position = position
+
+    def reserve_windows(self) -> int:
+        """Windows a reservation covers now: ``RESERVE_SECONDS`` of group steps at the
+        measured pace, at least ``MIN_RESERVE_STEPS`` of them."""
+        steps = MIN_RESERVE_STEPS
+        if self._interval:
+            steps = max(steps, math.ceil(RESERVE_SECONDS / self._interval))
+        return steps * self.group_batch
+
+    def reservation(self) -> int:
+        """The data position to report (``Heartbeat.data_position``): the end of the slot's
+        current reservation, renewed to ``position + reserve_windows()`` once less than half
+        of it is left. Never below ``position``; never decreases."""
+        ahead = self.reserve_windows()
+        if self._reserved - self.position < ahead // 2:
+            self._reserved = max(self._reserved, self.position + ahead)
+        return self._reserved
+
+
+def model_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Loss of a model following ``GPT.forward``'s contract: ``model(x, y) -> (logits, loss)``."""
+    _, loss = model(x, y)
+    return loss
 
 
 @torch.no_grad()
@@ -206,9 +322,11 @@ def eval_loss(
     block_size: int,
     batches: int = 8,
     device: str | torch.device = "cpu",
+    loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = model_loss,
 ) -> float:
-    """Mean loss of ``model`` (``model(x, y) -> (logits, loss)``) on ``batches`` batches of
-    fixed, evenly spaced windows of ``tokens``: the same windows on every call and learner.
+    """Mean ``loss_fn(model, x, y)`` (default: ``model(x, y) -> (logits, loss)``) on
+    ``batches`` batches of fixed, evenly spaced windows of ``tokens``: the same windows on
+    every call and learner.
 
     The model runs in eval mode (no dropout) and is put back in its previous mode afterwards.
     """
@@ -224,8 +342,7 @@ def eval_loss(
                 _windows(tokens, starts[i * batch_size : (i + 1) * batch_size], block_size),
                 torch.device(device),
             )
-            _, loss = model(x, y)
-            total += float(loss)
+            total += float(loss_fn(model, x, y))
     finally:
         model.train(was_training)
     return total / batches

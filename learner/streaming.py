@@ -32,12 +32,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ddiloco.learner import hf
 from ddiloco.learner.config import LearnerConfig
+from ddiloco.learner.data import join_reserve
 from ddiloco.learner.outbox import Outbox
 from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.client import SyncClient, SyncRefused, SyncUnavailable
 from ddiloco.synchronizer.protocol import (
     LAYOUT_KEY,
+    MODEL_KEY,
     Heartbeat,
     JoinRequest,
     Layout,
@@ -84,6 +87,9 @@ class Streamer:
         self.bytes_up = 0
         self.bytes_down = 0
         self.incarnation = 0
+        self.resume_position = 0
+        """The synchronizer's data position for this learner id at the last join (windows of
+        its slot's stream counted so far; 0 from a synchronizer that keeps none)."""
         self.threads: list[threading.Thread] = []
         # one token source for both threads: a rotated token file is re-read once for both
         self.tokens = cfg.token_source()
@@ -100,11 +106,24 @@ class Streamer:
             layout_digest=self.layout.digest(),
             host=socket.gethostname(),
             pid=os.getpid(),
+            # the draws before our first heartbeat lands (learner/corpus.py, the data contract)
+            data_reserve=join_reserve(
+                self.cfg.batch_size,
+                int(os.environ.get("WORLD_SIZE") or getattr(self.cfg, "nproc_per_node", 1)),
+            ),
         )
         resp = client.join(req)
         self.incarnation = resp.incarnation
+        self.resume_position = int(getattr(resp, "data_position", 0) or 0)
         if not resp.initialized:
-            payload = codec.encode(self.initial(), {LAYOUT_KEY: self.layout.model_dump_json()})
+            meta = {LAYOUT_KEY: self.layout.model_dump_json()}
+            try:  # what the job trains, for `ddiloco export` (learner/hf.py model_spec)
+                meta[MODEL_KEY] = hf.spec_metadata(
+                    self.cfg.model, self.cfg.model_entry, getattr(self.cfg, "tokenizer", None)
+                )
+            except (OSError, ValueError) as e:
+                log.warning("Initializing without a model spec (an export will lack it): %s", e)
+            payload = codec.encode(self.initial(), meta)
             init = client.init(payload)
             log.info(
                 "Initialized the global model (created=%s digest=%s)",

@@ -2,6 +2,13 @@
 
 A thread in the launcher fetches every global fragment, loads them into its own copy of
 the model and measures the held-out loss; the curve in the report and plot is this one.
+The copy is built as the learners build theirs (a GPT preset, an `hf:` config, a model
+entry) and measured on the same eval set, the held-out tail or documents every learner
+holds out (learner/corpus.py); only that set is read and tokenized here.
+
+    ev = GlobalEvaluator(url, token, preset="hf:llama-tiny", data="docs.jsonl",
+                         model_entry=None, seed=0)
+    ev.evaluate()      # (loss, global version) now, or None while there is no model
 """
 
 from __future__ import annotations
@@ -33,11 +40,20 @@ class GlobalEvaluator:
         seed: int,
         batch_size: int = 8,
         every_s: float = 5.0,
+        tokenizer: str | None = None,
+        data_field: str = "text",
     ) -> None:
         torch.set_num_threads(1)
         # the learners' batch size, so that task.tokens_per_batch is a learner step's tokens
         self.task = build_task(
-            preset=preset, data=data, model_entry=model_entry, seed=seed, batch_size=batch_size
+            preset=preset,
+            data=data,
+            model_entry=model_entry,
+            seed=seed,
+            batch_size=batch_size,
+            tokenizer=tokenizer,
+            data_field=data_field,
+            eval_only=True,
         )
         self.params = dict(self.task.model.named_parameters())
         self.client = SyncClient(sync_url, token, tls=tls)

@@ -41,6 +41,7 @@ from ddiloco.synchronizer.protocol import (
     InitResponse,
     JoinRequest,
     JoinResponse,
+    ModelSpec,
     Status,
     UpdateMeta,
     UpdateResponse,
@@ -223,6 +224,10 @@ class SyncClient:
 
     def status(self) -> Status:
         return self._json("GET", "/status", None, Status)
+
+    def model_spec(self) -> ModelSpec:
+        """What the job trains (GET /v1/model)."""
+        return self._json("GET", "/model", None, ModelSpec)
 
     def healthy(self) -> bool:
         try:

@@ -3,7 +3,9 @@
 A record survives restarts of its learner (incarnations) and of the synchronizer (it is
 saved in ledger.json); goodput here is the learners' own account, compute time over uptime
 summed over incarnations (a slot's dead time between incarnations is not seen from here;
-`ddiloco local` and the bench count it from the process timeline).
+`ddiloco local` and the bench count it from the process timeline). It also keeps each
+slot's data position, the highest its learners reported (learner/corpus.py), where a
+replacement's data stream resumes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ class LearnerRecord:
     past_compute_seconds: float = 0.0
     past_uptime_seconds: float = 0.0
     loss: float | None = None
+    data_position: int = 0
+    """The highest data position the slot reported or reserved at join (windows of its data
+    stream, learner/corpus.py); a replacement resumes there."""
     last_seen: float = field(default=-1e18, repr=False)
     steps: list[int] = field(default_factory=list, repr=False)
 
@@ -47,6 +52,7 @@ def learner_statuses(
             uptime_seconds=r.past_uptime_seconds + r.uptime_seconds,
             contributions=r.contributions,
             loss=r.loss,
+            data_position=r.data_position,
             last_seen_s=max(0.0, now - r.last_seen) if r.last_seen > -1e17 else -1.0,
         )
         for r in sorted(learners.values(), key=lambda r: r.learner_id)

@@ -12,6 +12,7 @@ Bulk payloads are safetensors bytes (never pickle). Control messages are JSON:
                                      previous hand-over, metadata = UpdateMeta fields
                                      -> UpdateResponse
     POST /v1/heartbeat               Heartbeat              -> HeartbeatResponse
+    GET  /v1/model                   -> ModelSpec (what the init upload said the job trains)
     GET  /v1/status                  -> Status
     GET  /healthz, GET /metrics
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -30,6 +31,9 @@ API_PREFIX: Final = "/v1"
 VERSION_HEADER: Final = "X-DDiLoCo-Version"
 CONTENT_TYPE: Final = "application/vnd.safetensors"
 LAYOUT_KEY: Final = "ddiloco.layout"  # safetensors metadata key carrying the layout JSON
+MODEL_KEY: Final = "ddiloco.model"  # init metadata key carrying the ModelSpec JSON (optional)
+MAX_DATA_POSITION: Final = (1 << 53) - 1
+"""The largest data position (windows of a slot's stream) accepted: exact in any JSON."""
 
 MergeRule = Literal["rda", "mean"]
 """How a fragment's contributions combine: radial-directional averaging, or the weighted mean."""
@@ -81,6 +85,9 @@ class JoinRequest(_Msg):
     """The learner's layout digest; a mismatch with the synchronizer's is refused."""
     host: str = ""
     pid: int = 0
+    data_reserve: int = Field(0, ge=0, le=MAX_DATA_POSITION)
+    """Windows of the slot's data stream this learner reserves beyond the position it is
+    answered, before its first heartbeat can (learner/corpus.py: the data contract)."""
 
 
 class JoinResponse(_Msg):
@@ -90,6 +97,9 @@ class JoinResponse(_Msg):
     versions: list[int]
     incarnation: int
     """How many times this learner id has joined (1 on its first join)."""
+    data_position: int = 0
+    """Where this slot's data stream resumes: the highest data position recorded for this
+    learner id (durable in the ledger), before this join's `data_reserve` was added."""
 
 
 class InitResponse(_Msg):
@@ -167,6 +177,9 @@ class Heartbeat(_Msg):
     wait_s: float = Field(0.0, ge=0.0, le=5.0)
     """Long poll: if nothing is new for the learner, answer after at most this long, as soon
     as a fragment merges or a round it could join opens (no busy polling, ~ms latency)."""
+    data_position: int = Field(0, ge=0, le=MAX_DATA_POSITION)
+    """Windows of the slot's data stream consumed, plus those reserved ahead (learner/
+    corpus.py). The synchronizer keeps the highest one durably and answers it at join."""
 
 
 class HeartbeatResponse(_Msg):
@@ -187,6 +200,31 @@ class LearnerStatus(_Msg):
     contributions: int
     last_seen_s: float
     loss: float | None = None
+    data_position: int = 0
+    """The highest data position recorded for this slot (see Heartbeat.data_position)."""
+
+
+FileName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+"""A plain file name: no directory part, no leading dot."""
+
+
+class ModelSpec(_Msg):
+    """What the job trains, as the learner that initialized it described it (the init
+    upload's `MODEL_KEY` metadata); `ddiloco export` writes a loadable model from it."""
+
+    kind: Literal["gpt", "hf", "entry", "unknown"] = "unknown"
+    """gpt: a built-in preset; hf: a Hugging Face config; entry: a --model-entry."""
+    name: str = Field("", max_length=4096)
+    """The preset, `hf:PATH` or `module:function` the learners were given."""
+    config: dict[str, Any] = {}
+    """The preset's GPTConfig fields, or the hf model's config.json."""
+    tokenizer: Literal["bytes", "hf", ""] = ""
+    """bytes: byte-level tokens; hf: the tokenizer whose files are in `files`."""
+    files: dict[FileName, str] = {}
+    """Text files an hf export needs beside its weights (tokenizer, generation config), by
+    file name (plain names only, no paths)."""
+    tokenizer_omitted: bool = False
+    """The tokenizer's files were too large to carry: an export must be given them."""
 
 
 class FragmentStatus(_Msg):

@@ -35,6 +35,7 @@ from ddiloco.synchronizer.protocol import (
     InitResponse,
     JoinRequest,
     JoinResponse,
+    ModelSpec,
     Status,
     UpdateResponse,
 )
@@ -246,6 +247,12 @@ async def heartbeat(hb: Heartbeat, request: Request, sync: SyncDep) -> Heartbeat
         changed = request.app.state.changed
         resp = await asyncio.to_thread(sync.poll, hb.learner_id)
     return resp
+
+
+@v1.get("/model")
+async def model(sync: SyncDep) -> ModelSpec:
+    """What the job trains (from the init upload): what `ddiloco export` writes out."""
+    return await asyncio.to_thread(sync.model_spec)
 
 
 @v1.get("/status")

@@ -31,10 +31,12 @@ import torch
 
 from ddiloco.synchronizer import admission, codec, ledger
 from ddiloco.synchronizer.config import SyncSettings
-from ddiloco.synchronizer.errors import Refusal, SyncError
+from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
 from ddiloco.synchronizer.ledger import LearnerRecord
 from ddiloco.synchronizer.merge import Contribution, MergePolicy, NonFiniteMerge
 from ddiloco.synchronizer.protocol import (
+    MAX_DATA_POSITION,
+    MODEL_KEY,
     FragmentStatus,
     Heartbeat,
     HeartbeatResponse,
@@ -42,6 +44,7 @@ from ddiloco.synchronizer.protocol import (
     JoinRequest,
     JoinResponse,
     Layout,
+    ModelSpec,
     Status,
     UpdateMeta,
     UpdateResponse,
@@ -55,6 +58,17 @@ HEADER_SLACK = 1 << 20
 """Bytes a safetensors header with metadata may add to a fragment's tensors."""
 
 __all__ = ["SyncError", "Synchronizer"]
+
+
+def model_from_metadata(meta: dict[str, str]) -> ModelSpec | None:
+    """The init upload's model spec (`MODEL_KEY`), None if it carries none."""
+    raw = meta.get(MODEL_KEY)
+    if raw is None:
+        return None
+    try:
+        return ModelSpec.model_validate_json(raw)
+    except ValueError as e:
+        raise PayloadError(f"init payload has an invalid model spec: {str(e)[:500]}") from None
 
 
 class Synchronizer:
@@ -77,6 +91,8 @@ class Synchronizer:
             tau=s.tau,
         )
         self.layout: Layout | None = self.store.load_layout()
+        self.model: ModelSpec | None = self.store.load_model()
+        """What the job trains, from the init upload (None: it said nothing, or no init)."""
         self.fragments: list[FragmentState] = []
         self.frag_locks: list[threading.Lock] = []
         """One per fragment, held by an update's admission and by a merge of that fragment."""
@@ -190,7 +206,12 @@ class Synchronizer:
             rec.last_seen = self.clock()
             self.rounds.heard(req.learner_id)
             incarnation = rec.incarnation
-        # durable before the answer: an incarnation is never handed out twice
+            # the slot resumes where it was counted; the joiner reserves what it will draw
+            # before its first heartbeat can report it (learner/corpus.py)
+            resume = rec.data_position
+            rec.data_position = min(MAX_DATA_POSITION, resume + req.data_reserve)
+        # durable before the answer: an incarnation (and a data position) is never handed
+        # out twice
         self._save_ledger()
         log.info(
             "Learner joined learner=%s incarnation=%d host=%s",
@@ -203,11 +224,13 @@ class Synchronizer:
             layout_digest=digest,
             versions=self.versions(),
             incarnation=incarnation,
+            data_position=resume,
         )
 
     def init(self, payload: bytes) -> InitResponse:
         header = codec.read_header(payload)
         layout = codec.layout_from_metadata(header.metadata)
+        model = model_from_metadata(header.metadata)
         with self.lock:
             if self.layout is not None:
                 if layout.digest() != self.layout.digest():
@@ -218,8 +241,11 @@ class Synchronizer:
             fragments = admission.initial_fragments(layout, codec.decode(payload, header))
             for spec, fs in zip(layout.fragments, fragments, strict=True):
                 self.store.save_fragment(spec.index, fs)
+            if model is not None:
+                self.store.save_model(model)
             self.store.save_layout(layout)  # written last: its presence means "initialized"
             self.layout = layout
+            self.model = model
             self._adopt(fragments)
             log.info(
                 "Initialized global model fragments=%d digest=%s", len(fragments), layout.digest()
@@ -311,7 +337,19 @@ class Synchronizer:
             rec.compute_seconds, rec.uptime_seconds = hb.compute_seconds, hb.uptime_seconds
             rec.loss, rec.steps = hb.loss, hb.steps
             self.rounds.heard(hb.learner_id, hb.step_seconds)
-            return self.poll(hb.learner_id)
+            advanced = hb.data_position > rec.data_position
+            rec.data_position = max(rec.data_position, hb.data_position)
+        if advanced:  # a new reservation is durable before it is answered (learner/corpus.py)
+            self._save_ledger()
+        return self.poll(hb.learner_id)
+
+    def model_spec(self) -> ModelSpec:
+        """What the job trains, as its init upload said (kind `unknown` if it said nothing)."""
+        if self.layout is None:
+            raise SyncError(
+                Refusal.NOT_INITIALIZED, "no global model yet: the first learner uploads it"
+            )
+        return self.model or ModelSpec()
 
     def poll(self, learner_id: str) -> HeartbeatResponse:
         """What a learner should know now: versions, and rounds it could still join."""

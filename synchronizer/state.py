@@ -1,6 +1,7 @@
 """Durable synchronizer state: what a restarted synchronizer needs to resume exactly.
 
     <state_dir>/layout.json                 fragment layout, written once at init
+    <state_dir>/model.json                  what the job trains (ModelSpec), written at init
     <state_dir>/fragment-0003.safetensors   Theta_p, momentum b_p, version, stats, high-water marks
     <state_dir>/pending-0003.log            updates of p accepted since its last merge (the WAL)
     <state_dir>/ledger.json                 learners (incarnations, contributions), totals
@@ -31,7 +32,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ddiloco.synchronizer.protocol import Layout
+from ddiloco.synchronizer.protocol import Layout, ModelSpec
 
 Tensors = dict[str, torch.Tensor]
 Order = tuple[int, int]
@@ -149,6 +150,15 @@ class StateStore:
         tmp = self.root / ".layout.json.tmp"
         tmp.write_text(layout.model_dump_json())
         _replace(tmp, self.root / "layout.json")
+
+    def load_model(self) -> ModelSpec | None:
+        path = self.root / "model.json"
+        return ModelSpec.model_validate_json(path.read_text()) if path.exists() else None
+
+    def save_model(self, model: ModelSpec) -> None:
+        tmp = self.root / ".model.json.tmp"
+        tmp.write_text(model.model_dump_json())
+        _replace(tmp, self.root / "model.json")
 
     def save_fragment(self, p: int, fs: FragmentState) -> None:
         tensors = {f"param/{k}": v for k, v in fs.params.items()}

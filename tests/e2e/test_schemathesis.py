@@ -192,6 +192,7 @@ OPERATIONS = [
     ("GET", "/v1/fragments/{p}"),
     ("POST", "/v1/fragments/{p}/updates"),
     ("POST", "/v1/heartbeat"),
+    ("GET", "/v1/model"),
     ("GET", "/v1/status"),
     ("GET", "/healthz"),
     ("GET", "/metrics"),

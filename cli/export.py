@@ -1,0 +1,288 @@
+"""`ddiloco export`: the trained global model out of a job, as safetensors.
+
+    ddiloco export --state-dir runs/local-x/state --out model/
+    DDILOCO_TOKEN=s3cret ddiloco export --sync-url http://127.0.0.1:8470 --out model/
+    AutoModelForCausalLM.from_pretrained("model/")      # the export of an hf: job
+
+The job's model is what its first learner said at init: the init upload's metadata carries a
+`ModelSpec` (learner/hf.py `model_spec`: the preset, or the hf config.json and tokenizer
+files), which the synchronizer keeps as model.json in its state dir and serves at
+`GET /v1/model`. What is written into OUT, by the spec's kind:
+
+- hf: `save_pretrained` of the config's model holding the global parameters (config.json,
+  generation_config.json, model.safetensors with exactly the names `from_pretrained`
+  expects: a tied output head is not written twice), then the tokenizer files the spec
+  carried (or `--tokenizer PATH`'s), so `AutoTokenizer.from_pretrained(OUT)` loads too.
+- gpt (a preset): model.safetensors of `GPT.state_dict()` (the tied head once, as
+  wte.weight) and config.json naming the preset (`ddiloco_model`) with its GPTConfig fields:
+  `GPT(GPTConfig(**fields)).load_state_dict(safetensors.torch.load_file(...))`.
+- a model entry, or a job whose init said nothing: model.safetensors of the parameters by
+  name, and config.json naming the entry.
+
+Every export also writes ddiloco_export.json: its source, the fragment versions and the
+spec's name. From a state dir it reads layout.json and fragment-NNNN.safetensors (the
+`param/` tensors, float32); a running synchronizer replaces those atomically, so a live
+state dir reads fine. From `--sync-url` (token from DDILOCO_TOKEN or `--token-file`) it GETs
+/v1/status, /v1/model and each fragment in turn, each at its latest version. Errors are one
+line, `ddiloco export: error: ...`, with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddiloco.synchronizer.protocol import ModelSpec
+
+PROG = "ddiloco export"
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class ExportError(Exception):
+    """Why the export could not be written (one line for the user)."""
+
+
+@dataclass
+class GlobalModel:
+    """The job's global parameters, as the synchronizer holds them."""
+
+    params: dict[str, torch.Tensor]
+    versions: list[int]
+    spec: ModelSpec
+    source: str
+
+
+def from_state_dir(path: str | os.PathLike[str]) -> GlobalModel:
+    """The global model in a synchronizer's state directory."""
+    from ddiloco.synchronizer.state import StateStore
+
+    root = Path(path)
+    if not root.is_dir():
+        raise ExportError(f"state dir {str(root)!r} does not exist")
+    if not (root / "layout.json").is_file():
+        raise ExportError(
+            f"no layout.json in {str(root)!r}: no learner has initialized this job yet"
+        )
+    store = StateStore(root)
+    try:
+        layout = store.load_layout()
+        assert layout is not None
+        fragments = [store.load_fragment(f.index) for f in layout.fragments]
+        spec = store.load_model() or ModelSpec()
+    except (OSError, ValueError) as e:
+        raise ExportError(f"cannot read the state in {str(root)!r}: {e}") from None
+    params = {k: v for fs in fragments for k, v in fs.params.items()}
+    return GlobalModel(params, [fs.version for fs in fragments], spec, str(root.resolve()))
+
+
+def from_synchronizer(url: str, token: Any, tls: Any = None) -> GlobalModel:
+    """The global model a live synchronizer serves (GET /v1/status, /v1/model, fragments)."""
+    from ddiloco.synchronizer.client import SyncClient, SyncRefused, SyncUnavailable
+
+    if not re.match(r"^https?://[^/\s]+", url):
+        raise ExportError(f"--sync-url {url!r} is not an http:// or https:// URL")
+    client = SyncClient(url, token, tls=tls, timeout=120.0)
+    try:
+        status = client.status()
+        if not status.initialized:
+            raise ExportError(f"{url} holds no global model yet: no learner has initialized it")
+        try:
+            spec = client.model_spec()
+        except SyncRefused as e:
+            if e.status != 404:
+                raise
+            spec = ModelSpec()  # a synchronizer from before GET /v1/model
+        params: dict[str, torch.Tensor] = {}
+        versions = []
+        for f in status.fragments:
+            version, tensors = client.fragment(f.index)
+            versions.append(version)
+            params |= {k: v.float() for k, v in tensors.items()}
+    except SyncRefused as e:
+        if e.status == 401:
+            raise ExportError(f"{url} refused the token (401): check DDILOCO_TOKEN") from None
+        raise ExportError(f"{url} refused: {e}") from None
+    except SyncUnavailable as e:
+        raise ExportError(f"cannot reach the synchronizer at {url}: {e}") from None
+    finally:
+        client.close()
+    return GlobalModel(params, versions, spec, url)
+
+
+def _load_into(model: nn.Module, params: dict[str, torch.Tensor], what: str) -> None:
+    named = dict(model.named_parameters())
+    missing, extra = sorted(set(named) - set(params)), sorted(set(params) - set(named))
+    if missing or extra:
+        raise ExportError(
+            f"the global parameters do not match {what}: missing {missing[:5]}, "
+            f"unexpected {extra[:5]}"
+        )
+    with torch.no_grad():
+        for name, p in named.items():
+            t = params[name]
+            if tuple(t.shape) != tuple(p.shape):
+                raise ExportError(f"{name} is {list(t.shape)} globally, {list(p.shape)} in {what}")
+            p.copy_(t.to(p.dtype))
+
+
+def _write_hf(model: GlobalModel, out: Path, tokenizer: str | None) -> None:
+    from ddiloco.learner import hf
+
+    spec = model.spec
+    if spec.tokenizer_omitted and tokenizer is None:
+        raise ExportError(
+            "the job's tokenizer was too large for the synchronizer to keep: give --tokenizer "
+            "PATH (the learners' tokenizer directory)"
+        )
+    (out / "config.json").write_text(json.dumps(spec.config, indent=2))
+    try:
+        config = hf.load_config(f"hf:{out}")
+    except (OSError, ValueError, KeyError) as e:
+        raise ExportError(f"the job's config.json does not load: {e}") from None
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one line of output, not a bar per shard
+    torch.manual_seed(0)  # the init is overwritten; seeded only to be reproducible
+    net = hf.from_config(config)
+    _load_into(net, model.params, f"the {spec.name} config's model")
+    net.save_pretrained(str(out))
+    files = dict(spec.files)
+    if tokenizer is not None:
+        given = hf.tokenizer_files(tokenizer)
+        if not given:
+            raise ExportError(f"--tokenizer {tokenizer!r} holds no tokenizer files")
+        files = {k: v for k, v in files.items() if k == "generation_config.json"} | given
+    for name, text in files.items():
+        if not _PLAIN_NAME.match(name):  # also validated by ModelSpec: never a path
+            raise ExportError(f"the model spec names a file {name!r} that is not a plain name")
+        (out / name).write_text(text)
+
+
+def _write_gpt(model: GlobalModel, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    from ddiloco.learner.model import GPT, PRESETS, GPTConfig
+
+    spec = model.spec
+    try:
+        config = GPTConfig(**spec.config) if spec.config else PRESETS[spec.name]
+    except (TypeError, ValueError, KeyError) as e:
+        raise ExportError(f"the job's GPT config {spec.name!r} is not usable: {e}") from None
+    net = GPT(config)
+    _load_into(net, model.params, f"the {spec.name!r} GPT")
+    state = {k: v.detach().contiguous() for k, v in net.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    fields = {k: getattr(config, k) for k in config.__dataclass_fields__}
+    (out / "config.json").write_text(
+        json.dumps({"ddiloco_model": spec.name, "kind": "gpt", **fields}, indent=2)
+    )
+
+
+def _write_plain(model: GlobalModel, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().float().contiguous() for k, v in sorted(model.params.items())}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    spec = model.spec
+    (out / "config.json").write_text(
+        json.dumps({"ddiloco_model": spec.name, "kind": spec.kind}, indent=2)
+    )
+
+
+def write(model: GlobalModel, out: str | os.PathLike[str], tokenizer: str | None = None) -> Path:
+    """Write ``model`` into the directory ``out`` (see the module docstring)."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ExportError(f"--out {str(path)!r} exists and is not a directory")
+    path.mkdir(parents=True, exist_ok=True)
+    kind = model.spec.kind
+    if kind == "hf":
+        _write_hf(model, path, tokenizer)
+    elif kind == "gpt":
+        _write_gpt(model, path)
+    else:
+        _write_plain(model, path)
+    info = {
+        "source": model.source,
+        "model": model.spec.name,
+        "kind": kind,
+        "tokenizer": model.spec.tokenizer,
+        "versions": model.versions,
+        "global_version": sum(model.versions),
+        "parameters": sum(t.numel() for t in model.params.values()),
+    }
+    (path / "ddiloco_export.json").write_text(json.dumps(info, indent=2) + "\n")
+    return path
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog=PROG, description="Write a job's global model out as safetensors."
+    )
+    source = ap.add_mutually_exclusive_group(required=True)
+    source.add_argument("--state-dir", help="the synchronizer's state directory")
+    source.add_argument("--sync-url", help="a live synchronizer (token: DDILOCO_TOKEN)")
+    ap.add_argument("--out", required=True, help="directory to write (created if missing)")
+    ap.add_argument("--token-file", help="file holding the job token (instead of DDILOCO_TOKEN)")
+    ap.add_argument("--ca-file", help="PEM CA of an https synchronizer")
+    ap.add_argument("--client-cert", help="PEM client certificate (mutual TLS)")
+    ap.add_argument("--client-key", help="PEM key of --client-cert")
+    ap.add_argument(
+        "--tokenizer", help="tokenizer directory to write beside an hf model (default: the job's)"
+    )
+    return ap.parse_args(argv)
+
+
+def _token(args: argparse.Namespace) -> Any:
+    from ddiloco.synchronizer.auth import StaticTokens, TokenFile
+
+    if args.token_file:
+        try:
+            return TokenFile(args.token_file)
+        except (OSError, ValueError) as e:
+            raise ExportError(str(e)) from None
+    token = os.environ.get("DDILOCO_TOKEN", "")
+    if not token.strip():
+        raise ExportError("no token for --sync-url: set DDILOCO_TOKEN or give --token-file")
+    return StaticTokens(token)
+
+
+def run(args: argparse.Namespace) -> GlobalModel:
+    if args.state_dir:
+        model = from_state_dir(args.state_dir)
+    else:
+        from ddiloco.synchronizer.tls import ClientTLS
+
+        if (args.client_cert is None) != (args.client_key is None):
+            raise ExportError("give both --client-cert and --client-key, or neither")
+        tls = ClientTLS(args.ca_file, args.client_cert, args.client_key)
+        model = from_synchronizer(args.sync_url, _token(args), tls)
+    write(model, args.out, args.tokenizer)
+    return model
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    try:
+        model = run(args)
+    except ExportError as e:
+        sys.stderr.write(f"{PROG}: error: {e}\n")
+        return 2
+    except Exception as e:  # never a traceback: one line that says what failed
+        sys.stderr.write(f"{PROG}: error: {type(e).__name__}: {str(e).splitlines()[0][:500]}\n")
+        return 2
+    n = sum(t.numel() for t in model.params.values())
+    sys.stdout.write(
+        f"{PROG}: wrote {args.out} ({model.spec.kind} model {model.spec.name or '?'}, "
+        f"{n:,} parameters, fragment versions {model.versions})\n"
+    )
+    return 0
