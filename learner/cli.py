@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from collections.abc import Mapping
 
 from ddiloco.learner.config import LearnerConfig
 
 # parse() options that are not LearnerConfig fields: main() handles them itself.
-NOT_CONFIG = ("log_level",)
+NOT_CONFIG = ("log_level", "debug_digests")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -102,6 +103,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--log-path", help="append JSON lines of steps and events here")
     ap.add_argument("--log-every", type=int, help="print a step line every N steps")
     ap.add_argument("--log-level", default=os.environ.get("DDILOCO_LOG_LEVEL", "INFO"))
+    ap.add_argument(
+        "--debug-digests",
+        action="store_true",
+        help="tests: a SHA-256 of each rank's parameters in every adoption record",
+    )
     return ap.parse_args(argv)
 
 
@@ -115,7 +121,7 @@ def build_config(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    from ddiloco.learner.train import init_logging, train  # torch is imported only here
+    from ddiloco.learner.launch import init_logging, launch, under_torchrun
 
     cfg = build_config(args)
     if not cfg.token and not cfg.token_file:
@@ -139,5 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(__name__).warning(
             "Ignoring environment variables nothing reads: %s", ", ".join(unread)
         )
-    train(cfg)
+    if cfg.nproc_per_node > 1 and not under_torchrun():  # a group: spawn its ranks
+        return launch(list(sys.argv[1:] if argv is None else argv), cfg.nproc_per_node)
+    from ddiloco.learner.train import train  # torch is imported only here
+
+    if args.debug_digests:
+        train(cfg, digests=True)
+    else:
+        train(cfg)
     return 0

@@ -71,6 +71,11 @@ def warm(cfg: Any) -> float:
         batch_size=cfg.batch_size,
         seed=cfg.seed,
         device=str(device),
+        tokenizer=cfg.tokenizer,
+        data_field=cfg.data_field,
+        # the slot (so its shard) is not known yet: warm the model, the tokenizer and the eval
+        # set every slot shares, not one shard (a whole corpus to tokenize for shard 0 of 1)
+        eval_only=True,
     )
     opt = torch.optim.AdamW(task.model.parameters(), lr=cfg.inner_lr)
     x, y = next(task.batches)

@@ -3,9 +3,15 @@
     DDILOCO_TOKEN=t ddiloco learner --sync-url http://127.0.0.1:8470 --learner-id l0 --max-steps 500
 
 Reads top to bottom like nanoGPT's train.py: build the task, the optimizer, then loop.
-The loop never waits for the network (see diloco.py); it stops at its step or time
-budget, or on SIGTERM, after letting queued uploads go out. Its "stop" record carries the
-token ledger per fragment (`ledger_record`): computed, delivered, refused, left unsent.
+The loop never waits for the network and calls nothing of the wrapper but `report_loss`:
+DecoupledDiLoCo hooks the optimizer (diloco.py) and says when to stop, at the step, token or
+time budget, or after the step in which SIGTERM came (then every fragment's work is handed
+over and the uploads get up to drain_s). Its "stop" record carries the token ledger per
+fragment (`ledger_record`): computed, delivered, refused, left unsent.
+
+In a group (`--nproc-per-node N`, learner/launch.py, or torchrun) every rank runs this same
+loop on its own batches: DDP (or FSDP2 with parallel=fsdp) around the model, rank 0 streaming
+for the group (learner/group.py). Rank r > 0 logs to `<log stem>.rank<r>.jsonl`.
 """
 
 from __future__ import annotations
@@ -13,9 +19,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import signal
-import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, TextIO
@@ -24,7 +31,11 @@ import torch
 
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.diloco import DecoupledDiLoCo
-from ddiloco.learner.task import build_task
+from ddiloco.learner.group import Group
+from ddiloco.learner.launch import init_logging
+from ddiloco.learner.task import Task, build_task
+
+__all__ = ["StepLog", "init_logging", "ledger_record", "lr_at", "pick_device", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +78,7 @@ def ledger_record(diloco: DecoupledDiLoCo) -> list[dict[str, Any]]:
                    + dropped_by_overwrite,
     `queued` being what was still unanswered when the learner stopped; `balanced` checks it."""
     rows = []
+    assert diloco.streamer is not None, "rank 0 keeps the ledger"
     outbox = diloco.streamer.ledger()
     for p, mine in diloco.ledger().items():
         row: dict[str, Any] = {"fragment": p, **mine, **outbox[p]}
@@ -81,11 +93,17 @@ def ledger_record(diloco: DecoupledDiLoCo) -> list[dict[str, Any]]:
     return rows
 
 
-def train(cfg: LearnerConfig) -> dict[str, Any]:
-    device = pick_device(cfg.device)
-    if device.type == "cpu":
-        torch.set_num_threads(cfg.threads)
-    task = build_task(
+def rank_log_path(path: str | None, rank: int) -> str | None:
+    """Rank 0 logs to `path`; rank r > 0 of a group to `<stem>.rank<r><suffix>` beside it."""
+    if not path or rank == 0:
+        return path
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.rank{rank}{p.suffix}"))
+
+
+def make_task(cfg: LearnerConfig, group: Group) -> Task:
+    """This rank's Task: every rank of a group draws its own batches (`rank`, `world`)."""
+    return build_task(
         preset=cfg.model,
         data=cfg.data,
         model_entry=cfg.model_entry,
@@ -93,96 +111,94 @@ def train(cfg: LearnerConfig) -> dict[str, Any]:
         num_learners=cfg.num_learners,
         batch_size=cfg.batch_size,
         seed=cfg.seed,
-        device=str(device),
+        device=str(group.device),
+        rank=group.rank,
+        world=group.world,
+        tokenizer=cfg.tokenizer,
+        data_field=cfg.data_field,
     )
-    model = task.model
+
+
+def train(cfg: LearnerConfig, *, digests: bool = False) -> dict[str, Any]:
+    """Train until a budget runs out or SIGTERM; returns the summary in the "stop" record.
+    `digests`: a SHA-256 of the parameters in every adoption record (for tests)."""
+    group = Group.join(parallel=cfg.parallel, device=cfg.device)
+    if group.device.type == "cpu":
+        torch.set_num_threads(cfg.threads)
+    task = make_task(cfg, group)
+    model = group.wrap(task.model)  # DDP / FSDP2 in a group; task.model keeps the names
     opt = torch.optim.AdamW(
         model.parameters(), lr=cfg.inner_lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
     )
     autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if group.device.type == "cuda"
+        else nullcontext()
     )
-    steplog = StepLog(cfg.log_path)
-    stopping = False
-
-    def on_term(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, on_term)
-    log.info("Learner %s starting: device=%s config=%s", cfg.learner_id, device, cfg)
-    with DecoupledDiLoCo(model, cfg, embedding=task.embedding_params) as diloco:
-        t_start = time.monotonic()
-        steplog.write(
-            {"event": "start", "t": time.time(), "incarnation": diloco.streamer.incarnation}
-        )
+    steplog = StepLog(rank_log_path(cfg.log_path, group.rank))
+    batches = task.batches
+    # the data position each heartbeat carries: the end of the slot's reservation (data.py)
+    position: Callable[[], int] | None = getattr(batches, "reservation", None)
+    if position is None and hasattr(batches, "position"):
+        position = lambda: batches.position  # type: ignore[attr-defined] # noqa: E731
+    diloco = DecoupledDiLoCo(
+        task.model,
+        opt,
+        cfg,
+        embedding=task.embedding_params,
+        tokens_per_step=group.world * task.tokens_per_batch,
+        position=position,
+        group=group,
+        steplog=steplog.write,
+        digests=digests,
+    )
+    signal.signal(signal.SIGTERM, lambda *_: diloco.request_stop())
+    if group.root:
+        log.info("Learner %s starting: device=%s config=%r", cfg.learner_id, group.device, cfg)
+    with diloco:
+        steplog.write({"event": "start", "t": time.time(), "pid": os.getpid(), **diloco.stats()})
+        at = getattr(batches, "position", None)
+        if at is not None and diloco.resume_position > at:  # a replacement: go on from there
+            log.info("Resuming the slot's data stream at position %d", diloco.resume_position)
+            batches.seek(diloco.resume_position)  # type: ignore[attr-defined]
         model.train()
-        while not stopping:
-            if cfg.max_steps and diloco.step >= cfg.max_steps:
-                break
-            if cfg.max_seconds and time.monotonic() - t_start >= cfg.max_seconds:
-                break
-            if cfg.max_tokens and diloco.tokens_total >= cfg.max_tokens:
-                break
-            t0 = time.perf_counter()
-            for group in opt.param_groups:
-                group["lr"] = lr_at(diloco.step, cfg)
-            x, y = next(task.batches)
+        step = 0
+        while not diloco.should_stop:
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, cfg)
+            x, y = next(batches)
             with autocast:
                 loss = task.loss_fn(model, x, y)
             loss.backward()
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
             lossf = float(loss.detach())
             if not math.isfinite(lossf):
-                raise FloatingPointError(f"inner loss became {lossf} at step {diloco.step}")
-            dt = time.perf_counter() - t0
-            if cfg.slow_factor > 1.0:  # chaos: a slower accelerator
-                time.sleep(dt * (cfg.slow_factor - 1.0))
-                dt = time.perf_counter() - t0
-            diloco.after_step(task.tokens_per_batch, dt, lossf)
-            steplog.write(
-                {"t": time.time(), "step": diloco.step, "dt": round(dt, 6), "loss": round(lossf, 4)}
-            )
-            for event in diloco.drain_events():
-                steplog.write({"t": time.time(), **event})
-            if cfg.log_every and diloco.step % cfg.log_every == 0:
-                tps = task.tokens_per_batch / (diloco.step_ema or dt)
-                lag = sum(
-                    max(0, v - b)
-                    for v, b in zip(diloco.streamer.versions, diloco.base_version, strict=False)
-                )
+                raise FloatingPointError(f"inner loss became {lossf} at step {step}")
+            diloco.report_loss(lossf)
+            opt.step()  # DecoupledDiLoCo's hook: hand-overs, adoptions, the stop decision
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            if cfg.log_every and step % cfg.log_every == 0 and group.root:
+                s = diloco.stats()
                 log.info(
                     "step %6d | loss %.4f | %7.0f tok/s | versions behind %d",
-                    diloco.step,
+                    step,
                     lossf,
-                    tps,
-                    lag,
+                    diloco.tokens_per_step / max(s["step_seconds"], 1e-9),
+                    s["versions_behind"],
                 )
     # after the exit: the outbox has drained (for up to its drain time) and its ledger is final
-    summary = {
-        "learner_id": cfg.learner_id,
-        "steps": diloco.step,
-        "tokens": diloco.tokens_total,
-        "compute_seconds": round(diloco.compute_seconds, 3),
-        **diloco.stats,
-        "bytes_up": diloco.streamer.bytes_up,
-        "bytes_down": diloco.streamer.bytes_down,
-        "ledger": ledger_record(diloco),
-    }
+    summary: dict[str, Any] = {"learner_id": cfg.learner_id, **diloco.stats()}
+    if group.root:
+        summary["ledger"] = ledger_record(diloco)
     steplog.write({"event": "stop", "t": time.time(), **summary})
     steplog.close()
-    brief = {k: v for k, v in summary.items() if k != "ledger"}
-    unsent = sum(r["queued_tokens"] + r["refused_tokens"] for r in summary["ledger"])
-    log.info("Learner %s stopped: %s; tokens refused or unsent: %d", cfg.learner_id, brief, unsent)
+    group.close()
+    if group.root:
+        brief = {k: v for k, v in summary.items() if k != "ledger"}
+        unsent = sum(r["queued_tokens"] + r["refused_tokens"] for r in summary["ledger"])
+        log.info(
+            "Learner %s stopped: %s; tokens refused or unsent: %d", cfg.learner_id, brief, unsent
+        )
     return summary
-
-
-def init_logging(level: str = "INFO", learner_id: str = "") -> None:
-    logging.basicConfig(
-        level=level,
-        stream=sys.stderr,
-        format=f"%(asctime)s learner {learner_id} %(levelname)s: %(message)s",
-    )

@@ -421,6 +421,8 @@ class LocalRun:
                 seed=c.seed,
                 batch_size=c.batch_size,
                 every_s=c.eval_every,
+                tokenizer=c.tokenizer,
+                data_field=c.data_field,
             )
             self.evaluator.start()
             while not self.t0:

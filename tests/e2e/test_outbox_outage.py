@@ -30,13 +30,12 @@ SyncServer = Any  # tests/conftest.py's
 H, P, TOKENS = 4, 2, 10
 
 
-def step(model: nn.Module, diloco: DecoupledDiLoCo, n: int, pause: float = 0.0) -> None:
-    """Stand-in inner steps: every weight moves a little."""
+def step(model: nn.Module, opt: torch.optim.Optimizer, n: int, pause: float = 0.0) -> None:
+    """Stand-in inner steps: every weight moves a little (the wrapper hooks opt.step)."""
     for _ in range(n):
-        with torch.no_grad():
-            for w in model.parameters():
-                w.add_(torch.randn_like(w) * 1e-2)
-        diloco.after_step(tokens=TOKENS, seconds=0.01)
+        for w in model.parameters():
+            w.grad = torch.randn_like(w) * 1e-2
+        opt.step()
         time.sleep(pause)
 
 
@@ -55,7 +54,9 @@ def test_no_work_is_dropped_across_an_outage(make_sync_server: Callable[..., Syn
         wire_dtype="bfloat16",
         poll_s=0.2,
     )
-    diloco = DecoupledDiLoCo(model, cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    diloco = DecoupledDiLoCo(model, opt, cfg, tokens_per_step=TOKENS)
+    assert diloco.streamer is not None
     sent: list[UpdateMeta] = []
     put = diloco.streamer.outbox.put
 
@@ -67,14 +68,14 @@ def test_no_work_is_dropped_across_an_outage(make_sync_server: Callable[..., Syn
     try:
         with diloco:
             outbox = diloco.streamer.outbox
-            step(model, diloco, 2 * H)
+            step(model, opt, 2 * H)
             assert outbox.wait_empty(10), outbox.queued()
             before = diloco.streamer.ledger()
             assert all(r["accepted_tokens"] == r["put_tokens"] > 0 for r in before.values())
 
             proxy.cut()
-            step(model, diloco, H, pause=0.05)  # the upload thread tries and fails meanwhile
-            step(model, diloco, 5 * H)  # more hand-overs of each fragment, all unanswered
+            step(model, opt, H, pause=0.05)  # the upload thread tries and fails meanwhile
+            step(model, opt, 5 * H)  # more hand-overs of each fragment, all unanswered
             during = diloco.streamer.ledger()
             for p, r in during.items():
                 assert r["put_handovers"] - before[p]["put_handovers"] >= 5
@@ -84,7 +85,7 @@ def test_no_work_is_dropped_across_an_outage(make_sync_server: Callable[..., Syn
 
             proxy.restore()
             assert outbox.wait_empty(30), outbox.queued()
-            step(model, diloco, 1)
+            step(model, opt, 1)
     finally:
         proxy.close()
     assert diloco.left_at_close == {}
