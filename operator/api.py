@@ -39,11 +39,24 @@ MAX_REPLICAS: Final = 512
 DNS_LABEL: Final = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 MAX_SLOT_DETAIL: Final = 32  # status.slots lists at most this many unhealthy slots
 MAX_HOT_SPARES: Final = 16  # failurePolicy.hotSpares per group
+MAX_GPUS_PER_LEARNER: Final = 64  # gpusPerLearner: one pod, one node
+GPU_RESOURCE: Final = "nvidia.com/gpu"  # the NVIDIA device plugin's extended resource
+DEFAULT_GRACE_S: Final = 60  # terminationGracePeriodSeconds of a learner pod
+MIN_GRACE_S: Final = 10
+MAX_GRACE_S: Final = 3600
+# A byte quantity ("8Gi", "512M", "1e9"): the apiserver's Quantity grammar without a sign or
+# milli-units (resource.Quantity; a size of /dev/shm is whole bytes).
+BYTES_QUANTITY: Final = r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[kMGTPE]|[eE][0-9]+)?$"
 # A DNS name (optionally a wildcard's "*." first label) or an IPv4/IPv6 address, for a SAN.
 EXTERNAL_NAME: Final = r"^(\*\.)?[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?$|^[0-9A-Fa-f:.]+$"
 
 # A Kubernetes resource quantity ("500m", "16Gi", 1): int or string, as the core API has it.
 Quantity = Annotated[int | str, WithJsonSchema({"x-kubernetes-int-or-string": True})]
+# A size in bytes, an int (bytes) or a quantity string, checked by the apiserver's schema too.
+ByteQuantity = Annotated[
+    Annotated[int, Field(ge=1)] | Annotated[str, Field(pattern=BYTES_QUANTITY, max_length=32)],
+    WithJsonSchema({"x-kubernetes-int-or-string": True, "pattern": BYTES_QUANTITY}),
+]
 
 
 class _Model(BaseModel):
@@ -257,6 +270,12 @@ INSECURE_MESSAGE: Final = (
 )
 
 
+GPU_TWICE_MESSAGE: Final = (
+    f"a learner group sets gpusPerLearner and also {GPU_RESOURCE} in resources: "
+    "name the GPUs once, in gpusPerLearner"
+)
+
+
 class LearnerGroup(_Model):
     """A set of interchangeable learner slots in one cluster (e.g. one region's GPUs)."""
 
@@ -274,6 +293,14 @@ class LearnerGroup(_Model):
                     "(has(self.insecure) && self.insecure)",
                     "message": INSECURE_MESSAGE,
                 },
+                {
+                    "rule": "!has(self.gpusPerLearner) || self.gpusPerLearner == 0 || "
+                    "!has(self.resources) || "
+                    f"((!has(self.resources.requests) || !('{GPU_RESOURCE}' in "
+                    "self.resources.requests)) && (!has(self.resources.limits) || "
+                    f"!('{GPU_RESOURCE}' in self.resources.limits)))",
+                    "message": GPU_TWICE_MESSAGE,
+                },
             ]
         }
     )
@@ -284,8 +311,26 @@ class LearnerGroup(_Model):
     """Target cluster; unset means the operator's own cluster."""
     replicas: int = Field(1, ge=0, le=MAX_REPLICAS)
     """Number of learner slots; changing it adds or removes the highest-numbered slots."""
+    gpus_per_learner: int = Field(0, ge=0, le=MAX_GPUS_PER_LEARNER)
+    """GPUs of each learner pod (nvidia.com/gpu, requested and limited). The learner then
+    runs one training process per GPU, a data-parallel group that is one learner to the
+    synchronizer (DDILOCO_NPROC_PER_NODE), and gets a memory-backed /dev/shm (shmSize) and a
+    toleration of the nvidia.com/gpu taint. 0: a CPU learner, one process, unless resources
+    name nvidia.com/gpu (the older spelling; that count is used the same way)."""
     resources: Resources = Resources()
-    """Resources of each learner container, e.g. limits {"nvidia.com/gpu": 1}."""
+    """Resources of each learner container: CPU and memory per learner, e.g. requests
+    {cpu: "12", memory: 96Gi}, limits {memory: 128Gi}. GPUs go in gpusPerLearner."""
+    shm_size: ByteQuantity | None = None
+    """Size limit of each learner pod's /dev/shm (an emptyDir of medium Memory), where NCCL
+    and data loader workers exchange buffers between the learner's processes; its pages count
+    against the container's memory. Unset: 1Gi per GPU, at most half the memory limit, and
+    none for a CPU learner (the container runtime's 64 MiB)."""
+    termination_grace_period_seconds: int = Field(DEFAULT_GRACE_S, ge=MIN_GRACE_S, le=MAX_GRACE_S)
+    """Seconds a learner pod gets between SIGTERM (eviction, preemption, node drain) and
+    SIGKILL. The learner hands over every fragment on SIGTERM and waits for those uploads for
+    this minus a margin (a quarter, at least 5 s; DDILOCO_DRAIN_S), so it exits 0 in time.
+    Hot spares get the same. A node shutdown may cut it short: set at most what your nodes'
+    preemption notice gives pods."""
     node_selector: dict[str, str] = Field(default_factory=dict)
     """Node labels each learner pod requires."""
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
@@ -600,6 +645,11 @@ def validate(spec: JobSpec) -> list[str]:
         and g.sync_url is not None
         and not g.sync_url.startswith("https://")
         and not g.insecure
+    ]
+    problems += [
+        f"learner group {g.name}: {GPU_TWICE_MESSAGE}"
+        for g in spec.learner_groups
+        if g.gpus_per_learner and GPU_RESOURCE in {**g.resources.requests, **g.resources.limits}
     ]
     tls = spec.synchronizer.tls
     if tls.issuer == "cert-manager" and tls.issuer_ref is None:

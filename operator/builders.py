@@ -24,6 +24,7 @@ import hashlib
 import json
 from typing import Any, Final
 
+from ddiloco.operator import compute
 from ddiloco.operator.api import DecoupledDiLoCoJob, LearnerGroup
 
 SYNC_PORT: Final = 8470
@@ -497,6 +498,7 @@ def build_learner_pod(
     fresh job's allocation (`global_index` of the total replicas). `attempt` numbers the slot's
     pods (0, then one more per replacement). On failure the container's last log lines become
     its termination message (FallbackToLogsOnError), which the LearnerFailed event carries.
+    The group's GPUs, processes, /dev/shm and grace period come from compute.py.
     """
     spec, training = job.spec, job.spec.training
     if shard is None:
@@ -520,6 +522,7 @@ def build_learner_pod(
                 "DDILOCO_MAX_STEPS": training.max_steps,
                 "DDILOCO_MAX_TOKENS": training.max_tokens,
                 "DDILOCO_MAX_SECONDS": training.max_seconds,
+                **compute.env(group),  # processes per learner, SIGTERM drain budget
             }
         ),
     ]
@@ -546,7 +549,6 @@ def build_learner_pod(
                 "imagePullPolicy": spec.image_pull_policy,
                 "command": ["ddiloco", "learner"],
                 "env": env,
-                "resources": group.resources.to_k8s(),
                 "volumeMounts": mounts,
                 "terminationMessagePolicy": "FallbackToLogsOnError",
             }
@@ -563,6 +565,7 @@ def build_learner_pod(
         ]
     if group.priority_class_name:
         pod_spec["priorityClassName"] = group.priority_class_name
+    compute.apply(group, pod_spec)  # resources, GPUs, /dev/shm, grace period (compute.py)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 

@@ -150,7 +150,7 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
             )
         pods = {(p.group, p.index): p for p in view.pods if p.job_uid == job.uid and not p.spare}
         hot = spares.observe(job, group, view.pods)  # hot spares (operator/spares.py)
-        ready = replaced = promoted = 0
+        ready = replaced = promoted = finished = 0
         mine: list[Slot] = []
         for index, sid in enumerate(ids):
             rec, pod = books[(group.name, index)], pods.get((group.name, index))
@@ -160,8 +160,10 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
             replaced += counted
             promoted += counted if pod is not None and pod.serial is not None else 0
             mine.append(rec)
-            if pod is not None and pod.phase == "Succeeded":
-                done += 1
+            if pod is not None and pod.phase == "Succeeded" and not pod.terminating:
+                # (a deleted pod is Succeeded too once its learner flushed on SIGTERM and
+                # exited 0: an eviction, a failure like any other, _slot replaces it)
+                finished += 1
             elif pod is not None and pod.ready and not pod.terminating and pod.phase == "Running":
                 ready += 1
             else:
@@ -169,7 +171,9 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
             if rec.failed and rec.replacements >= limit and not job.spec.suspend:
                 at_limit.append(rec)
         new_slots += mine
-        spares.refill(job, group, tgt, hot, plan)
+        done += finished
+        # once every slot of the group has finished, its spares only hold (GPU) nodes
+        spares.refill(job, group, tgt, hot, plan, finished=0 < group.replicas == finished)
         spares.resend(job, group, view.pods, obs.now, plan)
         standing, standing_ready = hot.counts()
         groups.append(

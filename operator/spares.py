@@ -168,11 +168,17 @@ def promote(
 
 
 def refill(
-    job: DecoupledDiLoCoJob, group: LearnerGroup, tgt: Target, spares: GroupSpares, plan: Plan
+    job: DecoupledDiLoCoJob,
+    group: LearnerGroup,
+    tgt: Target,
+    spares: GroupSpares,
+    plan: Plan,
+    finished: bool = False,
 ) -> None:
-    """Create spares up to hotSpares (0 while suspended), each with the lowest free serial;
-    delete the surplus (not Ready ones first, then the highest serials)."""
-    want = 0 if job.spec.suspend else job.spec.failure_policy.hot_spares
+    """Create spares up to hotSpares (0 while suspended, and once every slot of the group has
+    `finished`: no slot is left to take over), each with the lowest free serial; delete the
+    surplus (not Ready ones first, then the highest serials)."""
+    want = 0 if job.spec.suspend or finished else job.spec.failure_policy.hot_spares
     for pod in spares.dead:  # a spare that ended (e.g. evicted while idle): replaced below
         plan.actions.append(Action("delete", tgt, "Pod", pod.name, uid=pod.uid, grace_seconds=0))
         why = pod.reason or pod.phase

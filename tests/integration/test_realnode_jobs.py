@@ -10,7 +10,9 @@ The tests run in file order and share one job (module scope): install the chart 
 Running and Ready, `helm test`), run deploy/examples/tiny-cpu.yaml, evict a learner with the
 Eviction API, delete the synchronizer pod, leave a pod as a preempted node would (Failed,
 reason Evicted, a DisruptionTarget condition), turn on a hot spare and evict again (the
-spare takes the slot), then delete the job. Measured times are printed
+spare takes the slot), then delete the job; last, a short job runs to the end (Succeeded) and
+its trained model is exported in its synchronizer pod and copied out with `kubectl cp`, as
+operator/README.md tells users to. Measured times are printed
 (`-s`), never asserted; the timeouts are only there so that a broken run ends.
 """
 
@@ -36,6 +38,7 @@ import chart_helpers as c
 import k8senv
 import pytest
 import yaml
+from safetensors import safe_open
 
 # the module fixture saves and imports a 5 GB image (minutes); each test waits on real pods
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -353,7 +356,10 @@ def _replace_and_rejoin(run: Run, victim_lid: str, disrupt: Any, figure: str) ->
                     return bool(statuses) and "terminated" in statuses[0].get("state", {})
             return True
 
-        k8senv.wait_until(f"{victim['metadata']['name']} gone", gone, timeout=120)
+        try:
+            k8senv.wait_until(f"{victim['metadata']['name']} gone", gone, timeout=120)
+        except TimeoutError as e:  # what the pod and the operator were doing meanwhile
+            raise TimeoutError(f"{e}\n{diagnose(run, victim['metadata']['name'])}") from None
         s_gone = poller.wait("a sample after the old pod went", lambda s: s["t"] > time.time() - 1,
                              timeout=30)  # fmt: skip
         c_gone = s_gone["learners"][victim_lid][1]
@@ -378,6 +384,15 @@ def _replace_and_rejoin(run: Run, victim_lid: str, disrupt: Any, figure: str) ->
         timeout=120,
     )
     return t0
+
+
+def diagnose(run: Run, pod: str) -> str:
+    """The pod's status and events and the operator's last log lines, for a failure message."""
+    out = [run.kubectl("get", "pod", pod, "-o", "yaml", check=False)[-3000:]]
+    out.append(run.kubectl("get", "events", "--sort-by=.lastTimestamp", check=False)[-3000:])
+    out.append(run.kubectl("logs", "-l", "app.kubernetes.io/component=operator", "--tail=60",
+                           check=False))  # fmt: skip
+    return "\n".join(out)
 
 
 def test_evicted_learner_is_replaced_and_rejoins(run: Run) -> None:
@@ -524,3 +539,77 @@ def test_deleting_the_job_removes_everything_it_made(run: Run) -> None:
         ]
 
     k8senv.wait_until("every object of the job gone", lambda: not left() or None, timeout=120)
+
+
+FINISHED = "tiny-done"
+
+
+def test_a_finished_job_keeps_its_synchronizer_and_the_model_comes_out(
+    run: Run, tmp_path: Path
+) -> None:
+    """A job whose learners all finished (phase Succeeded) keeps its synchronizer pod and its
+    state volume, so the trained model can be exported from it as operator/README.md says:
+    `ddiloco export` inside the synchronizer pod, then `kubectl cp` out of it. The export is
+    loaded with safetensors and checked against the layout in the state directory."""
+    body = yaml.safe_load((c.REPO / "deploy" / "examples" / "tiny-cpu.yaml").read_text())
+    body["metadata"]["name"] = FINISHED
+    body["spec"]["image"] = run.image
+    body["spec"]["imagePullPolicy"] = "Never"
+    body["spec"]["training"]["maxSteps"] = 48  # 2H: every fragment merged twice, then exit 0
+    body["spec"]["learnerGroups"][0]["replicas"] = 1
+    t0 = time.monotonic()
+    run.plane.kubectl("home", "-n", run.ns, "apply", "-f", "-", input=yaml.safe_dump(body))
+
+    def succeeded() -> dict[str, Any] | None:
+        job = run.get("ddj", FINISHED)
+        return job if job.get("status", {}).get("phase") == "Succeeded" else None
+
+    job = k8senv.wait_until("the job Succeeded", succeeded, timeout=360)
+    run.figures["finished_job_apply_to_succeeded_s"] = round(time.monotonic() - t0, 1)
+    assert (job["status"].get("globalVersion") or 0) > 0, job["status"]
+    selector = f"ddiloco.dev/job={FINISHED}"
+    (learner,) = run.get("pods", "-l", f"{selector},{LEARNER_LABEL}")["items"]
+    assert learner["status"]["phase"] == "Succeeded"
+    # the synchronizer is still there, Ready, on its claim: nothing tore it down
+    syncs = [
+        p
+        for p in run.get("pods", "-l", f"{selector},{SYNC_POD_LABEL}")["items"]
+        if running_ready(p)
+    ]
+    assert len(syncs) == 1, [p["status"] for p in syncs]
+    pod = syncs[0]["metadata"]["name"]
+    claim = run.get("pvc", f"{FINISHED}-synchronizer-state")
+    assert claim["status"]["phase"] == "Bound"
+
+    # what a user runs (operator/README.md, "Getting the trained model out")
+    t0 = time.monotonic()
+    done = run.plane.kubectl(
+        "home", "-n", run.ns, "exec", pod, "-c", "synchronizer", "--",
+        "ddiloco", "export", "--state-dir", "/var/lib/ddiloco", "--out", "/tmp/export",
+        check=False, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, f"ddiloco export:\n{done.stdout}\n{done.stderr}"
+    run.figures["export_in_pod_s"] = round(time.monotonic() - t0, 1)
+    local = tmp_path / "export"  # the whole directory, as the README copies it
+    run.kubectl(
+        "cp", "-c", "synchronizer", f"{run.ns}/{pod}:/tmp/export", str(local), timeout=120,
+    )  # fmt: skip
+    info = json.loads((local / "ddiloco_export.json").read_text())
+    assert info["model"] == "tiny" and min(info["versions"]) >= 1, info  # every fragment merged
+    layout = json.loads(run.kubectl("exec", pod, "-c", "synchronizer", "--", "cat",
+                                    "/var/lib/ddiloco/layout.json"))  # fmt: skip
+
+    with safe_open(str(local / "model.safetensors"), framework="pt") as f:
+        shapes = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    want = {t["name"]: t["shape"] for frag in layout["fragments"] for t in frag["tensors"]}
+    assert shapes == want
+    print(f"\nexported {len(shapes)} tensors from the finished job's synchronizer pod "
+          f"in {run.figures['export_in_pod_s']}s")  # fmt: skip
+
+    # deleting the job deletes the claim too: export first (the README says so)
+    run.kubectl("delete", "ddj", FINISHED, "--wait=true", "--timeout=120s", timeout=150)
+    k8senv.wait_until(
+        "the state claim deleted with the job",
+        lambda: run.kubectl("get", "pvc", "-o", "name", check=False).find(FINISHED) < 0 or None,
+        timeout=120,
+    )

@@ -65,7 +65,9 @@ FULL: dict[str, Any] = {
         {
             "name": "home",
             "replicas": 2,
-            "resources": {"limits": {"nvidia.com/gpu": 1}},
+            "gpusPerLearner": 2,
+            "resources": {"requests": {"cpu": "16", "memory": "96Gi"}},
+            "terminationGracePeriodSeconds": 120,
             "nodeSelector": {"nvidia.com/gpu.present": "true"},
             "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
             "priorityClassName": "low",
@@ -79,6 +81,8 @@ FULL: dict[str, Any] = {
                 "namespace": "ml",
             },
             "syncUrl": REMOTE_URL,
+            "gpusPerLearner": 8,
+            "terminationGracePeriodSeconds": 15,
         },
     ],
     "failurePolicy": {"maxReplacementsPerSlot": 3, "backoffSeconds": 2, "maxBackoffSeconds": 60},
@@ -278,6 +282,7 @@ def expected_learner(
         "max_steps": t.max_steps or 0,
         "max_tokens": t.max_tokens or 0,
         "max_seconds": t.max_seconds or 0.0,
+        "nproc_per_node": group.gpus_per_learner or 1,  # one rank per GPU
     }
     if t.model is not None:  # with a model entry the preset is not used (learner/task.py)
         out["model"] = t.model
@@ -294,6 +299,10 @@ def test_each_learner_reads_what_the_operator_meant(job: api.DecoupledDiLoCoJob)
         assert cfg.token_source().current() == TOKEN  # read from the mounted Secret
         assert [type(got[k]) for k in want] == [type(want[k]) for k in want]
         assert cfg.learner_id == pod["metadata"]["labels"][builders.LABEL_LEARNER_ID]
+        # the SIGTERM flush waits at most drain_s: it must end before the kubelet's SIGKILL
+        grace = pod["spec"]["terminationGracePeriodSeconds"]
+        assert grace == group.termination_grace_period_seconds
+        assert grace / 2 <= cfg.drain_s <= grace - 5, (grace, cfg.drain_s)
         indices.append(cfg.learner_index)
     # data shards: every slot its own, none left out
     assert indices == list(range(job.spec.total_replicas()))
@@ -337,6 +346,7 @@ def test_the_jobs_set_no_value_to_a_default() -> None:
     default = LearnerConfig()
     for field, value in want.items():
         assert getattr(default, field) != value, field
+    assert default.drain_s != learner_config(full, learner_pods(full)[-1][2]).drain_s
     job = make_job(FULL)
     sync_default = {k: f.default for k, f in SyncSettings.model_fields.items()}
     spec_sync = job.spec.synchronizer.model_dump(

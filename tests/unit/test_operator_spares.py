@@ -355,6 +355,44 @@ def test_suspend_and_fewer_spares_delete_spares_and_scaling_keeps_them() -> None
     assert (g.spares, g.replaced, g.promoted) == (0, 0, 0)
 
 
+def test_spares_go_once_every_slot_of_their_group_has_finished() -> None:
+    # a finished slot is never replaced: a spare would only hold its (GPU) node
+    job = make_job(learnerGroups=[{"name": "a", "replicas": 2}, {"name": "b", "replicas": 1}])
+    ns = Namespace()
+    job, _ = run(job, ns, T0)
+    a_slots = [builders.learner_pod_name(job, "a", i) for i in (0, 1)]
+    ns.pods[a_slots[0]]["status"] = {"phase": "Succeeded"}
+    job, _ = run(job, ns, T0 + timedelta(seconds=5))
+    assert len(spare_names(ns)) == 2  # slot a-1 still trains and may fail
+    ns.pods[a_slots[1]]["status"] = {"phase": "Succeeded"}
+    job, _ = run(job, ns, T0 + timedelta(seconds=10))
+    assert [n.rsplit("-", 1)[0] for n in spare_names(ns)] == ["hs-b-spare-0"]
+    assert all(name in ns.pods for name in a_slots)  # the finished pods stay, as they were
+    groups = {g.name: g.spares for g in job.status.groups}
+    assert groups == {"a": 0, "b": 1}
+    assert job.status.phase == "Running"  # b still trains
+
+
+def test_an_evicted_learner_that_exited_0_is_replaced_not_finished() -> None:
+    # On SIGTERM the learner hands over its work and exits 0, so the kubelet reports an evicted
+    # (deleted) pod as Succeeded: still a failure, whose slot the spare takes over.
+    job = make_job(replicas=1)
+    ns = Namespace()
+    job, _ = run(job, ns, T0)
+    (spare,) = spare_names(ns)
+    slot0 = builders.learner_pod_name(job, "a", 0)
+    ns.pods[slot0]["metadata"]["deletionTimestamp"] = "2026-12-01T12:00:05Z"
+    ns.pods[slot0]["status"] = {"phase": "Succeeded"}
+    job, _ = run(job, ns, T0 + timedelta(seconds=5), passes=1)
+    assert job.status.phase != "Succeeded" and spare_names(ns) == [spare]
+    del ns.pods[slot0]  # the kubelet finished the deletion
+    job, _ = run(job, ns, T0 + timedelta(seconds=10))
+    labels = ns.pods[spare]["metadata"]["labels"]
+    assert (labels[builders.LABEL_LEARNER_ID], labels[builders.LABEL_ATTEMPT]) == ("a-0", "1")
+    (g,) = job.status.groups
+    assert (g.replaced, g.promoted) == (1, 1)
+
+
 def test_serials_wanted_cover_promoted_spares_and_the_next_ones() -> None:
     job = make_job(hot=2)
     pods = (
