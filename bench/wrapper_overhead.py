@@ -8,9 +8,11 @@ sequence), each with its own AdamW. `plain` is the bare loop: batch, forward, ba
 `opt.step()`, `zero_grad`. `wrapped` is the same loop with `DecoupledDiLoCo` around it, joined
 to a real `ddiloco synchronizer` process on loopback (the job's only learner, so every
 hand-over merges at once and comes back to be adopted: the wrapper does all of its work).
-After a warm-up of 2H steps each, the arms alternate step by step (`--block N`: every N
-steps), the order flipping each time (plain, wrapped, wrapped, plain, ...), for `--rounds`
-spans of H steps per arm (each span holds one hand-over of every fragment). The time of an
+After a warm-up of 2H steps each, each arm runs `--rounds` spans of H steps (each span holds
+one hand-over of every fragment) in blocks of `--block` steps (default H), the blocks of both
+arms shuffled into one seeded random order. (A fixed alternation aliases with the wrapper's
+period: stepping p w w p p w ..., every hand-over fell on the same parity, and the
+background upload it starts always slowed the plain step after it.) The time of an
 inner step is the wall clock of the whole iteration, wrapper included, on the loop's thread;
 drift of the machine (other jobs, thermal) falls on both arms alike, step by step.
 Overhead = mean wrapped step time / mean plain step time - 1, with its standard error over
@@ -18,12 +20,17 @@ the spans; the mark is under 3%. Also printed: the time of `opt.step()` (with th
 hook, or its `after_step` call) in each arm, whose difference is the wrapper's own work on
 the loop's thread, a figure the noise of a loaded machine moves far less.
 
-The wrapper's two network threads (heartbeats, downloads, uploads) run beside the loop in
-both arms' time, since one process holds both arms and they alternate step by step: their
-CPU cost is not in the step-time comparison when a core is free for them, and falls on both
-arms alike when none is. It is printed apart, as CPU seconds of those threads (from /proc)
-over the wrapped arm's step time. `--threads` sets torch's intra-op threads (1 on the 2-core
-CI machine, leaving a core to the synchronizer and the wrapper's threads).
+The wrapper's two network threads (heartbeats, downloads, uploads) run beside the loop, and
+contend with it for the GIL and the cores: the inner step after a hand-over is slower, in
+either arm, whichever runs then. In blocks of H steps (the default) that cost falls into the
+wrapped arm's own block (all but the spill of a block's last hand-over into the next block),
+which is what a learner pays. With `--block 1` the steps of the two arms are shuffled one by
+one and the cost falls on both alike: the comparison then measures only the wrapper's work
+on the loop's thread, with better drift cancellation. Either way the threads' CPU seconds
+(from /proc) are printed apart, over the wrapped arm's step time. `--aa` runs two plain arms
+instead (the harness's own bias: it should read 0 within its error). `--threads` sets
+torch's intra-op threads (1 on the 2-core CI machine, leaving a core to the synchronizer
+and the wrapper's threads).
 
 Works with either wrapper API: `DecoupledDiLoCo(model, optimizer, cfg, ...)` with an optimizer
 post-hook (the loop calls nothing), or the older `DecoupledDiLoCo(model, cfg, ...)` whose
@@ -34,9 +41,11 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import json
 import math
 import os
+import random
 import statistics
 import tempfile
 import threading
@@ -91,6 +100,15 @@ def thread_cpu_seconds(prefix: str = "ddiloco-") -> float:
         fields = stat.rsplit(")", 1)[1].split()
         total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
     return total
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds used so far by process `pid` (user + system, from /proc; 0 if gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def hooks_optimizer() -> bool:
@@ -153,11 +171,26 @@ class Trainer:
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    def block(self, n: int) -> float:
-        """`n` inner steps; their mean seconds (each step kept in `times`)."""
-        ts = [self.step() for _ in range(n)]
+    def block(self, n: int, trace: list[tuple[str, float, bool]] | None = None) -> float:
+        """`n` inner steps; their mean seconds (each step kept in `times`, and in `trace` as
+        (arm, seconds, whether it handed a fragment over) in the order they ran)."""
+        ts = []
+        for _ in range(n):
+            before = self.handovers()
+            ts.append(self.step())
+            if trace is not None:
+                trace.append((self.name, ts[-1], self.handovers() > before))
         self.times.extend(ts)
         return statistics.fmean(ts)
+
+    def handovers(self) -> int:
+        """Hand-overs so far (0 for a plain arm), read without building `stats()`."""
+        if self.diloco is None:
+            return 0
+        counts = getattr(self.diloco, "counts", None)
+        if isinstance(counts, dict):
+            return int(counts.get("handovers", 0))
+        return int(self.stats().get("handovers", 0))
 
     def stats(self) -> dict[str, Any]:
         if self.diloco is None:
@@ -183,10 +216,17 @@ def _new_wrapper(task: Task, opt: torch.optim.Optimizer, cfg: LearnerConfig) -> 
 
 
 def interleaved(
-    plain: Trainer, wrapped: Trainer, rounds: int, h: int, warmup: int, block: int = 1
+    plain: Trainer,
+    wrapped: Trainer,
+    rounds: int,
+    h: int,
+    warmup: int,
+    block: int = 1,
+    seed: int = 0,
+    sync_pid: int | None = None,
 ) -> dict[str, Any]:
-    """Warm both arms up, then `rounds` x H steps each, alternating every `block` steps (the
-    order flipped each time: p w w p p w ...); the figures."""
+    """Warm both arms up, then `rounds` x H steps each, in blocks of `block` steps run in a
+    seeded random order; the figures."""
     for arm in (plain, wrapped):
         for _ in range(warmup):
             arm.step()
@@ -194,15 +234,22 @@ def interleaved(
         arm.hook_times.clear()
     steps = rounds * h
     cpu0 = thread_cpu_seconds()
-    for i in range(-(-steps // block)):
-        n = min(block, steps - i * block)
-        for arm in (plain, wrapped) if i % 2 == 0 else (wrapped, plain):
-            arm.block(n)
+    sync0 = process_cpu_seconds(sync_pid) if sync_pid else 0.0
+    blocks = [
+        (arm, min(block, steps - i)) for arm in (plain, wrapped) for i in range(0, steps, block)
+    ]
+    random.Random(seed).shuffle(blocks)
+    trace: list[tuple[str, float, bool]] = []
+    for arm, n in blocks:
+        arm.block(n, trace)
     background = thread_cpu_seconds() - cpu0
+    sync_cpu = process_cpu_seconds(sync_pid) - sync0 if sync_pid else 0.0
     p, w = plain.times, wrapped.times
     # one figure per H consecutive steps of each arm (every fragment handed over once in it)
     ratios = [sum(w[k : k + h]) / sum(p[k : k + h]) - 1.0 for k in range(0, steps, h)]
     p_mean, w_mean = statistics.fmean(p), statistics.fmean(w)
+    after = [t for prev, (_, t, _) in itertools.pairwise(trace) if prev[2]]
+    others = [t for prev, (_, t, _) in itertools.pairwise(trace) if not prev[2]]
     tpb = plain.task.tokens_per_batch
     sd = statistics.stdev(ratios) if len(ratios) > 1 else 0.0
     return {
@@ -226,8 +273,12 @@ def interleaved(
             statistics.fmean(wrapped.hook_times) - statistics.fmean(plain.hook_times)
         )
         / p_mean,
+        "after_handover_ms": 1e3 * statistics.fmean(after) if after else None,
+        "after_handover_steps": len(after),
+        "other_steps_ms": 1e3 * statistics.fmean(others) if others else None,
         "background_cpu_s": background,
         "background_cpu_share": background / sum(w),
+        "synchronizer_cpu_s": sync_cpu,
         "wrapper_api": "optimizer post-hook" if hooks_optimizer() else "after_step call",
         "wrapper_stats": wrapped.stats(),
     }
@@ -253,13 +304,15 @@ def run(
     h: int,
     fragments: int,
     rounds: int,
-    block: int = 1,
+    block: int = 0,
     lr: float = 3e-3,
     out: Path | None = None,
     autocast: Callable[[], AbstractContextManager[Any]] | None = None,
+    aa: bool = False,
+    seed: int = 0,
 ) -> dict[str, Any]:
-    """The whole measurement: a synchronizer, both arms, `rounds` x H steps each, alternating
-    every `block` steps."""
+    """The whole measurement: a synchronizer, both arms, `rounds` x H steps each, in shuffled
+    blocks of `block` steps (0: H)."""
     out = out or Path(tempfile.mkdtemp(prefix="overhead-"))
     sync, url = start_synchronizer(out)
     trainers: list[Trainer] = []
@@ -271,10 +324,14 @@ def run(
             make_task(),
             lr,
             autocast() if autocast else None,
-            cfg=learner_config(url, h, fragments),
+            cfg=None if aa else learner_config(url, h, fragments),
         )
         trainers.append(wrapped)
-        return interleaved(plain, wrapped, rounds, h, 2 * h, block)
+        pid = sync.proc.pid if sync.proc is not None else None
+        res = interleaved(plain, wrapped, rounds, h, 2 * h, block or h, seed, pid)
+        if aa:
+            res["wrapper_api"] = "none: A/A calibration, both arms plain"
+        return res
     finally:
         for t in trainers:
             t.close()
@@ -283,8 +340,8 @@ def run(
 
 def report(res: dict[str, Any]) -> None:
     print(
-        f"wrapper API: {res['wrapper_api']}; {res['steps_per_arm']} steps per arm, alternating "
-        f"every {res['alternation_steps']}"
+        f"wrapper API: {res['wrapper_api']}; {res['steps_per_arm']} steps per arm, in "
+        f"shuffled blocks of {res['alternation_steps']}"
     )
     rounds = "  ".join(f"{100 * r:+.1f}" for r in res["per_round_overhead"])
     print(f"  per H steps, wrapped / plain - 1 (%): {rounds}")
@@ -299,8 +356,14 @@ def report(res: dict[str, Any]) -> None:
         f"is {100 * res['wrapper_loop_share']:.2f}% of a plain step\n"
         f"the wrapper's network threads used {res['background_cpu_s']:.2f} CPU s, "
         f"{100 * res['background_cpu_share']:.2f}% of the wrapped arm's step time (another core's "
-        "work where one is free)"
+        f"work where one is free); the synchronizer process {res['synchronizer_cpu_s']:.2f} CPU s"
     )
+    if res["after_handover_ms"] is not None:
+        print(
+            f"the step after a hand-over (either arm): {res['after_handover_ms']:.2f} ms over "
+            f"{res['after_handover_steps']} steps, against {res['other_steps_ms']:.2f} ms for the "
+            "others"
+        )
     verdict = "met" if res["overhead"] < 0.03 else "missed"
     print(
         f"overhead {100 * res['overhead']:+.2f}% +- {100 * res['overhead_se']:.2f}% (standard "
@@ -317,8 +380,9 @@ def main() -> None:
     ap.add_argument("-P", "--fragments", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=20, help="spans of H steps per arm")
-    ap.add_argument("--block", type=int, default=1, help="alternate the arms every N steps")
+    ap.add_argument("--block", type=int, default=0, help="steps per block (default H)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--aa", action="store_true", help="both arms plain: the harness's bias")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--json", type=Path)
@@ -330,10 +394,13 @@ def main() -> None:
         h=args.h,
         fragments=args.fragments,
         rounds=args.rounds,
-        block=args.block,
+        block=args.block or args.h,
         out=args.out,
+        aa=args.aa,
+        seed=args.seed,
     )
     res |= {"model": args.model, "batch_size": args.batch_size, "threads": args.threads}
+    res |= {"aa": args.aa}
     report(res)
     print(f"wall {time.monotonic() - t0:.0f} s")
     if args.json:
