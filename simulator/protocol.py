@@ -21,8 +21,8 @@ A round merges when `Rounds.due()` says so (quorum, grace window, every live lea
 its tokens are merged work; the new version is published `sync_s` later
 (`observe_sync(sync_s)`) and reaches the learners `down_s` after that.
 
-Learner (learner/diloco.py `after_step`): at a completed step it hands fragment p over
-when p falls due, H steps after its previous hand-over of p (first at offset p*H/P, or H),
+Learner (learner/diloco.py, the optimizer post-hook `_after_step`): at a completed step it
+hands fragment p over when p falls due, H steps after its previous hand-over of p (first at offset p*H/P, or H),
 or when p's round is collecting without it (the heartbeat answer's `requested`), p is not
 in flight, and at least H/2 steps stand behind p. The update carries the progress since
 the previous hand-over (incremental deltas) and reaches the synchronizer `up_s` later.
