@@ -24,8 +24,9 @@ its tokens are merged work; the new version is published `sync_s` later
 Learner (learner/diloco.py, the optimizer post-hook `_after_step`): at a completed step it
 hands fragment p over when p falls due, H steps after its previous hand-over of p (first at
 offset p*H/P, or H), or when p's round is collecting without it (the heartbeat answer's
-`requested`), p is not in flight, and at least H/2 steps stand behind p. The update carries the progress since
-the previous hand-over (incremental deltas) and reaches the synchronizer `up_s` later.
+`requested`), p is not in flight, and at least H/2 steps stand behind p. The update carries
+the progress since the previous hand-over (incremental deltas) and reaches the synchronizer
+`up_s` later.
 After the step's hand-overs it folds in the newest merged copy that has arrived: `rebase`
 (default) keeps the steps since the hand-over, `overwrite` drops them. A killed process
 loses what it had not handed over (and uploads still on the way).
