@@ -278,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return 2
     except Exception as e:  # never a traceback: one line that says what failed
-        sys.stderr.write(f"{PROG}: error: {type(e).__name__}: {str(e).splitlines()[0][:500]}\n")
+        first = (str(e).splitlines() or [""])[0][:500]  # an exception may say nothing
+        sys.stderr.write(f"{PROG}: error: {type(e).__name__}: {first}\n")
         return 2
     n = sum(t.numel() for t in model.params.values())
     sys.stdout.write(
