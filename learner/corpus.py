@@ -282,6 +282,11 @@ def load_corpus(
     docs = stdlib_documents(max_bytes) if files is None else iter_documents(files, data_field)
     known_eval = set(have_eval[1]["eval_docs"]) if have_eval is not None else None
     limit = vocab_size if vocab_size is not None else tokens.vocab_size
+    if tokens.eos >= limit:  # it ends every document: an embedding lookup would fail on it
+        raise ValueError(
+            f"{source}: the tokenizer's end-of-document id {tokens.eos} does not fit the "
+            f"model's vocab_size {limit}; use the model's own tokenizer"
+        )
     eos = np.array([tokens.eos], dtype=np.int64)
 
     def encoded(texts: list[str]) -> Iterator[np.ndarray]:

@@ -295,3 +295,29 @@ def test_data_positions_are_validated() -> None:
         with pytest.raises(ValidationError):
             JoinRequest.model_validate_json(json.dumps({"learner_id": "l0", "data_reserve": bad}))
     assert Heartbeat.model_validate(base | {"data_position": MAX_DATA_POSITION})
+
+
+def test_the_learners_settings_reach_its_task(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # DDILOCO_DATA_FIELD and DDILOCO_TOKENIZER through the learner's own make_task: a field or
+    # a tokenizer the loop dropped would build the task from the defaults instead
+    from ddiloco.learner.config import LearnerConfig
+    from ddiloco.learner.group import Group
+    from ddiloco.learner.train import make_task
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    data = write_jsonl(tmp_path / "d.jsonl", DOCS * 4, field="body")
+    env = {"DDILOCO_DATA": str(data), "DDILOCO_MODEL": "tiny"}
+    with pytest.raises(ValueError, match="text"):  # the default column is not in this file
+        make_task(LearnerConfig.from_env(env), Group.solo())
+    task = make_task(LearnerConfig.from_env({**env, "DDILOCO_DATA_FIELD": "body"}), Group.solo())
+    assert next(task.batches)[0].shape == (8, 64)
+    tokenizer = str(hf.SHIPPED["llama-tiny"])  # ids up to 257: more than the preset's 256
+    with pytest.raises(ValueError, match="vocab"):
+        make_task(
+            LearnerConfig.from_env(
+                {**env, "DDILOCO_DATA_FIELD": "body", "DDILOCO_TOKENIZER": tokenizer}
+            ),
+            Group.solo(),
+        )
