@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
+from ddiloco.local.report import read_jsonl
 from ddiloco.synchronizer.client import SyncClient
 
 TOKEN = "bench-ranks"
@@ -44,16 +45,6 @@ def has_nproc() -> bool:
         ddiloco_command("learner", "--help"), capture_output=True, text=True, check=False
     )
     return "--nproc-per-node" in out.stdout
-
-
-def read_log(path: Path) -> list[dict[str, Any]]:
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 def step_times(records: list[dict[str, Any]]) -> list[float]:
@@ -120,7 +111,7 @@ def run_arm(name: str, learners: int, nproc: int, out: Path, args: argparse.Name
                 raise RuntimeError(f"{name}: {c.name} exited {code} ({c.log_path}): {last}")
     finally:
         terminate_all([*children, sync])
-    logs = [read_log(out / f"l{i}.jsonl") for i in range(learners)]
+    logs = [read_jsonl(out / f"l{i}.jsonl") for i in range(learners)]
     stops = [next(r for r in log if r.get("event") == "stop") for log in logs]
     times = [step_times(log) for log in logs]
     lo = max(ts[0] for ts in times) + args.skip_s

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
+from ddiloco.local.report import read_jsonl
 from ddiloco.synchronizer.client import SyncClient, SyncRefused, SyncUnavailable
 
 TOKEN = "bench-preemption"
@@ -97,18 +98,6 @@ def settled(client: SyncClient, quiet_s: float = 0.5, timeout_s: float = 10.0) -
         elif time.monotonic() - since >= quiet_s:
             break
     return last
-
-
-def read_log(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by SIGKILL
-            continue
-    return out
 
 
 def last_step(records: list[dict[str, Any]]) -> int:
@@ -192,7 +181,7 @@ class Arm:
         log_path = self.out / f"incarnation-{i}.jsonl"
         child.start()
         deadline = time.monotonic() + self.args.max_seconds
-        while last_step(read_log(log_path)) < target:
+        while last_step(read_jsonl(log_path)) < target:
             if not child.alive() or time.monotonic() > deadline:
                 raise RuntimeError(
                     f"{child.name} stopped before step {target}: {child.log_path.read_text()[-2000:]}"
@@ -206,7 +195,7 @@ class Arm:
         exit_s, t_exit = time.monotonic() - t_sig, time.time()
         after = settled(self.client)
         before = before or [0] * len(after)
-        records = read_log(log_path)
+        records = read_jsonl(log_path)
         steps = last_step(records)
         stop = next((r for r in records if r.get("event") == "stop"), None)
         if stop and stop.get("steps"):

@@ -20,8 +20,6 @@ so the test compares what each process really holds.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import signal
 import time
@@ -32,6 +30,7 @@ from typing import Any
 import pytest
 
 from ddiloco.local.processes import Child, terminate_all
+from ddiloco.local.report import read_jsonl
 from ddiloco.synchronizer.state import StateStore
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(150)]
@@ -40,18 +39,8 @@ H, P = 8, 2
 TOKENS_PER_RANK = 8 * 64  # batch 8 x block 64 (tiny)
 
 
-def records(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):  # the line being written
-            out.append(json.loads(line))
-    return out
-
-
 def steps(path: Path) -> list[dict[str, Any]]:
-    return [r for r in records(path) if "step" in r and "event" not in r]
+    return [r for r in read_jsonl(path) if "step" in r and "event" not in r]
 
 
 def last_step(path: Path) -> int:
@@ -59,7 +48,7 @@ def last_step(path: Path) -> int:
 
 
 def event(path: Path, name: str) -> list[dict[str, Any]]:
-    return [r for r in records(path) if r.get("event") == name]
+    return [r for r in read_jsonl(path) if r.get("event") == name]
 
 
 def wait_exit(child: Child, timeout: float) -> int:

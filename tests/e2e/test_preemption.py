@@ -14,8 +14,6 @@ bench/preemption.py.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,24 +22,15 @@ from typing import Any
 import pytest
 
 from ddiloco.local.processes import terminate_all
+from ddiloco.local.report import read_jsonl
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(120)]
 TOKEN = "e2e-preemption"
 H, P = 8, 2
 
 
-def records(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):  # the line being written
-            out.append(json.loads(line))
-    return out
-
-
 def last_step(path: Path) -> int:
-    return max((r["step"] for r in records(path) if "step" in r and "event" not in r), default=0)
+    return max((r["step"] for r in read_jsonl(path) if "step" in r and "event" not in r), default=0)
 
 
 def accepted(client: Any) -> list[int]:
@@ -88,7 +77,7 @@ def test_sigterm_hands_over_everything_and_exits_0(
         terminate_all([learner, proc.child])
     print(f"SIGTERM at step >= {target}: exit {code} after {exit_s:.2f} s, accepted {got}")
     assert code == 0, learner.log_path.read_text()[-3000:]
-    stop = next(r for r in records(log) if r.get("event") == "stop")
+    stop = next(r for r in read_jsonl(log) if r.get("event") == "stop")
     assert stop["steps"] >= target
     per_step = stop["tokens"] // stop["steps"]
     assert stop["tokens"] == per_step * stop["steps"] > 0
