@@ -151,7 +151,7 @@ class DecoupledDiLoCo:
     def stats(self) -> dict[str, Any]:
         """What the loop reports and logs: steps, tokens (the whole group's), compute seconds,
         step time (moving average), versions behind, hand-overs, adoptions, refusals, bytes
-        up and down, the incarnation, this rank and the group's size."""
+        up and down, the incarnation, this rank, the group's size and how it was wrapped."""
         s = self.streamer
         known = s.versions if s is not None else self.base_version
         behind = sum(max(0, v - b) for v, b in zip(known, self.base_version, strict=False))
@@ -167,6 +167,7 @@ class DecoupledDiLoCo:
             "incarnation": s.incarnation if s is not None else 0,
             "rank": self.group.rank,
             "world": self.group.world,
+            "parallel": self.group.wrapped,
             "loss": self.loss,
             "stop_reason": self.stop_reason,
         }

@@ -103,6 +103,8 @@ class Group:
     """This rank's training device (and the collectives' device: NCCL needs CUDA tensors)."""
     parallel: str = "ddp"
     """`ddp` (every rank holds all parameters) or `fsdp` (FSDP2: each rank holds a shard)."""
+    wrapped: str = ""
+    """What `wrap` did: `ddp`, `fsdp`, or `none` (one rank); empty before it ran."""
 
     @classmethod
     def solo(cls, device: torch.device | str = "cpu") -> Group:
@@ -153,7 +155,9 @@ class Group:
         (each block of every nn.ModuleList, then the root), or `model` itself with one
         rank. Parameter names stay those of `model` (the layout every learner shares)."""
         if self.world == 1:
+            self.wrapped = "none"
             return model
+        self.wrapped = self.parallel
         if self.parallel == "fsdp":
             from torch.distributed.fsdp import fully_shard
 

@@ -234,6 +234,7 @@ def test_sigterm_to_the_launcher_hands_everything_over_and_exits_0(
     assert code == 0, tail(learner)
     stop, stop1 = event(rank0_log, "stop")[0], event(rank1_log, "stop")[0]
     assert stop["stop_reason"] == stop1["stop_reason"] == "preempted"
+    assert stop["parallel"] == stop1["parallel"] == parallel  # DDILOCO_PARALLEL was applied
     assert stop["steps"] == stop1["steps"] >= target  # both ranks stopped after the same step
     assert stop["tokens"] == stop["steps"] * 2 * TOKENS_PER_RANK
     for row in stop["ledger"]:
