@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     # at DEBUG they describe requests, and some of ours carry Secrets.
     for name in ("client", "urllib3", "kubernetes"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # kopf's liveness endpoint is served by aiohttp, whose access log at INFO is one line per
+    # probe (two every 10 s under the chart's probes): it buried what the operator did.
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     logging.getLogger("ddiloco.operator").info(
         "Starting the operator: namespaces=%s resync=%ss status_url=%s",
         namespaces or "all",
