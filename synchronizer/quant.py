@@ -1,0 +1,132 @@
+"""Blockwise absmax quantization of update deltas (int8, int4), and the learner's error feedback.
+
+    q = quantize(delta, "int8")              # Quantized: codes (int8 / packed uint8) + scales
+    approx = dequantize(q)                   # float32, delta's shape
+    ef = ErrorFeedback("int4")
+    q = ef.encode("fragment-3", delta)       # delta + what earlier hand-overs dropped
+    # ... later hand-overs of that fragment carry the residual on, so over T hand-overs
+    # sum(dequantize(q_t)) == sum(delta_t) - residual_T, and |residual_T| <= scale_T / 2.
+
+The tensor is flattened and cut into blocks of `block` values (the last one padded with zeros);
+each block's scale is its largest magnitude over qmax (127 for int8, 7 for int4), so the
+block's largest value is exact and every other one is off by at most scale / 2. int4 codes
+are offset to 0..14 and packed two to a byte, low nibble first. Scales are float32: a
+float16 scale would overflow for a block whose absmax exceeds 65504 * 7.
+
+Everything here is vectorised over the whole tensor (one pass per operation, no Python loop
+over blocks); non-finite input is refused, because one inf would make its block's scale inf
+and every code in it NaN on the other side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final, Literal
+
+import torch
+
+Encoding = Literal["int8", "int4"]
+QMAX: Final[dict[str, int]] = {"int8": 127, "int4": 7}
+DEFAULT_BLOCK: Final = 128
+"""Values per scale. 4 bytes of scale per 128 values is 3% on int8 and 6% on int4."""
+
+
+@dataclass(frozen=True)
+class Quantized:
+    encoding: Encoding
+    shape: tuple[int, ...]
+    block: int
+    codes: torch.Tensor
+    """int8 codes (int8), or int4 codes packed two per byte (uint8), flat."""
+    scales: torch.Tensor
+    """float32, one per block."""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() * self.codes.element_size() + self.scales.numel() * 4
+
+
+def _blocks(n: int, block: int) -> int:
+    return -(-n // block)
+
+
+def quantize(x: torch.Tensor, encoding: Encoding, block: int = DEFAULT_BLOCK) -> Quantized:
+    """`x` (any float dtype) as blockwise absmax codes. Raises ValueError on a non-finite value."""
+    if encoding not in QMAX:
+        raise ValueError(f"unknown encoding {encoding!r}; expected one of {sorted(QMAX)}")
+    if block < 2 or block % 2:
+        raise ValueError(f"block must be an even number >= 2, got {block}")
+    flat = x.detach().reshape(-1).to(torch.float32)
+    if not bool(torch.isfinite(flat).all()):
+        raise ValueError("cannot quantize a tensor with non-finite values")
+    n = flat.numel()
+    nb = _blocks(n, block)
+    padded = torch.zeros(nb * block, dtype=torch.float32)
+    padded[:n] = flat
+    grid = padded.view(nb, block)
+    qmax = QMAX[encoding]
+    absmax = grid.abs().amax(dim=1)
+    scales = absmax / qmax
+    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    codes = torch.round(grid * inv[:, None]).clamp_(-qmax, qmax).to(torch.int8)
+    if encoding == "int4":
+        u = (codes.view(-1) + qmax).to(torch.uint8)  # 0..14
+        packed = u[0::2] | (u[1::2] << 4)
+        return Quantized(encoding, tuple(x.shape), block, packed, scales)
+    return Quantized(encoding, tuple(x.shape), block, codes.view(-1), scales)
+
+
+def dequantize(q: Quantized) -> torch.Tensor:
+    """The float32 tensor `q` stands for, in its original shape."""
+    qmax = QMAX[q.encoding]
+    nb = q.scales.numel()
+    if q.encoding == "int4":
+        if q.codes.dtype != torch.uint8 or q.codes.numel() * 2 != nb * q.block:
+            raise ValueError("int4 codes do not match their scales")
+        lo = (q.codes & 0x0F).to(torch.int16)
+        hi = (q.codes >> 4).to(torch.int16)
+        if bool((lo > 2 * qmax).any()) or bool((hi > 2 * qmax).any()):
+            raise ValueError("int4 code out of range")
+        codes = torch.stack((lo, hi), dim=1).view(-1) - qmax
+    else:
+        if q.codes.dtype != torch.int8 or q.codes.numel() != nb * q.block:
+            raise ValueError("int8 codes do not match their scales")
+        codes = q.codes
+    if not bool(torch.isfinite(q.scales).all()) or bool((q.scales < 0).any()):
+        raise ValueError("scales must be finite and non-negative")
+    values = codes.view(nb, q.block).to(torch.float32) * q.scales.to(torch.float32)[:, None]
+    return values.view(-1)[: q.numel].view(q.shape)
+
+
+class ErrorFeedback:
+    """What quantization dropped from a key's last hand-over, added to its next one.
+
+    One residual per key (a fragment's tensor), float32, on the learner; nothing dropped is
+    ever lost, only delayed: the sum of what was sent trails the sum of what was meant by
+    the last residual alone, at most half a scale per value.
+    """
+
+    def __init__(self, encoding: Encoding, block: int = DEFAULT_BLOCK) -> None:
+        self.encoding: Encoding = encoding
+        self.block = block
+        self.residual: dict[str, torch.Tensor] = {}
+
+    def encode(self, key: str, delta: torch.Tensor) -> Quantized:
+        target = delta.detach().to(torch.float32)
+        carried = self.residual.get(key)
+        if carried is not None and carried.shape == target.shape:
+            target = target + carried
+        q = quantize(target, self.encoding, self.block)
+        self.residual[key] = target - dequantize(q)
+        return q
+
+    def drop(self, key: str) -> None:
+        """Forget a key's residual (its hand-over was refused for good, or the layout changed)."""
+        self.residual.pop(key, None)
