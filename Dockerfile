@@ -105,6 +105,6 @@ ENV HOME=/home/ddiloco
 USER 10001:10001
 WORKDIR /home/ddiloco
 # The synchronizer's port (h2c and HTTP/1.1) and the operator's liveness port.
-EXPOSE 8470 8080
+EXPOSE 8470 8080 9400
 ENTRYPOINT ["ddiloco"]
 CMD ["--help"]

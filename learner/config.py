@@ -209,6 +209,11 @@ class LearnerConfig(BaseSettings):
     """Append one JSON line per step and per fragment event here."""
     log_every: Int = Field(50, ge=0)
     """Print a step line every this many steps."""
+    metrics_port: Int | None = Field(None, ge=1, le=65535)
+    """Serve Prometheus metrics (learner/metrics.py, README "Metrics") on this port at
+    /metrics; None: off. In a group only rank 0 serves. Pods: 9400, port name "metrics"."""
+    metrics_host: str = "0.0.0.0"
+    """Address the metrics port binds (`ddiloco local` binds 127.0.0.1)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> LearnerConfig:

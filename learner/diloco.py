@@ -19,7 +19,8 @@ which a budget of `cfg` (max_steps, max_tokens, max_seconds) ran out, or after t
 which `request_stop()` was called (SIGTERM, a preemption notice). A preempted learner hands
 over every fragment with steps behind it at once, due or not, and `__exit__` waits up to
 `cfg.drain_s` for the uploads. `stats()` is what the loop reports; `ledger()` the per-fragment
-token account for its stop record.
+token account for its stop record. With `cfg.metrics_port` set, rank 0 serves Prometheus
+metrics of the same events (learner/metrics.py) while in the `with` block.
 
 State: the layout and schedule; for each fragment its anchor (the parameters the next
 delta is measured from: the last global copy adopted or, if later, the fragment as it was
@@ -56,6 +57,7 @@ from torch import nn
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.fragments import Schedule, partition
 from ddiloco.learner.group import Group, Plan
+from ddiloco.learner.metrics import LearnerMetrics
 from ddiloco.learner.streaming import Streamer
 from ddiloco.synchronizer.codec import WIRE_DTYPES
 from ddiloco.synchronizer.protocol import Heartbeat, UpdateMeta
@@ -129,8 +131,12 @@ class DecoupledDiLoCo:
         self.stop_reason = ""
         self.started = time.monotonic()
         self.streamer: Streamer | None = None
+        self.metrics = LearnerMetrics(
+            cfg.learner_id, enabled=cfg.metrics_port is not None and self.group.root
+        )
+        """Prometheus instruments, served by rank 0 on cfg.metrics_port (learner/metrics.py)."""
         if self.group.root:
-            self.streamer = Streamer(cfg, self.layout, self._initial)
+            self.streamer = Streamer(cfg, self.layout, self._initial, metrics=self.metrics)
         self._initial_values: Tensors | None = None
         self._preempted = False
         self._arrived: dict[int, list[tuple[int, Tensors]]] = {}
@@ -196,6 +202,9 @@ class DecoupledDiLoCo:
             self._initial_values = values if g.root else None
         got: dict[int, tuple[int, Tensors]] = {}
         position = 0
+        if self.streamer is not None and self.cfg.metrics_port is not None:
+            self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_host)
+            self.metrics.queue(self.streamer.outbox.depth)
         if self.streamer is not None:
             got = {p: (v, t) for p, v, t in self.streamer.fetch_all()}
             position = self.streamer.resume_position
@@ -224,6 +233,7 @@ class DecoupledDiLoCo:
         self._hooks.clear()
         if self.streamer is not None:
             self.left_at_close = self.streamer.close(self.cfg.drain_s)
+        self.metrics.close()
 
     # ---- one step ----------------------------------------------------------------
     def _after_step(self, *_: object) -> None:
@@ -233,10 +243,17 @@ class DecoupledDiLoCo:
         if self.cfg.slow_factor > 1.0:  # chaos: a slower accelerator
             time.sleep(dt * (self.cfg.slow_factor - 1.0))
             dt = time.perf_counter() - self._mark
+        t_hook = self._mark + dt
         self.step += 1
         self.tokens_total += self.tokens_per_step
         self.compute_seconds += dt
         self.step_ema = dt if self.step_ema is None else 0.9 * self.step_ema + 0.1 * dt
+        self.metrics.step(
+            seconds=dt,
+            tokens=self.tokens_per_step,
+            tokens_per_second=self.tokens_per_step / max(self.step_ema, 1e-9),
+            loss=self.loss,
+        )
         plan = g.share(self._plan() if g.root else None, len(self.base))
         for p, now in enumerate(plan.handover):
             if now:
@@ -251,6 +268,7 @@ class DecoupledDiLoCo:
         if plan.stop:
             self.should_stop, self.stop_reason = True, plan.stop
         self._mark = time.perf_counter()
+        self.metrics.sync_wait.inc(self._mark - t_hook)  # the hook's time: the loop waited
 
     def _plan(self) -> Plan:
         """Rank 0: account the step per fragment, then decide what to hand over, what to fold
@@ -278,9 +296,12 @@ class DecoupledDiLoCo:
             }
         newest = list(self.base_version)
         for p, version, tensors in self.streamer.arrivals():
+            arrived_at = self.streamer.arrival_steps.pop((p, version), self.step - 1)
             if version > newest[p]:
                 newest[p] = version
                 self._arrived.setdefault(p, []).append((version, tensors))
+                # folded in by this very step's hook: the steps it waited since it arrived
+                self.metrics.adoption_lag.observe(max(0, self.step - 1 - arrived_at))
         handover = [p in due and self.c_steps[p] > 0 for p in range(n)]
         adopt = [newest[p] if p in self._arrived else 0 for p in range(n)]
         return Plan(stop, handover, adopt)
@@ -383,6 +404,7 @@ class DecoupledDiLoCo:
         self.next_due[p] = self.step + self.cfg.h
         self.in_flight.add(p)
         self.counts["handovers"] += 1
+        self.metrics.handovers.inc()
 
     def _report(self) -> None:
         assert self.streamer is not None

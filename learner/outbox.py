@@ -145,6 +145,11 @@ class Outbox:
         with self.cond:
             return [e.meta for e in self.entries]
 
+    def depth(self) -> int:
+        """Entries waiting (the head included, possibly in flight): the metrics' queue depth."""
+        with self.cond:
+            return len(self.entries)
+
     def wait_empty(self, timeout: float) -> bool:
         with self.cond:
             return self.cond.wait_for(lambda: not self.entries, timeout)

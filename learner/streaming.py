@@ -35,6 +35,7 @@ import torch
 from ddiloco.learner import hf
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.data import join_reserve
+from ddiloco.learner.metrics import LearnerMetrics
 from ddiloco.learner.outbox import Outbox
 from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.client import SyncClient, SyncRefused, SyncUnavailable
@@ -71,8 +72,15 @@ class Streamer:
     versions, fragments being fetched, the outbox of uploads, arrived fragments, byte
     counts, and what was left unsent at close (`left`)."""
 
-    def __init__(self, cfg: LearnerConfig, layout: Layout, initial: Callable[[], Tensors]) -> None:
+    def __init__(
+        self,
+        cfg: LearnerConfig,
+        layout: Layout,
+        initial: Callable[[], Tensors],
+        metrics: LearnerMetrics | None = None,
+    ) -> None:
         self.cfg = cfg
+        self.metrics = metrics or LearnerMetrics(cfg.learner_id, enabled=False)
         self.layout = layout
         self.initial = initial
         self.stop_event = threading.Event()
@@ -82,6 +90,9 @@ class Streamer:
         self.outbox = Outbox(len(layout.fragments))
         self.left: dict[int, dict[str, int]] = {}
         self.arrived: queue.Queue[tuple[int, int, Tensors]] = queue.Queue()
+        self.arrival_steps: dict[tuple[int, int], int] = {}
+        """(fragment, version) -> the learner's step last reported when it arrived (the
+        adoption lag metric; the loop pops it)."""
         self.upload_results: queue.Queue[tuple[int, int, str]] = queue.Queue()
         self.lock = threading.Lock()
         self.bytes_up = 0
@@ -232,6 +243,8 @@ class Streamer:
                         if v > have[p]:
                             version, tensors = client.fragment(p)
                             have[p] = version
+                            latest = self.snapshot
+                            self.arrival_steps[(p, version)] = latest.step if latest else 0
                             self.arrived.put((p, version, tensors))
                     self.versions = resp.versions
                 self._count(client)
@@ -277,10 +290,12 @@ class Streamer:
                     wait = backoff.fail()
                     if entry.attempts == 1 or entry.attempts % 20 == 0:
                         log.warning("Update %s unauthorized; re-sending: %s", meta.update_id(), e)
+                    self.metrics.upload("error")
                     self.stop_event.wait(wait)
                     self._count(client)
                     continue
                 log.warning("Update %s refused, its work is lost: %s", meta.update_id(), e)
+                self.metrics.upload("refused")
                 self.outbox.settle(entry, "refused")
                 self.upload_results.put((meta.fragment, meta.base_version, e.kind))
                 backoff.ok()
@@ -289,8 +304,10 @@ class Streamer:
                 wait = backoff.fail()
                 if entry.attempts == 1 or entry.attempts % 20 == 0:
                     log.warning("Update %s unanswered (%s); re-sending", meta.update_id(), e)
+                self.metrics.upload("error")
                 self.stop_event.wait(wait)
             else:
+                self.metrics.upload(resp.status)
                 self.outbox.settle(entry, resp.status)
                 self.upload_results.put((meta.fragment, meta.base_version, resp.status))
                 backoff.ok()

@@ -544,6 +544,11 @@ class JobStatus(_Model):
     """Tokens behind all merged contributions."""
     goodput: float | None = None
     """Fraction of learner compute that ended up in a merge (0..1), if the synchronizer knows it."""
+    merged_work_ratio: float | None = None
+    """Tokens merged over the tokens all learners report having trained (0..1): the share of
+    the work done that reached the global model (`kubectl get ddj`, column Merged)."""
+    live_learners: int | None = None
+    """Learners the synchronizer heard from recently (`kubectl get ddj`, column Live)."""
 
 
 class DecoupledDiLoCoJob(_Model):

@@ -28,6 +28,8 @@ from ddiloco.operator import compute
 from ddiloco.operator.api import DecoupledDiLoCoJob, LearnerGroup
 
 SYNC_PORT: Final = 8470
+LEARNER_METRICS_PORT: Final = 9400
+"""Learner and spare pods serve Prometheus metrics here (port name "metrics")."""
 STATE_DIR: Final = "/var/lib/ddiloco"
 TOKEN_KEY: Final = "token"
 TOKEN_DIR: Final = "/var/run/ddiloco/token"
@@ -522,6 +524,7 @@ def build_learner_pod(
                 "DDILOCO_MAX_STEPS": training.max_steps,
                 "DDILOCO_MAX_TOKENS": training.max_tokens,
                 "DDILOCO_MAX_SECONDS": training.max_seconds,
+                "DDILOCO_METRICS_PORT": LEARNER_METRICS_PORT,
                 **compute.env(group),  # processes per learner, SIGTERM drain budget
             }
         ),
@@ -549,6 +552,9 @@ def build_learner_pod(
                 "imagePullPolicy": spec.image_pull_policy,
                 "command": ["ddiloco", "learner"],
                 "env": env,
+                "ports": [
+                    {"name": "metrics", "containerPort": LEARNER_METRICS_PORT, "protocol": "TCP"}
+                ],
                 "volumeMounts": mounts,
                 "terminationMessagePolicy": "FallbackToLogsOnError",
             }

@@ -40,6 +40,11 @@ class OperatorSettings(BaseSettings):
     """How long deleting a job waits for an unreachable cluster before giving up on it."""
     liveness_endpoint: str = "http://0.0.0.0:8080/healthz"
     """kopf's liveness probe endpoint; empty disables it."""
+    metrics_port: int = Field(8081, ge=0, le=65535)
+    """Port of the operator's Prometheus endpoint (GET /metrics: reconciles, replacements by
+    cause, time to replace; operator/metrics.py); 0 or empty turns it off."""
+    metrics_address: str = "0.0.0.0"
+    """Address the metrics endpoint listens on (127.0.0.1 keeps it to the machine)."""
     standalone: bool = True
     """Run without kopf peering (one operator replica; the chart runs exactly one)."""
     workers: int = Field(8, ge=1, le=128)
@@ -58,6 +63,11 @@ class OperatorSettings(BaseSettings):
     """Reconnect a watch that sent nothing, not even a bookmark, for this long."""
     log_level: str = "INFO"
     """Python logging level of the operator."""
+
+    @field_validator("metrics_port", mode="before")
+    @classmethod
+    def _port(cls, v: object) -> object:
+        return 0 if isinstance(v, str) and not v.strip() else v
 
     @field_validator("status_url_template")
     @classmethod

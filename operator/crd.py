@@ -50,6 +50,18 @@ PRINTER_COLUMNS: Final = [
         "description": "The synchronizer's global version",
     },
     {"name": "Goodput", "type": "number", "jsonPath": ".status.goodput"},
+    {
+        "name": "Merged",
+        "type": "number",
+        "jsonPath": ".status.mergedWorkRatio",
+        "description": "Tokens merged over tokens trained by all learners",
+    },
+    {
+        "name": "Live",
+        "type": "integer",
+        "jsonPath": ".status.liveLearners",
+        "description": "Learners the synchronizer heard from recently",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

@@ -5,8 +5,9 @@
 
 Two handlers per job: a timer that reconciles every `resync_seconds` (it also notices failed
 learner pods in remote clusters, which no watch of ours covers), and the finalizer that
-cleans every cluster on deletion. Handlers return nothing: kopf would store a return value
-under `status`, which the structural schema prunes.
+cleans every cluster on deletion; at startup, the metrics endpoint opens (metrics_port,
+metrics.py). Handlers return nothing: kopf would store a return value under `status`, which
+the structural schema prunes.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import threading
 from typing import Any
 
 import kopf
+import prometheus_client
 
 from ddiloco.operator import api
 from ddiloco.operator.clusters import home_api_client
 from ddiloco.operator.config import get_settings
+from ddiloco.operator.metrics import METRICS
 from ddiloco.operator.plan import Event
 from ddiloco.operator.runtime import CleanupPending, Runtime
 
@@ -52,6 +55,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.posting.reporting_component = "ddiloco-operator"
     settings.execution.max_workers = CFG.workers
     memo.runtime = Runtime(CFG, home_api_client())
+    if CFG.metrics_port:  # GET /metrics (operator/metrics.py), without the *_created series
+        prometheus_client.disable_created_metrics()
+        METRICS.serve(CFG.metrics_port, CFG.metrics_address)
 
 
 @kopf.timer(

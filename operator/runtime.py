@@ -38,6 +38,7 @@ from ddiloco.operator.clusters import (
     request_timeout,
 )
 from ddiloco.operator.config import OperatorSettings
+from ddiloco.operator.metrics import METRICS, OperatorMetrics
 from ddiloco.operator.plan import (
     Action,
     Assignment,
@@ -83,9 +84,15 @@ class Runtime:
     that region, a foreign pod holding a slot's name holds back that slot.
     """
 
-    def __init__(self, settings: OperatorSettings, home_client: ApiClient) -> None:
+    def __init__(
+        self,
+        settings: OperatorSettings,
+        home_client: ApiClient,
+        metrics: OperatorMetrics = METRICS,
+    ) -> None:
         redact.install()
         self.settings = settings
+        self.metrics = metrics  # reconciles and replacements (metrics.py)
         self.clusters = Clusters(home_client, settings.api_timeout_seconds)
         self.status = StatusReader(settings)
         self.status_tls = certs.StatusTLS()  # the operator's own https client (certs.py)
@@ -103,7 +110,18 @@ class Runtime:
         post: PostEvent,
     ) -> None:
         """Reconcile one job: up to MAX_PASSES observe-plan-apply passes, so that a pod
-        deleted in one pass is recreated in the next instead of a tick later."""
+        deleted in one pass is recreated in the next instead of a tick later. Counted and
+        timed (ddiloco_operator_reconciles_total, ..._reconcile_duration_seconds)."""
+        with self.metrics.reconciling(namespace, name):
+            self._reconcile(name, namespace, logger, post)
+
+    def _reconcile(
+        self,
+        name: str,
+        namespace: str,
+        logger: logging.Logger | logging.LoggerAdapter,
+        post: PostEvent,
+    ) -> None:
         body = self._read_job(name, namespace)
         for _ in range(MAX_PASSES):
             if body is None or body.get("metadata", {}).get("deletionTimestamp"):
@@ -123,6 +141,7 @@ class Runtime:
                 body = self._write_status(body, plan.status, logger)
                 if body is None:
                     return  # changed meanwhile: the next tick sees the new version
+            self.metrics.after_pass(job, job.status, plan.status, obs)  # written: count it
             for event in plan.events:
                 post(event)
             refused: dict[str, tuple[str, str]] = {}
@@ -509,6 +528,7 @@ class Runtime:
         self.status_tls.forget(job.uid)
         self._refused.pop(job.uid, None)
         self._delivered.pop(job.uid, None)
+        self.metrics.forget(job)
         logger.info("Deleted the objects of DecoupledDiLoCoJob %s in every cluster", job.name)
 
     def _sweep(

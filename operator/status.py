@@ -33,6 +33,7 @@ from ddiloco.operator.api import (
 )
 from ddiloco.operator.plan import Observed, iso
 from ddiloco.operator.slots import Slot
+from ddiloco.operator.syncstatus import derived
 
 MAX_MESSAGE = 1024  # characters of a condition message
 
@@ -160,6 +161,7 @@ def summarize(
     for key in SYNC_FIELDS:
         if sync.get(key) is not None:
             numbers[key] = sync[key]
+    numbers.update(derived(obs.sync_status))  # merged_work_ratio, live_learners
     return old.model_copy(
         update={
             "phase": phase,

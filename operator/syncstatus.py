@@ -92,3 +92,29 @@ class StatusReader:
     def forget(self, uid: str) -> None:
         with self._lock:
             self._last.pop(uid, None)
+
+
+def derived(answer: dict[str, Any] | None) -> dict[str, Any]:
+    """The job status's numbers that a /v1/status answer implies but does not carry:
+    `merged_work_ratio` (tokens merged over the sum of the learners' tokens_total, at most
+    1, rounded to 3 digits so that the status does not change with every token) and
+    `live_learners` (learners alive). Missing or malformed parts give nothing.
+
+        derived({"tokens_merged": 50, "learners": [{"alive": True, "tokens_total": 100}]})
+        # {"merged_work_ratio": 0.5, "live_learners": 1}
+    """
+    out: dict[str, Any] = {}
+    learners = (answer or {}).get("learners")
+    if not isinstance(learners, list):
+        return out
+    learners = [x for x in learners if isinstance(x, dict)]
+    out["live_learners"] = sum(1 for x in learners if x.get("alive") is True)
+    trained = sum(
+        x["tokens_total"]
+        for x in learners
+        if isinstance(x.get("tokens_total"), int | float) and x["tokens_total"] > 0
+    )
+    merged = (answer or {}).get("tokens_merged")
+    if trained > 0 and isinstance(merged, int | float) and merged >= 0:
+        out["merged_work_ratio"] = round(min(1.0, merged / trained), 3)
+    return out

@@ -141,6 +141,7 @@ def create_app(settings: SyncSettings | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.sync = sync = await asyncio.to_thread(Synchronizer, settings)
+        sync.metrics.watch_protocols(app.state.protocols)
         app.state.tokens = settings.tokens()
         loop = asyncio.get_running_loop()
         app.state.changed = asyncio.Event()

@@ -57,6 +57,9 @@ class SyncSettings(BaseSettings):
     Update bodies are capped by their fragment's size in float32, from the layout."""
     body_timeout_s: float = Field(30.0, gt=0.0)
     """A request body that sends nothing for this long is refused (408)."""
+    metrics: bool = True
+    """Serve Prometheus metrics on GET /metrics (README "Metrics"). False
+    (`DDILOCO_METRICS=0`): every instrument is a no-op and /metrics answers 404."""
 
     # --- rounds (quorum and the adaptive grace window, the paper's Eq. 3) ---
     quorum: int = Field(1, ge=1)

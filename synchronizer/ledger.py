@@ -29,6 +29,12 @@ class LearnerRecord:
     uptime_seconds: float = 0.0
     past_compute_seconds: float = 0.0
     past_uptime_seconds: float = 0.0
+    past_tokens_total: int = 0
+    """Tokens the slot's earlier incarnations reported (`tokens_total`: the current one's)."""
+    fragment_tokens_merged: int = 0
+    """Tokens of the slot's merged contributions, summed over fragments (each fragment sees
+    every token, so / P is the slot's merged tokens). Its heartbeats lag its updates: the
+    tokens it computed are at least these (`tokens_computed`)."""
     loss: float | None = None
     data_position: int = 0
     """The highest data position the slot reported or reserved at join (windows of its data
@@ -37,8 +43,15 @@ class LearnerRecord:
     steps: list[int] = field(default_factory=list, repr=False)
 
 
+def tokens_computed(r: LearnerRecord, fragments: int) -> float:
+    """What the slot computed, all incarnations: what it reported, or more if more of its
+    work was already merged (a heartbeat reports tokens a little after the updates carry
+    them, so at any moment the merged tokens may run ahead of the reported ones)."""
+    return max(r.past_tokens_total + r.tokens_total, r.fragment_tokens_merged / max(1, fragments))
+
+
 def learner_statuses(
-    learners: dict[str, LearnerRecord], live: set[str], now: float
+    learners: dict[str, LearnerRecord], live: set[str], now: float, fragments: int = 1
 ) -> list[LearnerStatus]:
     return [
         LearnerStatus(
@@ -53,6 +66,7 @@ def learner_statuses(
             contributions=r.contributions,
             loss=r.loss,
             data_position=r.data_position,
+            tokens_computed=int(tokens_computed(r, fragments)),
             last_seen_s=max(0.0, now - r.last_seen) if r.last_seen > -1e17 else -1.0,
         )
         for r in sorted(learners.values(), key=lambda r: r.learner_id)
@@ -63,6 +77,17 @@ def goodput(learners: dict[str, LearnerRecord]) -> float | None:
     compute = sum(r.past_compute_seconds + r.compute_seconds for r in learners.values())
     uptime = sum(r.past_uptime_seconds + r.uptime_seconds for r in learners.values())
     return compute / uptime if uptime > 0 else None
+
+
+def merged_work_ratio(
+    learners: dict[str, LearnerRecord], tokens_merged: int, fragments: int = 1
+) -> float | None:
+    """Tokens merged over tokens computed by every slot (all incarnations, `tokens_computed`),
+    None before any. At most 1: every merged token is some slot's, and each slot counts at
+    least its merged tokens (only a crash between a merge and the ledger's save after it can
+    lose a slot's last merge here, and then its heartbeats catch up)."""
+    computed = sum(tokens_computed(r, fragments) for r in learners.values())
+    return tokens_merged / computed if computed > 0 else None
 
 
 def load_records(saved: dict[str, Any]) -> dict[str, LearnerRecord]:

@@ -195,6 +195,8 @@ class MergeOutcome:
     """Tokens behind the merged contributions (uncapped: every one of them is now in Theta)."""
     staleness: int
     """Sum over contributors of (current version - base version)."""
+    included: tuple[int, ...] = ()
+    """Indices (into the contributions given) of those merged: the ones that weighed."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,8 +234,8 @@ class MergePolicy:
         """The fragment after merging `contributions` (inputs untouched), or None when no
         contribution weighs anything. Raises `NonFiniteMerge` rather than return a result
         that is not finite everywhere."""
-        deltas, weights, tokens, staleness = [], [], 0, 0
-        for c in contributions:
+        deltas, weights, tokens, staleness, included = [], [], 0, 0, []
+        for i, c in enumerate(contributions):
             tok, steps = cap_counters(c.tokens, c.steps, self.counter_cap_steps)
             w = contribution_weight(tok, steps, self.weighting)
             if w <= 0:
@@ -246,6 +248,7 @@ class MergePolicy:
             weights.append(w)
             tokens += c.tokens
             staleness += version - c.base_version
+            included.append(i)
         if not deltas:
             return None
         rule = self.rule_for(spec)
@@ -256,4 +259,6 @@ class MergePolicy:
         for t in (*new_params.values(), *new_momentum.values()):
             if not bool(torch.isfinite(t).all()):
                 raise NonFiniteMerge(f"merging fragment {spec.index} would make it non-finite")
-        return MergeOutcome(new_params, new_momentum, rule, len(deltas), tokens, staleness)
+        return MergeOutcome(
+            new_params, new_momentum, rule, len(deltas), tokens, staleness, tuple(included)
+        )

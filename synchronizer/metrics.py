@@ -1,17 +1,194 @@
-"""Prometheus metrics of the synchronizer, read from its status at scrape time.
+"""Prometheus metrics of the synchronizer: instruments observed where things happen, and
+gauges read from its status at scrape time.
 
-curl -s http://127.0.0.1:8470/metrics | grep ddiloco_
+    curl -s http://127.0.0.1:8470/metrics | grep ddiloco_
+    DDILOCO_METRICS=0 ddiloco synchronizer ...      # off: /metrics answers 404
+
+`SyncMetrics` owns one `CollectorRegistry` per synchronizer (never the process-wide default
+one: tests run several synchronizers in one process). Its instruments are observed by the
+service as events happen: every merge observes each per-fragment histogram exactly once
+(merge duration, the round's first contribution to quorum and to publish, the grace window,
+contributors), and every merged contribution its staleness; every accepted update its size
+and bytes by wire encoding; every fragment served its bytes. `StatusCollector` turns the
+`Status` snapshot into gauges and the durable counters (they survive a restart, as the
+ledger does). With metrics off the instruments are no-ops (nothing is counted) and
+`enabled` is False, which the route turns into a 404. README "Metrics" lists every name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Final
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ddiloco.synchronizer.protocol import Status
+
+if TYPE_CHECKING:
+    from ddiloco.synchronizer.merge import Contribution, MergeOutcome
+    from ddiloco.synchronizer.rounds import Round
+
+SECONDS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+ROUND_SECONDS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+CONTRIBUTORS: Final = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
+STALENESS: Final = (0, 1, 2, 3, 4, 6, 8, 16, 32)
+BYTES: Final = tuple(float(1 << k) for k in range(10, 34, 2))  # 1 KiB .. 8 GiB, x4
+ENCODINGS: Final = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
+"""Safetensors dtype -> the `encoding` label (codec.ST_DTYPES are the wire dtypes)."""
+BROADCAST_ENCODINGS: Final = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def encoding_of(dtypes: Iterable[str]) -> str:
+    """The `encoding` label of a payload from its tensors' safetensors dtypes: `bf16`,
+    `fp32`, `fp16`, or `mixed`."""
+    names = {ENCODINGS.get(d, d.lower()) for d in dtypes}
+    if len(names) == 1:
+        return names.pop()
+    return "mixed" if names else "none"
+
+
+class _Noop:
+    """Stands in for every instrument when metrics are off: costs one call, counts nothing."""
+
+    def labels(self, *_: Any, **__: Any) -> _Noop:
+        return self
+
+    def observe(self, *_: Any) -> None:
+        return None
+
+    def inc(self, *_: Any) -> None:
+        return None
+
+
+NOOP: Final = _Noop()
+
+
+class SyncMetrics:
+    """The synchronizer's instruments and the registry `render` exposes. `status` is called
+    at scrape time (`StatusCollector`); `protocols` are the HTTP requests by (scheme,
+    version) that app.py's middleware counts (`watch_protocols`)."""
+
+    def __init__(self, status: Callable[[], Status], *, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._protocols: Mapping[tuple[str, str], int] = {}
+        if not enabled:
+            self.merge_duration = self.round_quorum = self.round_publish = NOOP
+            self.grace_window = self.merge_contributors = self.update_staleness = NOOP
+            self.update_bytes = self.updates_accepted = self.learner_tokens_merged = NOOP
+            self.bytes_received = self.bytes_served = NOOP
+            return
+        r = self.registry
+        frag = ["fragment"]
+        self.merge_duration: Any = Histogram(
+            "ddiloco_merge_duration_seconds",
+            "Time to compute one merge of a fragment (merge math and persisting it)",
+            frag,
+            registry=r,
+            buckets=SECONDS,
+        )
+        self.round_quorum: Any = Histogram(
+            "ddiloco_round_quorum_seconds",
+            "A merged round's first accepted contribution to its quorum",
+            frag,
+            registry=r,
+            buckets=ROUND_SECONDS,
+        )
+        self.round_publish: Any = Histogram(
+            "ddiloco_round_publish_seconds",
+            "A merged round's first accepted contribution to its merged fragment being served",
+            frag,
+            registry=r,
+            buckets=ROUND_SECONDS,
+        )
+        self.grace_window: Any = Histogram(
+            "ddiloco_grace_window_seconds",
+            "Grace window granted after a merged round's quorum (Eq. 3)",
+            frag,
+            registry=r,
+            buckets=(0.0, *SECONDS),
+        )
+        self.merge_contributors: Any = Histogram(
+            "ddiloco_merge_contributors",
+            "Contributions per merge",
+            frag,
+            registry=r,
+            buckets=CONTRIBUTORS,
+        )
+        self.update_staleness: Any = Histogram(
+            "ddiloco_update_staleness",
+            "Versions behind the fragment of each merged contribution",
+            registry=r,
+            buckets=STALENESS,
+        )
+        self.update_bytes: Any = Histogram(
+            "ddiloco_update_bytes", "Body size of each accepted update", registry=r, buckets=BYTES
+        )
+        self.updates_accepted: Any = Counter(
+            "ddiloco_updates_accepted", "Updates accepted (duplicates not counted)", registry=r
+        )
+        self.learner_tokens_merged: Any = Counter(
+            "ddiloco_learner_tokens_merged",
+            "Tokens of a learner's merged contributions, averaged over fragments "
+            "(they sum to ddiloco_tokens_merged_total)",
+            ["learner"],
+            registry=r,
+        )
+        self.bytes_received: Any = Counter(
+            "ddiloco_bytes_received",
+            "Accepted update bytes in, by wire encoding",
+            ["encoding"],
+            registry=r,
+        )
+        self.bytes_served: Any = Counter(
+            "ddiloco_bytes_served", "Fragment bytes out, by wire encoding", ["encoding"], registry=r
+        )
+        r.register(StatusCollector(status))
+        r.register(ProtocolCollector(self))
+
+    def merged(
+        self,
+        p: int,
+        r: Round[Contribution],
+        outcome: MergeOutcome,
+        t_merge: float,
+        now: float,
+        fragments: int,
+        base: int,
+    ) -> None:
+        """Fragment p's round `r` merged at version `base` (started at `t_merge`) and is
+        served since `now`: each per-fragment histogram observes it once, so their counts
+        are the fragment's merges; each merged contribution its staleness and its tokens,
+        per fragment (every fragment sees every token)."""
+        if not self.enabled:
+            return
+        frag = str(p)
+        started = r.started_at if r.started_at is not None else now
+        self.merge_duration.labels(frag).observe(now - t_merge)
+        self.round_quorum.labels(frag).observe(max(0.0, (r.quorum_at or started) - started))
+        self.round_publish.labels(frag).observe(max(0.0, now - started))
+        self.grace_window.labels(frag).observe(r.grace)
+        self.merge_contributors.labels(frag).observe(outcome.contributors)
+        items = list(r.contributions.items())
+        for i in outcome.included:
+            learner_id, c = items[i]
+            self.update_staleness.observe(base - c.base_version)
+            self.learner_tokens_merged.labels(learner_id).inc(c.tokens / max(1, fragments))
+
+    def watch_protocols(self, counts: Mapping[tuple[str, str], int]) -> None:
+        """Export these request counts as ddiloco_http_requests_total (app.py's middleware)."""
+        self._protocols = counts
+
+    def protocols(self) -> Mapping[tuple[str, str], int]:
+        return dict(self._protocols)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of everything (blocks: call it off the loop)."""
+        if not self.enabled:
+            raise RuntimeError("metrics are off (DDILOCO_METRICS=0)")
+        return generate_latest(self.registry)
 
 
 class StatusCollector(Collector):
@@ -47,9 +224,16 @@ class StatusCollector(Collector):
         pending = GaugeMetricFamily(
             "ddiloco_tokens_pending", "Accepted tokens waiting in open rounds", labels=["fragment"]
         )
+        waiting = GaugeMetricFamily(
+            "ddiloco_contributions_pending",
+            "Contributions waiting in each fragment's open round",
+            labels=["fragment"],
+        )
         for f in s.fragments:
             pending.add_metric([str(f.index)], f.tokens_pending)
+            waiting.add_metric([str(f.index)], f.contributors_pending)
         yield pending
+        yield waiting
         yield CounterMetricFamily("ddiloco_bytes_up", "Update bytes received", value=s.bytes_up)
         yield CounterMetricFamily("ddiloco_bytes_down", "Fragment bytes served", value=s.bytes_down)
         yield GaugeMetricFamily(
@@ -58,6 +242,12 @@ class StatusCollector(Collector):
         if s.goodput is not None:
             yield GaugeMetricFamily(
                 "ddiloco_goodput", "Learner compute time / uptime", value=s.goodput
+            )
+        if s.merged_work_ratio is not None:
+            yield GaugeMetricFamily(
+                "ddiloco_merged_work_ratio",
+                "Tokens merged / tokens computed by all learners (as they report them)",
+                value=s.merged_work_ratio,
             )
         live = GaugeMetricFamily("ddiloco_learners_live", "Learners heard from recently")
         live.add_metric([], sum(1 for learner in s.learners if learner.alive))
@@ -71,9 +261,16 @@ class StatusCollector(Collector):
         steps = GaugeMetricFamily(
             "ddiloco_learner_step", "Latest local step of each learner", labels=["learner"]
         )
+        tokens = GaugeMetricFamily(
+            "ddiloco_learner_tokens",
+            "Tokens each learner slot reports having computed (all its incarnations)",
+            labels=["learner"],
+        )
         for learner in s.learners:
             steps.add_metric([learner.learner_id], learner.step)
+            tokens.add_metric([learner.learner_id], learner.tokens_computed)
         yield steps
+        yield tokens
         for key, value in s.xi.items():
             if value is not None:
                 yield GaugeMetricFamily(
@@ -84,16 +281,17 @@ class StatusCollector(Collector):
 class ProtocolCollector(Collector):
     """HTTP requests served, by scheme (http, https) and HTTP version (1.1, 2)."""
 
-    def __init__(self, counts: Mapping[tuple[str, str], int]) -> None:
-        self.counts = counts
+    def __init__(self, source: SyncMetrics | Mapping[tuple[str, str], int]) -> None:
+        self.source = source
 
     def collect(self) -> Iterator[Metric]:
+        counts = self.source.protocols() if isinstance(self.source, SyncMetrics) else self.source
         family = CounterMetricFamily(
             "ddiloco_http_requests",
             "HTTP requests served, by scheme and HTTP version",
             labels=["scheme", "version"],
         )
-        for (scheme, version), n in sorted(self.counts.items()):
+        for (scheme, version), n in sorted(dict(counts).items()):
             family.add_metric([scheme, version], n)
         yield family
 
@@ -101,6 +299,7 @@ class ProtocolCollector(Collector):
 def render(
     status: Callable[[], Status], protocols: Mapping[tuple[str, str], int] | None = None
 ) -> bytes:
+    """The status gauges alone, from a fresh registry (for a `Status` without a service)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatusCollector(status))
     if protocols is not None:

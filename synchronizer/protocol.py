@@ -202,6 +202,9 @@ class LearnerStatus(_Msg):
     loss: float | None = None
     data_position: int = 0
     """The highest data position recorded for this slot (see Heartbeat.data_position)."""
+    tokens_computed: int = 0
+    """Tokens the slot computed over all its incarnations, as reported (`tokens_total` is
+    the current incarnation's alone)."""
 
 
 FileName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
@@ -259,6 +262,9 @@ class Status(_Msg):
     bytes_down: int
     goodput: float | None
     """Share of learner uptime spent computing inner steps (local/goodput.py defines it for whole slots), None before data."""
+    merged_work_ratio: float | None = None
+    """`tokens_merged` over the tokens all learner slots report having computed (all their
+    incarnations); None before any is reported."""
     fragments: list[FragmentStatus]
     learners: list[LearnerStatus]
     xi: dict[str, float | None]

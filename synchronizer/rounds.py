@@ -154,9 +154,14 @@ class Rounds(Generic[T]):
 
     def take(self, p: int) -> dict[str, T]:
         """Close the round of fragment p and return its contributions."""
+        return self.take_round(p).contributions
+
+    def take_round(self, p: int) -> Round[T]:
+        """Close the round of fragment p and return it whole: its contributions and its
+        times (started, quorum, grace), which the merge's metrics observe."""
         r = self.rounds[p]
         self.rounds[p] = Round()
-        return r.contributions
+        return r
 
     def restore(self, p: int, contributions: dict[str, T]) -> None:
         """Put back the contributions of a merge that was refused (the caller holds p, so no

@@ -21,9 +21,9 @@ from typing import Annotated, Any, Final
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException
 from starlette.types import Message, Receive
 
-from ddiloco.synchronizer import metrics
 from ddiloco.synchronizer.auth import Tokens, token_matches
 from ddiloco.synchronizer.errors import Refusal, SyncError
 from ddiloco.synchronizer.protocol import (
@@ -195,9 +195,11 @@ async def healthz() -> dict[str, str]:
 
 
 @public.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
-async def prometheus(request: Request, sync: SyncDep) -> Response:
-    protocols = dict(getattr(request.app.state, "protocols", {}))
-    body = await asyncio.to_thread(metrics.render, sync.status, protocols)
+async def prometheus(sync: SyncDep) -> Response:
+    """Prometheus text exposition (README "Metrics"); 404 with DDILOCO_METRICS=0."""
+    if not sync.metrics.enabled:
+        raise HTTPException(404, "metrics are off on this synchronizer (DDILOCO_METRICS=0)")
+    body = await asyncio.to_thread(sync.metrics.render)
     return Response(body, media_type="text/plain; version=0.0.4")
 
 

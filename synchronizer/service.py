@@ -34,6 +34,7 @@ from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
 from ddiloco.synchronizer.ledger import LearnerRecord
 from ddiloco.synchronizer.merge import Contribution, MergePolicy, NonFiniteMerge
+from ddiloco.synchronizer.metrics import BROADCAST_ENCODINGS, SyncMetrics, encoding_of
 from ddiloco.synchronizer.protocol import (
     MAX_DATA_POSITION,
     MODEL_KEY,
@@ -99,6 +100,8 @@ class Synchronizer:
         self.served: list[tuple[int, bytes]] = []
         self.on_change: Callable[[], None] = lambda: None
         """Called (from any thread) when versions or open rounds change: wakes long polls."""
+        self.metrics = SyncMetrics(self.status, enabled=s.metrics)
+        """Prometheus instruments, observed below as things happen (metrics.py)."""
         saved = self.store.load_ledger()
         self.learners: dict[str, LearnerRecord] = ledger.load_records(saved)
         self.totals: dict = {
@@ -202,6 +205,8 @@ class Synchronizer:
                 rec.past_compute_seconds += rec.compute_seconds
                 rec.past_uptime_seconds += rec.uptime_seconds
                 rec.compute_seconds = rec.uptime_seconds = 0.0
+                rec.past_tokens_total += rec.tokens_total
+                rec.tokens_total = 0
             rec.incarnation += 1
             rec.last_seen = self.clock()
             self.rounds.heard(req.learner_id)
@@ -266,6 +271,8 @@ class Synchronizer:
         version, body = self.served[p]
         with self.lock:
             self.totals["bytes_down"] += len(body)
+        encoding = BROADCAST_ENCODINGS[self.settings.broadcast_dtype]
+        self.metrics.bytes_served.labels(encoding).inc(len(body))
         return version, body
 
     def _high_water(self, p: int, learner_id: str) -> Order | None:
@@ -308,6 +315,12 @@ class Synchronizer:
             with self.lock:
                 self.rounds.heard(meta.learner_id)
                 self.totals["bytes_up"] += len(payload)
+            m = self.metrics
+            m.updates_accepted.inc()
+            m.update_bytes.observe(len(payload))
+            m.bytes_received.labels(encoding_of(e.dtype for e in header.tensors.values())).inc(
+                len(payload)
+            )
             self.on_change()
             return UpdateResponse(status="accepted", fragment=p, round_version=fs.version + 1)
 
@@ -380,9 +393,11 @@ class Synchronizer:
         spec = self.layout.fragments[p]
         with self.frag_locks[p]:
             with self.lock:
-                taken = self.rounds.take(p)
+                round_ = self.rounds.take_round(p)
+            taken = round_.contributions
             if not taken:
                 return None
+            t_merge = self.clock()
             fs = self.fragments[p]
             try:
                 outcome = self.policy.merge(
@@ -417,10 +432,20 @@ class Synchronizer:
             self.fragments[p] = fs = new  # in memory only once it is durable
             self.store.pending(p).clear()  # only now: the merge that consumed it is durable
             self.served[p] = self._encode(fs)
+            if outcome is not None:  # published: its histograms, each observed once
+                self.metrics.merged(
+                    p, round_, outcome, t_merge, self.clock(), len(self.fragments), fs.version - 1
+                )
             with self.lock:
                 for learner_id in taken:
                     if learner_id in self.learners:
                         self.learners[learner_id].contributions += 1
+                if outcome is not None:
+                    items = list(taken.items())
+                    for i in outcome.included:
+                        learner_id, c = items[i]
+                        if learner_id in self.learners:
+                            self.learners[learner_id].fragment_tokens_merged += c.tokens
                 if outcome is not None:
                     self.totals["merged_contributors"] += outcome.contributors
                     self.totals["staleness_sum"] += outcome.staleness
@@ -445,6 +470,9 @@ class Synchronizer:
             merges = sum(fs.merges for fs in self.fragments)
             contributions = sum(fs.contributions for fs in self.fragments)
             merged = self.totals["merged_contributors"]
+            tokens_merged = sum(fs.tokens_merged for fs in self.fragments) // max(
+                1, len(self.fragments)
+            )
             frags = [
                 FragmentStatus(
                     index=i,
@@ -465,8 +493,7 @@ class Synchronizer:
                 global_version=sum(self.versions()),
                 merges=merges,
                 # every fragment sees every token: average over fragments, not a sum
-                tokens_merged=sum(fs.tokens_merged for fs in self.fragments)
-                // max(1, len(self.fragments)),
+                tokens_merged=tokens_merged,
                 contributions_merged=contributions,
                 contributions_rejected=sum(self.refusals.values()),
                 refusals=dict(self.refusals),
@@ -476,8 +503,11 @@ class Synchronizer:
                 bytes_up=int(self.totals["bytes_up"]),
                 bytes_down=int(self.totals["bytes_down"]),
                 goodput=ledger.goodput(self.learners),
+                merged_work_ratio=ledger.merged_work_ratio(
+                    self.learners, tokens_merged, len(self.fragments)
+                ),
                 fragments=frags,
-                learners=ledger.learner_statuses(self.learners, live, now),
+                learners=ledger.learner_statuses(self.learners, live, now, len(self.fragments)),
                 xi={
                     "step": self.rounds.xi_step(live),
                     "quorum": self.rounds.xi_quorum.value,

@@ -242,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"helm binary {helm} does not exist")
     if helm is None and not args.no_helm:
         sys.stderr.write("helm not found: deploy/manifests/ left as they are (see --helm)\n")
+    if not args.check:  # helm renders against the schema on disk: a new key needs it first
+        for path, text in expected(None).items():
+            if not path.is_file() or path.read_text() != text:
+                path.write_text(text)
+                sys.stderr.write(f"wrote {path.relative_to(REPO)}\n")
     files = expected(helm)
     if args.check:
         stale = [p for p, text in files.items() if not p.is_file() or p.read_text() != text]

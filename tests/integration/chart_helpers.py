@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import base64
 import importlib.util
+import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -135,3 +137,76 @@ def notes_block(notes: str, name: str) -> str:
     begin, end = f"# --- {name} (begin)", f"# --- {name} (end)"
     assert begin in notes and end in notes, f"NOTES lost its {name!r} block:\n{notes}"
     return notes.split(begin, 1)[1].split(end, 1)[0]
+
+
+# --------------------------------------------------------------------------- the dashboard
+
+DASHBOARD = CHART / "dashboards" / "ddiloco.json"
+_PROMQL_STRING = re.compile(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'|`[^`]*`')
+_PROMQL_BRACES = re.compile(r"\{[^{}]*\}")
+_PROMQL_RANGE = re.compile(r"\[[^\[\]]*\]")
+_PROMQL_GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^()]*\)")
+_PROMQL_IDENT = re.compile(r"(?<![\w:$.])([A-Za-z_:][A-Za-z0-9_:]*)(\s*\()?")
+PROMQL_KEYWORDS = frozenset(
+    {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless"}
+    | {"bool", "offset", "inf", "nan"}
+)
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads, as written (`x_bucket` stays `x_bucket`):
+    identifiers that are not functions or aggregations (followed by "("), keywords, label
+    names (inside {...} or a by/without/on/ignoring list), strings or durations."""
+    text = _PROMQL_STRING.sub('""', expr)
+    text = _PROMQL_BRACES.sub(" ", text)
+    text = _PROMQL_RANGE.sub(" ", text)
+    text = _PROMQL_GROUPING.sub(" ", text)
+    return {
+        m[1]
+        for m in _PROMQL_IDENT.finditer(text)
+        if not m[2] and m[1].lower() not in PROMQL_KEYWORDS
+    }
+
+
+def dashboard_exprs(dashboard: dict[str, Any] | None = None) -> list[str]:
+    """Every PromQL expression of the dashboard: panel targets (rows' nested panels too) and
+    query variables."""
+    dash = dashboard if dashboard is not None else json.loads(DASHBOARD.read_text())
+    out: list[str] = []
+
+    def walk(panels: list[dict[str, Any]]) -> None:
+        for panel in panels:
+            out.extend(t["expr"] for t in panel.get("targets", []) if t.get("expr"))
+            walk(panel.get("panels", []))
+
+    walk(dash.get("panels", []))
+    for var in dash.get("templating", {}).get("list", []):
+        query = var.get("query")
+        query = query.get("query") if isinstance(query, dict) else query
+        if var.get("type") == "query" and query:
+            inner = re.fullmatch(r"\s*label_values\((.*),\s*\w+\)\s*", query)
+            out.append(inner[1] if inner else query)
+    return out
+
+
+def dashboard_metric_names() -> set[str]:
+    return {name for expr in dashboard_exprs() for name in promql_metric_names(expr)}
+
+
+def exported_names(exposition: str) -> set[str]:
+    """Every name a Prometheus text exposition lets a query use: its samples' names and, for
+    families without samples yet, the names their type implies (x_total, x_bucket ...)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    suffixes = {
+        "counter": ("_total",),
+        "histogram": ("_bucket", "_sum", "_count"),
+        "summary": ("_sum", "_count"),
+        "gaugehistogram": ("_bucket", "_gsum", "_gcount"),
+    }
+    names: set[str] = set()
+    for family in text_string_to_metric_families(exposition):
+        names.add(family.name)
+        names.update(family.name + s for s in suffixes.get(family.type, ()))
+        names.update(sample.name for sample in family.samples)
+    return names

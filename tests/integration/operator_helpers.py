@@ -110,6 +110,16 @@ class Operator:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    metrics_port: int = 0  # its /metrics (operator/metrics.py), a free port per start
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def scrape(self) -> str:
+        """One GET of the operator's /metrics."""
+        with urllib.request.urlopen(self.metrics_url, timeout=5) as r:
+            return str(r.read().decode())
 
     @property
     def log(self) -> Path:
@@ -117,7 +127,7 @@ class Operator:
 
     def start(self, timeout: float = 30.0) -> None:
         self.starts += 1
-        port = free_port()
+        port, self.metrics_port = free_port(), free_port()
         env = {
             **os.environ,
             "KUBECONFIG": str(self.kubeconfig),
@@ -126,6 +136,8 @@ class Operator:
             "DDILOCO_OPERATOR_LIVENESS_ENDPOINT": f"http://127.0.0.1:{port}/healthz",
             "DDILOCO_OPERATOR_CLEANUP_TIMEOUT_SECONDS": "10",
             "DDILOCO_OPERATOR_STATUS_URL_TEMPLATE": status_stub(),
+            "DDILOCO_OPERATOR_METRICS_PORT": str(self.metrics_port),
+            "DDILOCO_OPERATOR_METRICS_ADDRESS": "127.0.0.1",
             **self.env,
         }
         with open(self.log, "wb") as out:

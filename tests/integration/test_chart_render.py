@@ -56,7 +56,10 @@ def test_defaults_run_one_operator_for_all_namespaces(helm: c.Helm) -> None:
     assert ctr["image"] == "ghcr.io/decoupled-diloco/ddiloco:0.1.0"
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert ctr[probe]["httpGet"] == {"path": "/healthz", "port": "health"}, probe
-    assert ctr["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
+    assert ctr["ports"] == [
+        {"name": "health", "containerPort": 8080, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": 8081, "protocol": "TCP"},
+    ]
     assert ctr["securityContext"]["readOnlyRootFilesystem"] is True
     pod = deploy["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True

@@ -283,6 +283,7 @@ def expected_learner(
         "max_tokens": t.max_tokens or 0,
         "max_seconds": t.max_seconds or 0.0,
         "nproc_per_node": group.gpus_per_learner or 1,  # one rank per GPU
+        "metrics_port": builders.LEARNER_METRICS_PORT,  # the pod's port named "metrics"
     }
     if t.model is not None:  # with a model entry the preset is not used (learner/task.py)
         out["model"] = t.model
@@ -299,6 +300,8 @@ def test_each_learner_reads_what_the_operator_meant(job: api.DecoupledDiLoCoJob)
         assert cfg.token_source().current() == TOKEN  # read from the mounted Secret
         assert [type(got[k]) for k in want] == [type(want[k]) for k in want]
         assert cfg.learner_id == pod["metadata"]["labels"][builders.LABEL_LEARNER_ID]
+        (metrics,) = pod["spec"]["containers"][0]["ports"]  # what a PodMonitor scrapes
+        assert (metrics["name"], metrics["containerPort"]) == ("metrics", cfg.metrics_port)
         # the SIGTERM flush waits at most drain_s: it must end before the kubelet's SIGKILL
         grace = pod["spec"]["terminationGracePeriodSeconds"]
         assert grace == group.termination_grace_period_seconds

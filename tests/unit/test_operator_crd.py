@@ -82,6 +82,8 @@ def test_crd_has_names_columns_status_and_rules() -> None:
         "Desired",
         "Version",
         "Goodput",
+        "Merged",
+        "Live",
         "Age",
     ]
     props = version["schema"]["openAPIV3Schema"]["properties"]
