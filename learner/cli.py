@@ -21,7 +21,10 @@ import os
 import sys
 from collections.abc import Mapping
 
+from ddiloco.cli.errors import UsageError, usage_errors
 from ddiloco.learner.config import LearnerConfig
+
+PROG = "ddiloco learner"
 
 # parse() options that are not LearnerConfig fields: main() handles them itself.
 NOT_CONFIG = ("log_level", "debug_digests")
@@ -102,6 +105,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--log-path", help="append JSON lines of steps and events here")
     ap.add_argument("--log-every", type=int, help="print a step line every N steps")
+    ap.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on this port at /metrics (env DDILOCO_METRICS_PORT; "
+        "default off)",
+    )
     ap.add_argument("--log-level", default=os.environ.get("DDILOCO_LOG_LEVEL", "INFO"))
     ap.add_argument(
         "--debug-digests",
@@ -119,20 +128,56 @@ def build_config(
     return LearnerConfig.from_env(environ, strict=strict, **overrides)
 
 
+def check_inputs(cfg: LearnerConfig) -> None:
+    """Refuse now, by name, what would otherwise fail inside the run with a traceback: a learner
+    id the synchronizer refuses, a sync URL that is not http(s), a data path that does not
+    exist, a `--model-entry` that is not module:function, an unknown preset or a missing hf:
+    config (`ddiloco local` checks its flags with it too). The model check imports torch."""
+    from urllib.parse import urlsplit
+
+    from ddiloco.synchronizer.protocol import JoinRequest
+
+    JoinRequest(learner_id=cfg.learner_id)  # the id rule the join applies
+    url = urlsplit(cfg.sync_url)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise UsageError(f"--sync-url {cfg.sync_url!r}: give http://HOST:PORT or https://...")
+    check_model_and_data(cfg.model, cfg.model_entry, cfg.data)
+
+
+def check_model_and_data(model: str, model_entry: str | None, data: str | None) -> None:
+    """The model and data checks of `check_inputs` (ValueError, FileNotFoundError)."""
+    from pathlib import Path
+
+    if data is not None and not Path(data).expanduser().exists():
+        raise FileNotFoundError(f"data path {data!r} does not exist")
+    if model_entry is not None:
+        module, _, fn = model_entry.partition(":")
+        if not module or not fn:
+            raise ValueError(f"--model-entry {model_entry!r}: give module:function")
+        return
+    from ddiloco.learner import hf
+
+    if hf.is_hf(model):
+        hf.model_dir(model)  # a missing config is refused by name
+        return
+    from ddiloco.learner.model import PRESETS
+
+    if model not in PRESETS:
+        raise ValueError(f"unknown model preset {model!r}; allowed: {', '.join(PRESETS)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    from ddiloco.learner import spare
     from ddiloco.learner.launch import init_logging, launch, under_torchrun
 
-    cfg = build_config(args)
-    if not cfg.token and not cfg.token_file:
-        raise SystemExit(
-            "ddiloco learner: no token: set DDILOCO_TOKEN or DDILOCO_TOKEN_FILE (--token-file)"
-        )
-    try:
+    with usage_errors(PROG):  # bad flags, env or files: one line, exit 2 (cli/errors.py)
+        cfg = build_config(args)
+        if not cfg.token and not cfg.token_file:
+            raise UsageError("no token: set DDILOCO_TOKEN or DDILOCO_TOKEN_FILE (--token-file)")
         cfg.token_source()  # a token file that holds no token is refused here, by name
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"ddiloco learner: {e}") from None
-    from ddiloco.learner import spare
+        if not spare.enabled():  # a spare learns its slot (model, data) only later
+            check_inputs(cfg)
 
     if spare.enabled():  # a hot spare (DDILOCO_SPARE=1): warm up, wait for a slot's identity
         init_logging(args.log_level, "spare")

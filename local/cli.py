@@ -6,15 +6,19 @@
     ddiloco local --chaos kill --warm-spares 0      # ... without the hot spare taking over
     ddiloco local --tls                             # HTTPS (h2 by ALPN), the run's own CA
     ddiloco local --mtls                            # ... and client certificates (mutual TLS)
+    ddiloco local --learner-metrics                 # learners serve /metrics: <out>/metrics.json
 
-It prints a live table while it runs, then a summary, and writes <out>/report.json and
-<out>/report.png (eval loss over time; per-learner computing / waiting / dead timeline).
+It prints a live table while it runs, then a summary, and writes <out>/report.json,
+<out>/report.png (eval loss over time; per-learner computing / waiting / dead timeline) and
+<out>/report.html (the same and more, one self-contained page: local/report_html.py).
+
+    ddiloco local --tensorboard runs/tb             # also TensorBoard event files (tensorboardX)
+    ddiloco local report runs/local-x               # rebuild report.html and .png from report.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import shutil
 import sys
@@ -22,12 +26,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
+from ddiloco.cli.errors import usage_errors
 from ddiloco.local.chaos import KINDS
 from ddiloco.local.launcher import LocalConfig, LocalRun
+
+PROG = "ddiloco local"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -125,57 +133,89 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--mtls", action="store_true", help="mutual TLS: --tls plus a client cert per learner"
     )
+    ap.add_argument(
+        "--learner-metrics",
+        action="store_true",
+        help="each learner serves Prometheus metrics on a loopback port of its own "
+        "(listed in <out>/metrics.json)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, help="run directory (default runs/local-<time>)")
     ap.add_argument("--report", type=Path, help="also copy the JSON report here")
+    ap.add_argument(
+        "--tensorboard",
+        type=Path,
+        metavar="DIR",
+        help="write TensorBoard event files under DIR/<run name> (eval loss, training loss, "
+        "goodput, merged work, bytes; needs tensorboardX)",
+    )
     ap.add_argument("--quiet", action="store_true", help="no live table")
     return ap.parse_args(argv)
 
 
-def live_table(run: LocalRun) -> Table:
-    t = Table(
-        title=f"ddiloco local  t={run.elapsed():5.1f}s  sync={'up' if run.sync.alive() else 'DOWN'}"
-    )
-    for col in ("learner", "state", "step", "loss", "restarts"):
-        t.add_column(col, justify="right" if col not in ("learner", "state") else "left")
-    for child in run.learners:
-        state = (
-            "done"
-            if child.finished
-            else "paused"
-            if child.paused_since
-            else "up"
-            if child.alive()
-            else "dead"
-        )
-        last = _last_step(run, child.name)
-        t.add_row(
-            child.name,
-            state,
-            str(last.get("step", 0)),
-            f"{last.get('loss', float('nan')):.3f}",
-            str(max(0, len(child.starts) - 1)),
-        )
+class LiveStatus:
+    """The run's synchronizer status for the live table: GET /v1/status at most once a second
+    (cli/statusview.py renders it, as `ddiloco status` does); a synchronizer that is away
+    (chaos `sync`) keeps the last answer on screen, marked stale."""
+
+    def __init__(self, every_s: float = 1.0) -> None:
+        from ddiloco.cli.statusview import StatusView
+
+        self.view = StatusView()
+        self.every_s = every_s
+        self.status: Any = None
+        self.error = ""
+        self._at = 0.0
+        self._client: Any = None
+
+    def poll(self, run: LocalRun) -> None:
+        from ddiloco.synchronizer.client import SyncRefused, SyncUnavailable
+
+        if time.monotonic() - self._at < self.every_s:
+            return
+        self._at = time.monotonic()
+        try:
+            if self._client is None:
+                self._client = run.client(timeout=1.0)
+            self.status = self._client.status()
+            self.view.update(self.status)
+            self.error = ""
+        except (SyncUnavailable, SyncRefused) as e:
+            self.error = str(e)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+def _state(child: Any) -> str:
+    if child.finished:
+        return "done"
+    if child.paused_since:
+        return "paused"
+    return "up" if child.alive() else "dead"
+
+
+def live_table(run: LocalRun, live: LiveStatus) -> RenderableType:
+    """Fragments, learners (the process state and restarts known here, the rest from the
+    synchronizer's status) and the summary line; the global model's last eval loss below."""
+    live.poll(run)
+    title = f"ddiloco local  t={run.elapsed():5.1f}s  sync={'up' if run.sync.alive() else 'DOWN'}"
+    if live.error and live.status is not None:
+        title += "  (status stale: synchronizer away)"
     ev = run.evaluator.history[-1] if run.evaluator and run.evaluator.history else None
-    if ev:
-        t.caption = f"global model: eval loss {ev[1]:.3f} at version {ev[2]}"
-    return t
-
-
-def _last_step(run: LocalRun, lid: str) -> dict[str, Any]:
-    path = run.learner_log(lid)
-    if not path.exists():
-        return {}
-    with open(path, "rb") as f:
-        f.seek(0, 2)
-        f.seek(max(0, f.tell() - 4096))
-        for line in reversed(f.read().decode(errors="replace").splitlines()):
-            if '"dt"' in line:
-                try:
-                    return json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-    return {}
+    caption = f"global model: eval loss {ev[1]:.3f} at version {ev[2]}" if ev else None
+    if live.status is None:
+        return Text(f"{title}\nwaiting for the synchronizer's status {live.error}".rstrip())
+    return live.view.render(
+        live.status,
+        title=title,
+        caption=caption,
+        states={c.name: _state(c) for c in run.learners},
+        extra={"restarts": {c.name: str(max(0, len(c.starts) - 1)) for c in run.learners}},
+        learners=[c.name for c in run.learners],
+    )
 
 
 def summary(report: dict[str, Any]) -> Table:
@@ -213,60 +253,92 @@ def _tls_row(t: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["report"]:  # `ddiloco local report OUT_DIR`
+        from ddiloco.local.report_html import main as report_main
+
+        return report_main(argv[1:])
     args = parse(argv)
+    if args.tensorboard is not None:
+        from ddiloco.local.tensorboard import missing
+
+        if (why := missing()) is not None:
+            sys.stderr.write(f"ddiloco local: error: {why}\n")
+            return 2
     logging.basicConfig(level="INFO", format="%(asctime)s local %(levelname)s: %(message)s")
     console = Console()
-    cfg = LocalConfig(
-        learners=args.learners,
-        quorum=args.quorum,
-        grace=not args.no_grace,
-        merge=args.merge,
-        model=args.model,
-        model_entry=args.model_entry,
-        data=args.data,
-        tokenizer=args.tokenizer,
-        data_field=args.data_field,
-        nproc_per_node=args.nproc_per_node,
-        max_seconds=args.max_seconds,
-        max_steps=args.max_steps,
-        chaos=args.chaos,
-        seed=args.seed,
-        h=args.h,
-        fragments=args.fragments,
-        tau=args.tau,
-        outer_lr=args.outer_lr,
-        outer_momentum=args.outer_momentum,
-        batch_size=args.batch_size,
-        inner_lr=args.inner_lr,
-        warm_spares=args.warm_spares,
-        spare_takeover=args.spare_takeover,
-        tls=args.tls,
-        mtls=args.mtls,
-        **({"out": args.out} if args.out else {}),
-    )
+    with usage_errors(PROG):  # a bad flag or input: one line, exit 2 (cli/errors.py)
+        cfg = LocalConfig(
+            learners=args.learners,
+            quorum=args.quorum,
+            grace=not args.no_grace,
+            merge=args.merge,
+            model=args.model,
+            model_entry=args.model_entry,
+            data=args.data,
+            tokenizer=args.tokenizer,
+            data_field=args.data_field,
+            nproc_per_node=args.nproc_per_node,
+            max_seconds=args.max_seconds,
+            max_steps=args.max_steps,
+            chaos=args.chaos,
+            seed=args.seed,
+            h=args.h,
+            fragments=args.fragments,
+            tau=args.tau,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
+            batch_size=args.batch_size,
+            inner_lr=args.inner_lr,
+            warm_spares=args.warm_spares,
+            spare_takeover=args.spare_takeover,
+            tls=args.tls,
+            mtls=args.mtls,
+            tensorboard=args.tensorboard,
+            learner_metrics=args.learner_metrics,
+            **({"out": args.out} if args.out else {}),
+        )
+        from ddiloco.learner.cli import check_model_and_data
+
+        check_model_and_data(cfg.model, cfg.model_entry, cfg.data)  # before any process starts
     tls_on = "mtls" if cfg.mtls else "on" if cfg.tls else "off"
     console.print(
         f"ddiloco local: {cfg.learners} learners, K={cfg.quorum}, chaos={cfg.chaos}, "
         f"tls={tls_on}, out={cfg.out}"
     )
     interactive = console.is_terminal and not args.quiet
-    if interactive:
-        with Live(console=console, refresh_per_second=4) as live:
-            report = LocalRun(cfg, on_tick=lambda run: live.update(live_table(run))).run()
-    else:
-        last = [0.0]
+    status = LiveStatus()
+    try:
+        if interactive:
+            with Live(console=console, refresh_per_second=4) as live:
+                report = LocalRun(
+                    cfg, on_tick=lambda run: live.update(live_table(run, status))
+                ).run()
+        else:
+            last = [0.0]
 
-        def tick(run: LocalRun) -> None:
-            if not args.quiet and time.time() - last[0] >= 10:
-                last[0] = time.time()
-                console.print(live_table(run))
+            def tick(run: LocalRun) -> None:
+                if not args.quiet and time.time() - last[0] >= 10:
+                    last[0] = time.time()
+                    console.print(live_table(run, status))
 
-        report = LocalRun(cfg, on_tick=tick).run()
+            report = LocalRun(cfg, on_tick=tick).run()
+    except RuntimeError as e:  # the run could not go on: a learner that never started, ...
+        lines = str(e).splitlines() or [type(e).__name__]
+        sys.stderr.write(f"{PROG}: error: {lines[0]}\n" + "".join(f"  {x}\n" for x in lines[1:]))
+        return 1  # a runtime failure (cli/errors.py); its log tail is indented below the line
+    finally:
+        status.close()
     from ddiloco.local.plot import plot_report
+    from ddiloco.local.report_html import write_html
 
     png = plot_report(report, Path(cfg.out) / "report.png")
+    page = write_html(report, Path(cfg.out) / "report.html")
     console.print(summary(report))
-    console.print(f"report: {Path(cfg.out) / 'report.json'}   plot: {png}")
+    console.print(f"report: {Path(cfg.out) / 'report.json'}   plot: {png}   page: {page}")
+    if cfg.learner_metrics:
+        out = Path(cfg.out)
+        console.print(f"metrics: {out / 'metrics.json'}, last scrapes in {out / 'metrics'}")
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(Path(cfg.out) / "report.json", args.report)

@@ -25,13 +25,17 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ddiloco.local import scrapes
 from ddiloco.local.chaos import Schedule, learner_ids, make_schedule
 from ddiloco.local.netcut import CutProxy
 from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
 from ddiloco.synchronizer import tls
-from ddiloco.synchronizer.client import ClientTLS, SyncClient
+from ddiloco.synchronizer.tls import ClientTLS
+
+if TYPE_CHECKING:  # client.py imports torch: not before a run starts (`ddiloco local` errors)
+    from ddiloco.synchronizer.client import SyncClient
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +97,13 @@ class LocalConfig:
     mtls: bool = False
     """Mutual TLS: also a client certificate per learner, required by the synchronizer.
     Implies `tls`."""
+    learner_metrics: bool = False
+    """Each learner slot serves Prometheus metrics on a free loopback port of its own,
+    listed in <out>/metrics.json with the synchronizer's; their last scrapes are saved in
+    <out>/metrics/ (local/scrapes.py)."""
+    tensorboard: Path | None = None
+    """Write TensorBoard event files here as the run goes (local/tensorboard.py: eval loss,
+    training loss per learner, goodput, merged-work ratio, bytes); needs tensorboardX."""
 
     def __post_init__(self) -> None:
         if self.mtls:
@@ -145,6 +156,10 @@ class LocalRun:
         """When training began: the first inner step of any learner. Budgets and goodput count
         from here; the job's first start-up (imports, data) is the same for every method."""
         self.t_end = 0.0
+        self.metrics_ports = (
+            scrapes.assign_ports(learner_ids(cfg.learners)) if cfg.learner_metrics else {}
+        )
+        """Learner slot -> its metrics port (`learner_metrics`)."""
         self.sync = self._sync_child()
         self.learners = [
             self._learner_child(i, lid) for i, lid in enumerate(learner_ids(cfg.learners))
@@ -152,6 +167,8 @@ class LocalRun:
         self.applied: list[dict[str, Any]] = []
         self.evaluator: Any = None
         self.status: Any = None
+        self.sampler: Any = None
+        """local/samples.py: the synchronizer's status every second, fed to the sinks."""
 
     def _issue_certificates(self) -> ClientTLS:
         """The run's CA, the synchronizer's certificate and (mtls) every client's; returns
@@ -172,6 +189,8 @@ class LocalRun:
 
     def client(self, timeout: float = 60.0) -> SyncClient:
         """A SyncClient for the launcher's own calls (health, status), TLS files included."""
+        from ddiloco.synchronizer.client import SyncClient
+
         return SyncClient(self.url, self.token, timeout=timeout, tls=self.client_tls)
 
     def _sync_child(self) -> Child:
@@ -253,7 +272,11 @@ class LocalRun:
         if c.mtls:
             argv += ["--client-cert", str(self.tls_dir / f"{lid}.crt")]
             argv += ["--client-key", str(self.tls_dir / f"{lid}.key")]
+        if lid in self.metrics_ports:
+            argv += ["--metrics-port", str(self.metrics_ports[lid])]
         env = env_with(DDILOCO_TOKEN=self.token, OMP_NUM_THREADS="1")
+        if self.metrics_ports:
+            env["DDILOCO_METRICS_HOST"] = "127.0.0.1"
         return Child(lid, argv, env, self.out / "logs" / f"{lid}.log")
 
     def learner_log(self, lid: str) -> Path:
@@ -394,6 +417,8 @@ class LocalRun:
         try:
             self.sync.start()
             self._wait_healthy()
+            if self.metrics_ports:
+                scrapes.write_index(self.out, self.url, self.metrics_ports)
             for proxy in self.proxies.values():
                 proxy.start()
             if self.cfg.warm_spares:
@@ -438,6 +463,8 @@ class LocalRun:
                         )
                 self.t0 = self._first_step_time() or 0.0
                 time.sleep(0.05)
+            self.sampler = self._sampler()
+            self.sampler.start()
             while True:
                 now = self.elapsed()
                 if self.done(now):
@@ -448,8 +475,11 @@ class LocalRun:
                     self.on_tick(self)
                 time.sleep(0.05)
             self.t_end = time.time()
+            for lid, port in self.metrics_ports.items():  # their last scrapes, still training
+                scrapes.save(self.out, lid, scrapes.scrape(scrapes.learner_url(port)))
             terminate_all(self.learners)
             self.evaluator.stop()
+            self.sampler.stop()
             if not self.sync.alive():  # a synchronizer killed near the end: bring it back
                 self.sync.start()
             self._wait_healthy()  # a restarted one may still be starting (imports, state)
@@ -458,13 +488,35 @@ class LocalRun:
             client = self.client()
             self.status = client.status()
             self.http_version = client.http_version
+            if self.metrics_ports:  # after the learners' last updates merged
+                body = client.request("GET", "/metrics")[2]
+                scrapes.save(self.out, "synchronizer", body.decode())
+            self.sampler.sample_once(self.status, at=self.t_end)
             client.close()
         finally:
+            if self.sampler is not None:
+                self.sampler.stop()
             terminate_all(children)
             for proxy in self.proxies.values():
                 proxy.close()
             if self.spares is not None:
                 self.spares.close()
         report = build_report(self)
+        if self.metrics_ports:
+            report["metrics"] = json.loads((self.out / scrapes.INDEX).read_text())
         (self.out / "report.json").write_text(json.dumps(report, indent=2))
+        if self.sampler is not None:
+            self.sampler.finish(report)
         return report
+
+    def _sampler(self) -> Any:
+        from ddiloco.local.samples import StatusSampler
+
+        sinks = []
+        if self.cfg.tensorboard is not None:
+            from ddiloco.local.tensorboard import TensorBoardSink
+
+            sinks.append(TensorBoardSink(Path(self.cfg.tensorboard) / self.out.name))
+        return StatusSampler(
+            self.client(timeout=5.0), t0=self.t0, evaluator=self.evaluator, sinks=sinks
+        )

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddiloco.local.goodput import busy_seconds, new_step_spans
+from ddiloco.local.samples import merged_at, thin, timeseries
 
 if TYPE_CHECKING:
     from ddiloco.local.launcher import LocalRun
@@ -62,6 +63,9 @@ def build_report(run: LocalRun) -> dict[str, Any]:
     learners = []
     merge_times: dict[tuple[int, int], float] = {}
     all_step_dts = []
+    by_learner: dict[str, list[dict[str, Any]]] = {}
+    held_spans: dict[str, tuple[float, float]] = {}
+    samples = run.sampler.samples if getattr(run, "sampler", None) is not None else []
     for child in run.learners:
         records = [r for r in read_jsonl(run.learner_log(child.name)) if r.get("t", 0) <= t1 + 1]
         steps = [r for r in records if "dt" in r and "step" in r]
@@ -75,6 +79,7 @@ def build_report(run: LocalRun) -> dict[str, Any]:
         if child.name in run.schedule.absent and child.name not in run.added:
             held_to = held_from  # never joined
         held = max(0.0, held_to - held_from)
+        by_learner[child.name], held_spans[child.name] = records, (held_from, held_to)
         # Busy time excludes SIGSTOPped time: a pause lands inside a step and stretches its dt.
         compute = busy_seconds(new_step_spans(records), (held_from, held_to), child.pauses)
         dead = 0.0
@@ -105,6 +110,11 @@ def build_report(run: LocalRun) -> dict[str, Any]:
                     for k, t in enumerate(child.kills)
                     if k + 1 < len(child.starts)
                 ],
+                "start_times": [round(t - t0, 3) for t in child.starts],
+                "merged_at": merged_at(samples, child.name),
+                "train_loss": thin(
+                    [(r["t"] - t0, r["loss"]) for r in steps if r.get("loss") is not None]
+                ),
                 "slow_factor": run.schedule.slow_factors.get(child.name, 1.0),
                 "contributions": contributions,
                 "goodput": round(compute / held, 4) if held > 0 else 0.0,
@@ -162,6 +172,17 @@ def build_report(run: LocalRun) -> dict[str, Any]:
             system_uptime(list(merge_times.values()), t0, t1, 2 * cfg.h * max(step_mean, 1e-3)), 4
         ),
         "eval_history": [(round(t - t0, 3), round(loss, 5), v) for t, loss, v in history],
+        # the run over time (local/samples.py): the synchronizer's counts every second, with
+        # goodput and merged-work ratio as defined above up to each moment
+        "timeseries": timeseries(
+            samples,
+            by_learner,
+            t0=t0,
+            t1=t1,
+            tokens_per_step=_tokens_per_batch(run),
+            held=held_spans,
+            idle={c.name: c.pauses for c in run.learners},
+        ),
         "chaos_applied": run.applied,
         "tls": {
             "enabled": cfg.tls,

@@ -15,6 +15,7 @@ import argparse
 import logging
 import os
 
+from ddiloco.cli.errors import usage_errors
 from ddiloco.operator.config import get_settings
 
 
@@ -51,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.liveness is not None:
         os.environ["DDILOCO_OPERATOR_LIVENESS_ENDPOINT"] = args.liveness
         get_settings.cache_clear()
-    cfg = get_settings()
+    with usage_errors("ddiloco operator"):  # a bad DDILOCO_OPERATOR_* value: one line, exit 2
+        cfg = get_settings()
     namespaces = args.namespace or ([] if args.all_namespaces else cfg.namespace_list())
 
     import kopf  # imported late so `ddiloco operator --help` is instant

@@ -20,12 +20,13 @@ import logging
 import os
 import ssl
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 
+from ddiloco.cli.errors import usage_errors
 from ddiloco.synchronizer import tls
-from ddiloco.synchronizer.app import create_app
 from ddiloco.synchronizer.config import SyncSettings
 
 
@@ -95,8 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         }.items()
         if v is not None
     }
-    settings = SyncSettings(**overrides)
-    settings.tokens()  # refuse a missing or empty token file now, by name
+    with usage_errors("ddiloco synchronizer"):  # one line, exit 2 (cli/errors.py)
+        settings = SyncSettings(**overrides)
+        settings.tokens()  # refuse a missing or empty token file now, by name
+        Path(settings.state_dir).mkdir(parents=True, exist_ok=True)  # else at startup, traced
+    from ddiloco.synchronizer.app import create_app  # torch: after the settings are checked
+
     shown = settings.model_dump(exclude={"token"})  # paths only: never a token or a key
     logging.getLogger("ddiloco.synchronizer").info("Starting synchronizer config=%s", shown)
     http: dict[str, Any] = {"http": "h11"} if args.http1 else {"http": "zttp", "http2": True}

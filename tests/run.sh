@@ -6,7 +6,8 @@
 # 1. a virtual environment in .venv with the project and its dev extras (pip's cache in
 #    ~/.cache/pip makes reruns fast);
 # 2. ruff (lint and format check);
-# 3. Debian's podman, buildah, runc, debootstrap, iptables and CNI plugins (apt, when missing);
+# 3. Debian's podman, buildah, runc, debootstrap, iptables and CNI plugins, and chromium (the
+#    HTML report's test opens it headless) (apt, when missing);
 #    the test control plane (kube-apiserver, etcd, KCM, scheduler, kwok, kubectl, helm, and
 #    for the real node kubelet, kube-proxy, containerd, CoreDNS) built from Go modules once per
 #    machine into ~/.cache/ddiloco/k8senv/; the image from our Dockerfile on a debootstrap
@@ -22,7 +23,7 @@ fi
 # Debian packages for the real node and the image build (containers, CNI, debootstrap); apt
 # only when one is missing, so a warm machine pays nothing.
 DEBS=(podman buildah runc debootstrap iptables containernetworking-plugins conntrack uidmap
-      fuse-overlayfs)
+      fuse-overlayfs chromium)
 missing=()
 for deb in "${DEBS[@]}"; do dpkg -s "$deb" >/dev/null 2>&1 || missing+=("$deb"); done
 if [ ${#missing[@]} -gt 0 ]; then

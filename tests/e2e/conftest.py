@@ -92,3 +92,29 @@ def make_learner(
 @pytest.fixture(scope="session")
 def learner_process() -> Callable[..., Child]:
     return make_learner
+
+
+@dataclass
+class ReportedRun:
+    """A finished short `ddiloco local` run: its output folder, report and TensorBoard folder."""
+
+    out: Path
+    report: dict
+    tensorboard: Path
+
+
+@pytest.fixture(scope="session")
+def reported_run(tmp_path_factory: pytest.TempPathFactory) -> ReportedRun:
+    """One real 10-second run (2 learners, a pause and a kill) shared by the report tests."""
+    import json
+    import subprocess
+    import sys
+
+    tmp = tmp_path_factory.mktemp("reported-run")
+    cmd = [sys.executable, "-P", "-m", "ddiloco.cli.main", "local", "--learners", "2"]
+    cmd += ["--max-seconds", "10", "--seed", "1", "--chaos", "kill+pause", "--warm-spares", "0"]
+    cmd += ["--out", str(tmp / "run"), "--tensorboard", str(tmp / "tb"), "--quiet"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp / "run" / "report.json").read_text())
+    return ReportedRun(tmp / "run", report, tmp / "tb" / "run")

@@ -250,6 +250,15 @@ def test_server_only_tls(tmp_path: Path, certs: Certs) -> None:
         with pytest.raises(SyncRefused) as e:
             SyncClient(url, "wrong", timeout=5, tls=ClientTLS(certs.ca)).status()
         assert e.value.status == 401
+        # `ddiloco status` over HTTPS: HTTP/1.1 by ALPN (it offered h2 once, and the server's
+        # HTTP/2 frames came back to an HTTP/1.1 request)
+        got = subprocess.run(
+            [sys.executable, "-m", "ddiloco.cli.main", "status", url, "--ca", str(certs.ca),
+             "--json"],
+            capture_output=True, text=True, timeout=60, env={**os.environ, "DDILOCO_TOKEN": "t0"},
+        )  # fmt: skip
+        assert got.returncode == 0, got.stderr
+        assert json.loads(got.stdout)["initialized"] is False
     finally:
         terminate_all([sync])
 
