@@ -17,6 +17,7 @@ import json
 import sys
 from typing import Any
 
+from ddiloco.cli.errors import usage_errors
 from ddiloco.simulator.config import YEAR_S, FailureConfig, NetworkConfig, RunConfig
 
 
@@ -180,8 +181,32 @@ def cmd_run(a: argparse.Namespace) -> int:
 PAPER_WIDE_AREA = {"speedup": "more than 20x", "bandwidth_8_sites": "0.84 vs 198 Gbps"}
 
 
+def _default_syncer() -> Any:
+    from ddiloco.simulator.syncer import SyncerConfig
+
+    return SyncerConfig()
+
+
+def _syncer_config(a: argparse.Namespace) -> Any:
+    from ddiloco.simulator.syncer import SyncerConfig, parse_capacity
+
+    d = SyncerConfig()
+    caps = {**d.shard_gbps, **parse_capacity(a.shard_gbps)} if a.shard_gbps else d.shard_gbps
+    return SyncerConfig(shard_gbps=caps, max_shards=a.max_shards)
+
+
+def _add_syncer(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--shard-gbps",
+        default="",
+        help="update GB/s one synchronizer shard ingests, by encoding, e.g. "
+        "bf16=1.0,int8=0.9,int4=0.8 (default: this project's measurement, simulator/syncer.py)",
+    )
+    p.add_argument("--max-shards", type=int, default=64, help="most synchronizer shards to try")
+
+
 def wide_area_figures(
-    net: NetworkConfig, step_s: float, fragments: int, H: int, tau: int
+    net: NetworkConfig, step_s: float, fragments: int, H: int, tau: int, syncer_cfg: Any = None
 ) -> dict[str, Any]:
     """The four-site run, and the eight-site bandwidth comparison."""
     from ddiloco.simulator.network import decoupled_traffic, dp_bandwidth_gbps, wide_area
@@ -203,9 +228,24 @@ def wide_area_figures(
             int4, step_s, fragments, H, tau
         ).up_mean_gbps,
     }
+    from ddiloco.simulator.syncer import ENCODINGS, fit
+
+    syncer = {
+        enc: (
+            None
+            if (got := fit(
+                syncer_cfg or _default_syncer(), params=net.params, learners=net.sites, H=H,
+                step_s=step_s, fragments=fragments, tau=tau, encodings=(enc,),
+            )) is None
+            else {"shards": got.shards, "mean_gbps": got.mean_gbps,
+                  "utilisation": got.mean_utilisation, "round_s": got.round_s}
+        )
+        for enc in ENCODINGS
+    }  # fmt: skip
     return {
         "four_sites": four,
         "eight_sites": eight,
+        "synchronizer": syncer,
         "paper": PAPER_WIDE_AREA,
         "assumptions": {
             "params": net.params,
@@ -240,12 +280,21 @@ def format_wide_area(f: dict[str, Any]) -> str:
             f"  Decoupled (bf16 / int4 up)        {eight['decoupled_gbps_per_site_bf16']:8.2f} / "
             f"{eight['decoupled_gbps_per_site_int4_up']:.2f} Gbps   paper: "
             f"{f['paper']['bandwidth_8_sites']} (Decoupled vs DP)",
+            "synchronizer shards that keep merging off the critical path (K = 1), by update encoding:",
+            *(
+                f"  {enc:<5} " + (
+                    "none up to --max-shards" if v is None else
+                    f"S = {v['shards']:<3} ({v['mean_gbps']:.2f} GB/s in, {v['utilisation']:.0%} "
+                    f"busy, a round ingested in {v['round_s']:.2f} s)"
+                )
+                for enc, v in f.get("synchronizer", {}).items()
+            ),
         ]
-    )
+    )  # fmt: skip
 
 
 def cmd_wide_area(a: argparse.Namespace) -> int:
-    f = wide_area_figures(_network_config(a), a.step_s, a.fragments, a.H, a.tau)
+    f = wide_area_figures(_network_config(a), a.step_s, a.fragments, a.H, a.tau, _syncer_config(a))
     _out(json.dumps(f, indent=2) if a.json else format_wide_area(f))
     return 0
 
@@ -253,7 +302,7 @@ def cmd_wide_area(a: argparse.Namespace) -> int:
 def cmd_plan(a: argparse.Namespace) -> int:
     from ddiloco.simulator.plan import as_json, format_plan, search
 
-    cands = search(_run_config(a), _failure_config(a), _network_config(a))
+    cands = search(_run_config(a), _failure_config(a), _network_config(a), syncer=_syncer_config(a))
     _out(json.dumps(as_json(cands, a.top), indent=2) if a.json else format_plan(cands, a.top))
     return 0
 
@@ -304,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("-H", type=int, default=24, help="inner steps between merges")
     w.add_argument("--tau", type=int, default=2, help="overlap tau, steps")
     w.add_argument("--json", action="store_true", help="print JSON")
+    _add_syncer(w)
     w.set_defaults(fn=cmd_wide_area)
 
     pl = sub.add_parser("plan", help="search M, K, P, H for a fleet")
@@ -311,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_network(pl)
     pl.set_defaults(link_gbps="100", horizon_days=1.0)
     pl.add_argument("--top", type=int, default=5, help="how many configurations to print")
+    _add_syncer(pl)
     pl.set_defaults(fn=cmd_plan)
 
     c = sub.add_parser("calibrate", help="replay `ddiloco local` reports")
@@ -332,7 +383,10 @@ def _normalise(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(_normalise(list(sys.argv[1:] if argv is None else argv)))
-    return int(args.fn(args))
+    # Pure computation on the arguments: a ValueError is a bad value or combination (config.py
+    # names the field), an OSError or KeyError a report that cannot be read: one line, exit 2.
+    with usage_errors("ddiloco simulate", KeyError):
+        return int(args.fn(args))
 
 
 if __name__ == "__main__":
