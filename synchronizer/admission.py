@@ -104,10 +104,8 @@ def check_delta(
 ) -> float:
     """Refuse a delta of the wrong shape or dtype, non-finite, or of implausible norm;
     return its norm."""
-    codec.check_fragment(delta, spec)
-    n = codec.norm(delta)
-    if not math.isfinite(n):
-        raise PayloadError(f"update norm overflows ({n}): not a plausible update")
+    codec.check_fragment(delta, spec, finite=False)
+    n = codec.finite_norm(delta)  # NaN/Inf and an overflowing norm refused in the same pass
     scale = max(theta_norm, math.sqrt(spec.numel()))
     if n > max_update_ratio * scale:
         raise PayloadError(

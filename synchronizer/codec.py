@@ -30,6 +30,7 @@ __all__ = [
     "check_fragment",
     "decode",
     "encode",
+    "finite_norm",
     "read_header",
     "read_metadata",
 ]
@@ -205,8 +206,11 @@ def decode(payload: bytes, header: Header | None = None) -> dict[str, torch.Tens
     return tensors
 
 
-def check_fragment(tensors: dict[str, torch.Tensor], spec: FragmentSpec) -> None:
-    """Refuse tensors that do not match the fragment's names, shapes, dtypes, or hold NaN/Inf."""
+def check_fragment(
+    tensors: dict[str, torch.Tensor], spec: FragmentSpec, *, finite: bool = True
+) -> None:
+    """Refuse tensors that do not match the fragment's names, shapes, dtypes, or hold NaN/Inf
+    (`finite=False` leaves that to the caller: `finite_norm` sees it in the same pass)."""
     expected = {t.name: t for t in spec.tensors}
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
@@ -224,7 +228,7 @@ def check_fragment(tensors: dict[str, torch.Tensor], spec: FragmentSpec) -> None
         if t.dtype not in WIRE_DTYPES.values():
             allowed = ", ".join(WIRE_DTYPES)
             raise PayloadError(f"tensor {name!r} has dtype {t.dtype}; allowed: {allowed}")
-        if not bool(torch.isfinite(t).all()):
+        if finite and not bool(torch.isfinite(t).all()):
             raise PayloadError(f"tensor {name!r} contains NaN or Inf")
 
 
@@ -239,5 +243,22 @@ def layout_from_metadata(meta: dict[str, str]) -> Layout:
 
 
 def norm(tensors: dict[str, torch.Tensor]) -> float:
-    sq = sum(float(t.float().pow(2).sum()) for t in tensors.values())
+    """The L2 norm of all the tensors together, accumulated in float32 per tensor (one pass
+    each, no float32 copy of a bf16 tensor) and in float64 across them."""
+    sq = 0.0
+    for t in tensors.values():
+        sq += float(torch.linalg.vector_norm(t, dtype=torch.float32)) ** 2
     return math.sqrt(sq)
+
+
+def finite_norm(tensors: dict[str, torch.Tensor]) -> float:
+    """`norm`, refusing NaN or Inf: a non-finite entry makes its tensor's norm non-finite
+    (NaN and Inf propagate through the sum of squares), so one pass checks both; only then
+    is each tensor searched, to say which one and why."""
+    n = norm(tensors)
+    if math.isfinite(n):
+        return n
+    for name, t in tensors.items():
+        if not bool(torch.isfinite(t).all()):
+            raise PayloadError(f"tensor {name!r} contains NaN or Inf")
+    raise PayloadError(f"update norm overflows ({n}): not a plausible update")

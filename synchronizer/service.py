@@ -304,7 +304,7 @@ class Synchronizer:
             n = admission.check_delta(
                 delta,
                 self.layout.fragments[p],
-                theta_norm=codec.norm(fs.params),
+                theta_norm=self._theta_norm(fs),
                 recent=fs.norms,
                 max_update_ratio=s.max_update_ratio,
                 max_norm_ratio=s.max_norm_ratio,
@@ -323,6 +323,14 @@ class Synchronizer:
             )
             self.on_change()
             return UpdateResponse(status="accepted", fragment=p, round_version=fs.version + 1)
+
+    @staticmethod
+    def _theta_norm(fs: FragmentState) -> float:
+        """The global fragment's norm, once per version (every update's guard needs it; it
+        was a full pass over the fragment per update)."""
+        if fs.theta_norm is None:
+            fs.theta_norm = codec.norm(fs.params)
+        return fs.theta_norm
 
     def _hold(
         self, p: int, meta: UpdateMeta, delta: dict[str, torch.Tensor], opens: bool | None = None

@@ -53,6 +53,10 @@ class FragmentState:
     """Per learner, the highest update order merged into this fragment."""
     norms: list[float] = field(default_factory=list)
     """Norms of recently accepted updates (the relative guard's history survives restarts)."""
+    theta_norm: float | None = field(default=None, init=False, repr=False, compare=False)
+    """The norm of `params`, computed once (`Synchronizer._theta_norm`). Not an init field,
+    so `dataclasses.replace` (how a merge makes the next state) never carries it over to
+    new params; code that assigns `params` in place must reset it."""
 
 
 def _fsync_dir(path: Path) -> None:
