@@ -323,6 +323,25 @@ def test_tiny_cpu_example_trains_in_real_pods(run: Run) -> None:
     table = run.kubectl("get", "ddj", JOB)
     print(f"\n{table}")
     assert str(v2) in table or "Running" in table, table
+    # `ddiloco status --job` reads the synchronizer's own status through the Kubernetes API
+    # (the job's token from its Secret, a port-forward to the real pod, TLS verified against
+    # the job's CA): no fallback note, the job's learners and at least the version seen above
+    got = subprocess.run(
+        [sys.executable, "-m", "ddiloco.cli.main", "status", "--job", JOB, "-n", run.ns,
+         "--kubeconfig", str(run.plane.home.kubeconfig), "--json"],
+        capture_output=True, text=True, timeout=90, env=run.plane.env(),
+    )  # fmt: skip
+    assert got.returncode == 0 and not got.stderr.strip(), got.stderr
+    st = json.loads(got.stdout)
+    assert st["global_version"] >= v2, st["global_version"]
+    assert {lr["learner_id"] for lr in st["learners"]} >= set(learner_pods(run)), st["learners"]
+    once = subprocess.run(
+        [sys.executable, "-m", "ddiloco.cli.main", "status", "--job", JOB, "-n", run.ns,
+         "--kubeconfig", str(run.plane.home.kubeconfig), "--once"],
+        capture_output=True, text=True, timeout=90, env=run.plane.env(),
+    )  # fmt: skip
+    assert once.returncode == 0, once.stderr
+    assert all(lid in once.stdout for lid in learner_pods(run)), once.stdout
     # both learners reached the synchronizer (through that name): their work was accepted
     poller = Poller(run, 60)
     try:
