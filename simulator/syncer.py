@@ -48,10 +48,13 @@ def bytes_per_value(encoding: str, block: int = DEFAULT_BLOCK) -> float:
 @dataclass(frozen=True, kw_only=True)
 class SyncerConfig:
     shard_gbps: dict[str, float] = field(
-        default_factory=lambda: {"bf16": 0.25, "int8": 0.25, "int4": 0.25}
+        default_factory=lambda: {"bf16": 0.077, "int8": 0.077, "int4": 0.077}
     )
     """Update bytes one shard ingests per second, GB/s, by encoding (bench/sync_ingest.py,
-    one shard; the defaults are this project's 2-core measurement, bench/RESULTS.md)."""
+    one shard). The default is this project's measurement on its 2-core machine (HTTP/1.1,
+    M = 16, 64M parameters, bench/RESULTS.md "Synchronizer ingest"); int8 and int4 are not on
+    the wire yet, so they get the same wire bytes per second, which assumes decoding them
+    costs per byte what bf16 does: measure and pass --shard-gbps."""
     max_shards: int = 64
     round_fraction: float = 0.25
     """Share of tau x step a round's ingest may take (the issue's goal for the merge path)."""
