@@ -57,7 +57,10 @@ def _validation_line(exc: Any) -> str:
         msg = msg.removeprefix("Value error, ").removeprefix("Assertion failed, ")
         given = err.get("input")
         shown = ""
-        if loc and isinstance(given, (str, int, float, bool)) and len(repr(given)) <= 80:
+        secret = any(w in loc.lower() for w in ("token", "secret", "key", "password"))
+        if secret:  # a credential is never echoed, even a malformed one
+            shown = " (value not shown)"
+        elif loc and isinstance(given, (str, int, float, bool)) and len(repr(given)) <= 80:
             shown = f" (got {given!r})"
         parts.append(f"{loc}: {msg}{shown}" if loc else msg)
     return "; ".join(parts) or str(exc)
