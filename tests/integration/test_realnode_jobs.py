@@ -619,7 +619,14 @@ def test_a_finished_job_keeps_its_synchronizer_and_the_model_comes_out(
 
     job = k8senv.wait_until("the job Succeeded", succeeded, timeout=360)
     run.figures["finished_job_apply_to_succeeded_s"] = round(time.monotonic() - t0, 1)
-    assert (job["status"].get("globalVersion") or 0) > 0, job["status"]
+    # the job's status reads the synchronizer's every status_poll_seconds (10 s): a job that
+    # trains its 48 steps in ~20 s can turn Succeeded before the read that sees its merges
+    job = k8senv.wait_until(
+        "the finished job's status to show its merges",
+        lambda: (j := run.get("ddj", FINISHED))["status"].get("globalVersion") and j,
+        timeout=40,
+    )
+    assert job["status"]["phase"] == "Succeeded", job["status"]
     selector = f"ddiloco.dev/job={FINISHED}"
     (learner,) = run.get("pods", "-l", f"{selector},{LEARNER_LABEL}")["items"]
     assert learner["status"]["phase"] == "Succeeded"
