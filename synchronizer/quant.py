@@ -13,6 +13,12 @@ block's largest value is exact and every other one is off by at most scale / 2. 
 are offset to 0..14 and packed two to a byte, low nibble first. Scales are float32: a
 float16 scale would overflow for a block whose absmax exceeds 65504 * 7.
 
+Not on the wire yet (issue 15): the learner does not send these codes and the synchronizer
+does not accept them; this is the tested core that the update encoding will use. The
+learner's anchor already moves by the delta as sent (learner/diloco.py `_hand_over`), which is
+error feedback: the wire can reuse it, and `ErrorFeedback` is the reference the property test
+checks.
+
 Everything here is vectorised over the whole tensor (one pass per operation, no Python loop
 over blocks); non-finite input is refused, because one inf would make its block's scale inf
 and every code in it NaN on the other side.
