@@ -24,6 +24,8 @@ from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from ddiloco.synchronizer.metrics import NOOP  # the same no-op instrument
+
 log = logging.getLogger(__name__)
 
 STEP_SECONDS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -31,23 +33,6 @@ LAG_STEPS: Final = (0, 1, 2, 4, 8, 16, 32)
 RESULTS: Final = ("accepted", "duplicate", "refused", "error")
 """`result` of ddiloco_learner_uploads_total: answered accepted, duplicate (the synchronizer
 already had it), refused (4xx: its work is lost), or error (no definitive answer: re-sent)."""
-
-
-class _Noop:
-    def labels(self, *_: Any, **__: Any) -> _Noop:
-        return self
-
-    def observe(self, *_: Any) -> None:
-        return None
-
-    def inc(self, *_: Any) -> None:
-        return None
-
-    def set(self, *_: Any) -> None:
-        return None
-
-
-_NOOP: Final = _Noop()
 
 
 class LearnerMetrics:
@@ -60,9 +45,9 @@ class LearnerMetrics:
         self.thread: threading.Thread | None = None
         self.port: int | None = None
         if not enabled:
-            self.step_duration = self.tokens_per_second = self.tokens = _NOOP
-            self.sync_wait = self.handovers = self.adoption_lag = _NOOP
-            self.queue_depth = self.loss = self._uploads = _NOOP
+            self.step_duration = self.tokens_per_second = self.tokens = NOOP
+            self.sync_wait = self.handovers = self.adoption_lag = NOOP
+            self.queue_depth = self.loss = self._uploads = NOOP
             return
         r, lid = self.registry, [learner_id]
         label = ["learner"]

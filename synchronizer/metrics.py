@@ -61,6 +61,9 @@ class _Noop:
     def inc(self, *_: Any) -> None:
         return None
 
+    def set(self, *_: Any) -> None:
+        return None
+
 
 NOOP: Final = _Noop()
 
