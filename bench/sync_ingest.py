@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/sync_ingest.py                       # 64M params, P = 4, M = 16, 30 s
     .venv/bin/python bench/sync_ingest.py --seconds 10 --params 16e6 --arms h2,h1
+    .venv/bin/python bench/sync_ingest.py --arms h1 --encodings bfloat16,int8,int4 --shards 1,2 \
+        --state-on tmpfs
 
 Each arm starts a real `ddiloco synchronizer` process (its own state directory, quorum K,
 the adaptive grace window on), initializes a layout of `--params` float32 parameters in `P`
@@ -17,7 +19,16 @@ seconds per accepted GB (from /proc/<pid>/stat), the merge time per fragment and
 from a round's first update to its merged fragment being served (p50 and p99, from the
 synchronizer's own /metrics histograms) as a fraction of tau x step time for a 1 s step
 (tau = 2), and, in the same run, the memcpy rate of one update's bytes: the physical limit.
-Arms: h2 (HTTP/2 cleartext, what learners use) and h1 (HTTP/1.1 into the same server).
+Also the time from a round's quorum to its merged fragment being served (the grace window,
+the merge and persisting it). Arms are every combination of a transport (`--arms`: h2, HTTP/2
+cleartext by prior knowledge; h1, HTTP/1.1, into the same server), an update encoding
+(`--encodings`: bfloat16, float32, int8, int4, built by `wire.encode_update` as a learner
+does; the synchronizer accepts all of them) and a shard count (`--shards`: S processes,
+`ddiloco synchronizer --shard i --shards S`, each fragment posted to its owner; the figures
+are for all S together, and per shard: on 2 cores S shards share the same cores, so this
+shows the per-shard cost, not a speed-up). `--state-on tmpfs` puts the state directories in
+/dev/shm: the update path without the disk's fsync bound (`disk`, the default, is the temp
+directory's file system).
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -39,7 +51,7 @@ from typing import Any
 import torch
 
 from ddiloco.local.processes import free_port
-from ddiloco.synchronizer import codec
+from ddiloco.synchronizer import codec, wire
 from ddiloco.synchronizer.client import SyncClient, SyncRefused, SyncUnavailable
 from ddiloco.synchronizer.protocol import (
     LAYOUT_KEY,
@@ -49,6 +61,7 @@ from ddiloco.synchronizer.protocol import (
     Layout,
     TensorSpec,
     UpdateMeta,
+    shard_map,
 )
 
 TOKEN = "bench-ingest"
@@ -74,19 +87,28 @@ def cpu_seconds(pid: int) -> float:
 
 
 class Payload:
-    """One fragment's update body: the data buffer is built once, the header per post."""
+    """One fragment's update body in one encoding (`wire.encode_update`, as a learner builds
+    it): the data buffer is built once, the header's metadata per post."""
 
-    def __init__(self, name: str, shape: list[int], seed: int) -> None:
+    def __init__(self, name: str, shape: list[int], seed: int, encoding: str) -> None:
         g = torch.Generator().manual_seed(seed)
-        t = (torch.randn(shape, generator=g) * 1e-4).to(torch.bfloat16)
-        self.name, self.shape = name, shape
-        self.data = t.view(torch.uint8).numpy().tobytes()
+        t = torch.randn(shape, generator=g) * 1e-4
+        template = UpdateMeta(
+            learner_id="x", fragment=0, base_version=0, steps=1, tokens=1, learner_step=1
+        )
+        payload, _ = wire.encode_update({name: t}, template, encoding)
+        header = codec.read_header(payload, codes=True)
+        self.encoding = encoding
+        self.entries = {
+            k: {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
+            for k, e in header.tensors.items()
+        }
+        self.extra = {k: v for k, v in header.metadata.items() if k == wire.BLOCK_KEY}
+        self.data = payload[len(payload) - header.data_bytes :]
 
     def body(self, meta: UpdateMeta) -> bytes:
-        header = {
-            self.name: {"dtype": "BF16", "shape": self.shape, "data_offsets": [0, len(self.data)]},
-            "__metadata__": meta.to_metadata(),
-        }
+        meta = meta.model_copy(update={"encoding": self.encoding})
+        header = {**self.entries, "__metadata__": {**meta.to_metadata(), **self.extra}}
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         return struct.pack("<Q", len(raw)) + raw + self.data
@@ -103,30 +125,43 @@ class Tally:
 
 
 def client_loop(
-    url: str, lid: str, http2: bool, payloads: list[Payload], stop: threading.Event, t: Tally
+    urls: list[str],
+    owner: list[int],
+    lid: str,
+    http2: bool,
+    payloads: list[Payload],
+    stop: threading.Event,
+    t: Tally,
 ) -> None:
-    c = SyncClient(url, TOKEN, http2=http2, timeout=120)
-    join = c.join(JoinRequest(learner_id=lid, layout_digest=None))
-    versions = list(join.versions)
+    """One learner: joins every shard, heartbeats to each once a second, posts fragment p
+    to its owner `owner[p]` against the version that shard last said."""
+    cs = [SyncClient(url, TOKEN, http2=http2, timeout=120) for url in urls]
+    joins = [c.join(JoinRequest(learner_id=lid, layout_digest=None)) for c in cs]
+    versions = [joins[owner[p]].versions[p] for p in range(len(payloads))]
     step, last_hb = 0, 0.0
     p = int(lid.rsplit("-", 1)[1]) % len(payloads)
     try:
         while not stop.is_set():
             now = time.monotonic()
             if now - last_hb > 1.0:
-                hb = c.heartbeat(
-                    Heartbeat(
-                        learner_id=lid, step=step, steps=[0] * len(payloads),
-                        tokens=[0] * len(payloads), base_versions=versions,
-                        tokens_total=step * 1000, step_seconds=STEP_S,
-                        compute_seconds=float(step), uptime_seconds=float(step) + 1.0,
-                    )
-                )  # fmt: skip
-                versions, last_hb = list(hb.versions), now
+                for s, c in enumerate(cs):
+                    hb = c.heartbeat(
+                        Heartbeat(
+                            learner_id=lid, step=step, steps=[0] * len(payloads),
+                            tokens=[0] * len(payloads), base_versions=versions,
+                            tokens_total=step * 1000, step_seconds=STEP_S,
+                            compute_seconds=float(step), uptime_seconds=float(step) + 1.0,
+                        )
+                    )  # fmt: skip
+                    for q, v in enumerate(hb.versions):
+                        if owner[q] == s:
+                            versions[q] = v
+                last_hb = now
             step += 1
+            c = cs[owner[p]]
             meta = UpdateMeta(
                 learner_id=lid, fragment=p, base_version=versions[p], steps=1, tokens=1000,
-                learner_step=step, incarnation=join.incarnation,
+                learner_step=step, incarnation=joins[owner[p]].incarnation,
             )  # fmt: skip
             body = payloads[p].body(meta)
             t0 = time.perf_counter()
@@ -149,7 +184,8 @@ def client_loop(
                     t.duplicate += 1
             p = (p + 1) % len(payloads)
     finally:
-        c.close()
+        for c in cs:
+            c.close()
 
 
 def histogram(text: str, name: str) -> dict[float, float]:
@@ -187,51 +223,82 @@ def memcpy_gbps(nbytes: int, repeat: int = 7) -> float:
     return len(src) / best / 1e9
 
 
-def run_arm(name: str, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
-    http2 = name == "h2"
+@dataclass(frozen=True)
+class Arm:
+    transport: str
+    """h2 or h1."""
+    encoding: str
+    shards: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.transport} {self.encoding} S={self.shards}"
+
+
+def start_shard(
+    i: int, arm: Arm, args: argparse.Namespace, root: Path
+) -> tuple[subprocess.Popen[bytes], str, Any]:
     port = free_port()
-    state = Path(tempfile.mkdtemp(prefix=f"ingest-{name}-"))
-    env = {**os.environ, "DDILOCO_TOKEN": TOKEN, "DDILOCO_QUORUM": str(args.quorum)}
-    log = open(state / "sync.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddiloco.cli.main", "synchronizer", "--port", str(port),
-         "--state-dir", str(state / "s")],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ,
+        "DDILOCO_TOKEN": TOKEN,
+        "DDILOCO_QUORUM": str(args.quorum),
+        "DDILOCO_UPDATE_ENCODINGS": ",".join(wire.ALL),
+    }
+    log = open(root / f"sync-{i}.log", "w")  # noqa: SIM115 - closed by the caller
+    cmd = [sys.executable, "-m", "ddiloco.cli.main", "synchronizer", "--port", str(port),
+           "--state-dir", str(root / f"s-{i}")]  # fmt: skip
+    if arm.shards > 1:
+        cmd += ["--shard", str(i), "--shards", str(arm.shards)]
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
+    http2 = arm.transport == "h2"
+    base = "/dev/shm" if args.state_on == "tmpfs" else None
+    root = Path(tempfile.mkdtemp(prefix="ingest-", dir=base))
+    shards = [start_shard(i, arm, args, root) for i in range(arm.shards)]
+    urls = [url for _, url, _ in shards]
+    owner = shard_map(lay, arm.shards)
     try:
-        boss = SyncClient(url, TOKEN, http2=http2, timeout=600)
+        bosses = [SyncClient(url, TOKEN, http2=http2, timeout=600) for url in urls]
         deadline = time.monotonic() + 60
-        while not boss.healthy():
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(
-                    f"synchronizer did not start: {(state / 'sync.log').read_text()}"
-                )
-            time.sleep(0.2)
-        boss.join(JoinRequest(learner_id="init"))
+        for (proc, _, _), boss in zip(shards, bosses, strict=True):
+            while not boss.healthy():
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    logs = "".join(f.read_text() for f in root.glob("sync-*.log"))
+                    raise RuntimeError(f"synchronizer did not start: {logs}")
+                time.sleep(0.2)
         g = torch.Generator().manual_seed(0)
         init = {
             t.name: torch.randn(t.shape, generator=g) * 0.02
             for f in lay.fragments
             for t in f.tensors
         }
-        boss.init(codec.encode(init, {LAYOUT_KEY: lay.model_dump_json()}))
+        body = codec.encode(init, {LAYOUT_KEY: lay.model_dump_json()})
         del init
+        for boss in bosses:  # each shard keeps its own fragments of the one init upload
+            boss.join(JoinRequest(learner_id="init"))
+            boss.init(body)
+        del body
         payloads = [
-            Payload(f.tensors[0].name, f.tensors[0].shape, seed=10 + f.index) for f in lay.fragments
+            Payload(f.tensors[0].name, f.tensors[0].shape, 10 + f.index, arm.encoding)
+            for f in lay.fragments
         ]
         stop = threading.Event()
         tallies = [Tally() for _ in range(args.learners)]
         threads = [
             threading.Thread(
                 target=client_loop,
-                args=(url, f"l-{i}", http2, payloads, stop, tallies[i]),
+                args=(urls, owner, f"l-{i}", http2, payloads, stop, tallies[i]),
                 daemon=True,
             )
             for i in range(args.learners)
         ]
-        s0 = boss.status()
-        cpu0, t0 = cpu_seconds(proc.pid), time.monotonic()
+        s0 = [b.status() for b in bosses]
+        pids = [proc.pid for proc, _, _ in shards]
+        cpu0, t0 = sum(map(cpu_seconds, pids)), time.monotonic()
         for th in threads:
             th.start()
         time.sleep(args.seconds)
@@ -239,47 +306,55 @@ def run_arm(name: str, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
         for th in threads:
             th.join(timeout=120)
         wall = time.monotonic() - t0
-        cpu = cpu_seconds(proc.pid) - cpu0
-        s1 = boss.status()
-        _, _, text = boss.request("GET", "/metrics")
-        metrics = text.decode()
-        boss.close()
+        cpu = sum(map(cpu_seconds, pids)) - cpu0
+        s1 = [b.status() for b in bosses]
+        metrics = "".join(b.request("GET", "/metrics")[2].decode() for b in bosses)
+        for b in bosses:
+            b.close()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        for proc, _, _log in shards:
+            proc.terminate()
+        for proc, _, log in shards:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+        shutil.rmtree(root, ignore_errors=True)
     acc_bytes = sum(t.accepted_bytes for t in tallies)
     accepted = sum(t.accepted for t in tallies)
-    merges = s1.merges - s0.merges
+    merges = sum(b.merges - a.merges for a, b in zip(s0, s1, strict=True))
     refused: dict[str, int] = {}
     for t in tallies:
         for k, v in t.refused.items():
             refused[k] = refused.get(k, 0) + v
     lat = sorted(x for t in tallies for x in t.latencies)
     budget = TAU * STEP_S
-    merge_h = histogram(metrics, "ddiloco_merge_duration_seconds")
-    publish_h = histogram(metrics, "ddiloco_round_publish_seconds")
 
-    def frac(h: dict[float, float], q: float) -> float | None:
-        v = quantile(h, q)
+    def frac(name: str, q: float) -> float | None:
+        v = quantile(histogram(metrics, name), q)
         return None if v is None else v / budget
 
     return {
-        "arm": name,
+        "arm": arm.name,
+        "transport": arm.transport,
+        "encoding": arm.encoding,
+        "shards": arm.shards,
+        "state_on": args.state_on,
         "accepted_gbps": acc_bytes / wall / 1e9,
+        "per_shard_gbps": acc_bytes / wall / 1e9 / arm.shards,
         "updates_per_s": accepted / wall,
         "merges_per_s": merges / wall,
         "cpu_s_per_gb": cpu / (acc_bytes / 1e9) if acc_bytes else None,
         "server_cpu_share": cpu / wall,
         "post_p50_s": lat[len(lat) // 2] if lat else None,
         "post_p99_s": lat[int(len(lat) * 0.99)] if lat else None,
-        "merge_p50_frac": frac(merge_h, 0.5),
-        "merge_p99_frac": frac(merge_h, 0.99),
-        "publish_p50_frac": frac(publish_h, 0.5),
-        "publish_p99_frac": frac(publish_h, 0.99),
+        "merge_p50_frac": frac("ddiloco_merge_duration_seconds", 0.5),
+        "merge_p99_frac": frac("ddiloco_merge_duration_seconds", 0.99),
+        "served_p50_frac": frac("ddiloco_round_served_seconds", 0.5),
+        "served_p99_frac": frac("ddiloco_round_served_seconds", 0.99),
+        "publish_p50_frac": frac("ddiloco_round_publish_seconds", 0.5),
+        "publish_p99_frac": frac("ddiloco_round_publish_seconds", 0.99),
         "refused": refused,
         "errors": sum(t.errors for t in tallies),
     }
@@ -289,6 +364,41 @@ def fmt(v: Any, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def pair(r: dict[str, Any], key: str) -> str:
+    return f"{fmt(r[key + '_p50_frac'], '.3f')} / {fmt(r[key + '_p99_frac'], '.3f')}"
+
+
+def table(rows: list[dict[str, Any]], mem: float) -> str:
+    head = (
+        f"{'arm':<18} {'GB/s':>6} {'/shard':>6} {'x memcpy':>8} {'upd/s':>6} {'merge/s':>7} "
+        f"{'CPU s/GB':>8} {'post p50':>8} {'merge p50/p99':>15} {'quorum->served':>15} "
+        f"{'publish p50/p99':>16}"
+    )
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"{r['arm']:<18} {r['accepted_gbps']:6.3f} {r['per_shard_gbps']:6.3f} "
+            f"{r['accepted_gbps'] / mem:8.3f} {r['updates_per_s']:6.1f} {r['merges_per_s']:7.2f} "
+            f"{fmt(r['cpu_s_per_gb'], '8.2f')} {fmt(r['post_p50_s'], '8.3f')} "
+            f"{pair(r, 'merge'):>15} {pair(r, 'served'):>15} {pair(r, 'publish'):>16}"
+        )
+        if r["refused"] or r["errors"]:
+            lines.append(f"{'':<18} refused {r['refused']}, errors {r['errors']}")
+    return "\n".join(lines)
+
+
+def h2_ratios(rows: list[dict[str, Any]]) -> list[str]:
+    """h2 / h1 accepted throughput, for each (encoding, shards) measured both ways."""
+    out = []
+    by = {(r["transport"], r["encoding"], r["shards"]): r for r in rows}
+    for (transport, enc, shards), r in by.items():
+        h1 = by.get(("h1", enc, shards))
+        if transport == "h2" and h1 is not None and h1["accepted_gbps"]:
+            ratio = r["accepted_gbps"] / h1["accepted_gbps"]
+            out.append(f"h2 / h1 accepted throughput ({enc}, S={shards}): {ratio:.2f}x")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", type=float, default=64e6)
@@ -296,39 +406,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--learners", type=int, default=16)
     ap.add_argument("--quorum", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=30.0)
-    ap.add_argument("--arms", default="h2,h1", help="comma-separated: h2, h1")
+    ap.add_argument("--arms", default="h2,h1", help="transports, comma-separated: h2, h1")
+    ap.add_argument(
+        "--encodings", default="bfloat16", help="update encodings, comma-separated (wire.py)"
+    )
+    ap.add_argument("--shards", default="1", help="shard counts, comma-separated (e.g. 1,2)")
+    ap.add_argument(
+        "--state-on",
+        choices=["disk", "tmpfs"],
+        default="disk",
+        help="state directories on the temp directory's disk, or in /dev/shm (no fsync bound)",
+    )
     args = ap.parse_args(argv)
+    arms = [
+        Arm(t, e, int(s))
+        for s in args.shards.split(",")
+        for e in args.encodings.split(",")
+        for t in args.arms.split(",")
+    ]
+    for a in arms:
+        if a.transport not in ("h1", "h2") or a.encoding not in wire.ALL or a.shards < 1:
+            ap.error(f"unknown arm {a.name!r}: transports h1/h2, encodings {sorted(wire.ALL)}")
     lay = layout(int(args.params), args.fragments)
     n = lay.fragments[0].numel()
     print(
         f"layout: {sum(f.numel() for f in lay.fragments) / 1e6:.1f}M params in "
         f"{args.fragments} fragments ({n * 2 / 1e6:.0f} MB per bf16 update); "
-        f"M = {args.learners}, K = {args.quorum}, {args.seconds:.0f} s per arm; "
-        f"cores {os.cpu_count()}, load {os.getloadavg()[0]:.1f}"
+        f"M = {args.learners}, K = {args.quorum}, {args.seconds:.0f} s per arm; state on "
+        f"{args.state_on}; cores {os.cpu_count()}, load {os.getloadavg()[0]:.1f}"
     )
     mem = memcpy_gbps(n * 2)
-    rows = [run_arm(a, args, lay) for a in args.arms.split(",")]
+    rows = []
+    for a in arms:
+        rows.append(run_arm(a, args, lay))
+        print(f"  {a.name}: {rows[-1]['accepted_gbps']:.3f} GB/s, load {os.getloadavg()[0]:.1f}")
     print(f"\nmemcpy of one update's bytes: {mem:.2f} GB/s (the physical limit)")
-    head = (
-        f"{'arm':<4} {'GB/s':>6} {'x memcpy':>8} {'upd/s':>6} {'merge/s':>7} {'CPU s/GB':>8} "
-        f"{'post p50':>8} {'merge p50/p99 (x tau*step)':>26} {'publish p50/p99':>16}"
-    )
-    print(head)
-    for r in rows:
-        print(
-            f"{r['arm']:<4} {r['accepted_gbps']:6.3f} {r['accepted_gbps'] / mem:8.3f} "
-            f"{r['updates_per_s']:6.1f} {r['merges_per_s']:7.2f} {fmt(r['cpu_s_per_gb'], '8.2f')} "
-            f"{fmt(r['post_p50_s'], '8.3f')} "
-            f"{fmt(r['merge_p50_frac'], '.3f'):>12} / {fmt(r['merge_p99_frac'], '.3f'):<11} "
-            f"{fmt(r['publish_p50_frac'], '.3f'):>7} / {fmt(r['publish_p99_frac'], '.3f')}"
-        )
-        if r["refused"] or r["errors"]:
-            print(f"     refused {r['refused']}, errors {r['errors']}")
-    if len(rows) == 2 and rows[1]["accepted_gbps"]:
-        print(
-            f"\nh2 / h1 accepted throughput: {rows[0]['accepted_gbps'] / rows[1]['accepted_gbps']:.2f}x"
-        )
-    print(json.dumps(rows))
+    print("merge, quorum->served and publish: p50 / p99 as a fraction of tau x step (1 s step)")
+    print(table(rows, mem))
+    for line in h2_ratios(rows):
+        print(line)
+    print(json.dumps({"memcpy_gbps": mem, "rows": rows}))
     return 0
 
 

@@ -23,8 +23,10 @@ Every export also writes ddiloco_export.json: its source, the fragment versions 
 spec's name. From a state dir it reads layout.json and fragment-NNNN.safetensors (the
 `param/` tensors, float32); a running synchronizer replaces those atomically, so a live
 state dir reads fine. From `--sync-url` (token from DDILOCO_TOKEN or `--token-file`) it GETs
-/v1/status, /v1/model and each fragment in turn, each at its latest version. Errors are one
-line, `ddiloco export: error: ...`, with exit status 2.
+/v1/status, /v1/model and each fragment in turn, each at its latest version. A sharded
+synchronizer: `--state-dir` and `--sync-url` take every shard's, comma-separated (each
+fragment is read from its owner). Errors are one line, `ddiloco export: error: ...`, with
+exit status 2.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddiloco.synchronizer.protocol import ModelSpec
+from ddiloco.synchronizer.protocol import Layout, ModelSpec
 
 PROG = "ddiloco export"
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -59,12 +61,44 @@ class GlobalModel:
     versions: list[int]
     spec: ModelSpec
     source: str
+    layout: Layout | None = None
+    """The layout (from a state dir; None from a live synchronizer)."""
 
 
-def from_state_dir(path: str | os.PathLike[str]) -> GlobalModel:
-    """The global model in a synchronizer's state directory."""
+def from_shard_dirs(paths: list[str]) -> GlobalModel:
+    """The global model in a sharded synchronizer's state directories (any order): each
+    fragment from the directory of the shard that owns it (synchronizer/shards.py)."""
+    from ddiloco.synchronizer.protocol import shard_map
+
+    models = [from_state_dir(p, shard_ok=True) for p in paths]
+    owners: dict[int, GlobalModel] = {}
+    for path, m in zip(paths, models, strict=True):
+        info = json.loads((Path(path) / "shard.json").read_text())
+        assert m.layout is not None
+        for p, s in enumerate(shard_map(m.layout, int(info["shards"]))):
+            if s == int(info["shard"]):
+                owners[p] = m
+    layout = models[0].layout
+    assert layout is not None
+    missing = [p for p in range(len(layout.fragments)) if p not in owners]
+    if missing:
+        raise ExportError(f"no state dir given owns fragments {missing}: give every shard's")
+    params: dict[str, torch.Tensor] = {}
+    for p in range(len(layout.fragments)):
+        names = {t.name for t in layout.fragments[p].tensors}
+        params |= {k: v for k, v in owners[p].params.items() if k in names}
+    versions = [owners[p].versions[p] for p in range(len(layout.fragments))]
+    return GlobalModel(params, versions, models[0].spec, ",".join(m.source for m in models))
+
+
+def from_state_dir(path: str | os.PathLike[str], *, shard_ok: bool = False) -> GlobalModel:
+    """The global model in a synchronizer's state directory (a comma list: a sharded
+    synchronizer's, `from_shard_dirs`)."""
+    from ddiloco.synchronizer.protocol import shard_map
     from ddiloco.synchronizer.state import StateStore
 
+    if "," in str(path):
+        return from_shard_dirs([p.strip() for p in str(path).split(",")])
     root = Path(path)
     if not root.is_dir():
         raise ExportError(f"state dir {str(root)!r} does not exist")
@@ -76,21 +110,42 @@ def from_state_dir(path: str | os.PathLike[str]) -> GlobalModel:
     try:
         layout = store.load_layout()
         assert layout is not None
-        fragments = [store.load_fragment(f.index) for f in layout.fragments]
+        info = (
+            json.loads((root / "shard.json").read_text()) if (root / "shard.json").is_file() else {}
+        )
+        shards = int(info.get("shards", 1))
+        if shards > 1 and not shard_ok:
+            raise ExportError(
+                f"{str(root)!r} is shard {info.get('shard')} of {shards}: give every shard's "
+                "state dir, comma-separated"
+            )
+        owners = shard_map(layout, shards)
+        fragments = [
+            store.load_fragment(f.index) if owners[f.index] == int(info.get("shard", 0)) else None
+            for f in layout.fragments
+        ]
         spec = store.load_model() or ModelSpec()
     except (OSError, ValueError) as e:
         raise ExportError(f"cannot read the state in {str(root)!r}: {e}") from None
-    params = {k: v for fs in fragments for k, v in fs.params.items()}
-    return GlobalModel(params, [fs.version for fs in fragments], spec, str(root.resolve()))
+    params = {k: v for fs in fragments if fs is not None for k, v in fs.params.items()}
+    versions = [fs.version if fs is not None else 0 for fs in fragments]
+    return GlobalModel(params, versions, spec, str(root.resolve()), layout)
 
 
 def from_synchronizer(url: str, token: Any, tls: Any = None) -> GlobalModel:
     """The global model a live synchronizer serves (GET /v1/status, /v1/model, fragments)."""
     from ddiloco.synchronizer.client import SyncClient, SyncRefused, SyncUnavailable
+    from ddiloco.synchronizer.shards import ShardClients
 
-    if not re.match(r"^https?://[^/\s]+", url):
-        raise ExportError(f"--sync-url {url!r} is not an http:// or https:// URL")
-    client = SyncClient(url, token, tls=tls, timeout=120.0)
+    urls = [u.strip() for u in url.split(",")]
+    for one in urls:
+        if not re.match(r"^https?://[^/\s]+", one):
+            raise ExportError(f"--sync-url {one!r} is not an http:// or https:// URL")
+    client: Any = (
+        SyncClient(url, token, tls=tls, timeout=120.0)
+        if len(urls) == 1
+        else ShardClients(urls, token, tls=tls, timeout=120.0)
+    )
     try:
         status = client.status()
         if not status.initialized:

@@ -4,13 +4,16 @@
     ddiloco status https://sync:8470 --token-file token --ca ca.crt --once
     ddiloco status http://127.0.0.1:8470 --json | jq .goodput          # the raw status, once
     ddiloco status --job my-job -n team-a [--context prod]             # through the Kubernetes API
+    ddiloco status http://h:8470,http://h:8471                         # a sharded synchronizer
 
 It shows fragments and versions; learners with state, step, tokens/s and share of the merged
 work; goodput, merged-work ratio and refusals (cli/statusview.py, the same view as `ddiloco
 local`'s live table). The token comes from `--token-file` (its first line) or DDILOCO_TOKEN,
 never from a flag (it would show in `ps`). An https URL is verified against `--ca` (else the
 system trust store); `--client-cert` + `--client-key` present a client certificate to a
-synchronizer that requires mutual TLS.
+synchronizer that requires mutual TLS. A comma list of URLs is a sharded synchronizer's
+shards (synchronizer/shards.py): the view is their statuses merged (`merge_statuses`), and a
+shard that cannot be reached fails the answer as one synchronizer would.
 
 `--job` reads the DecoupledDiLoCoJob with your kubeconfig, the bearer token from the job's
 token Secret, and the synchronizer's status through a port-forward to its pod (cli/
@@ -78,8 +81,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if (args.url is None) == (args.job is None):
         ap.error("give a synchronizer URL or --job NAME (one of them)")
-    if args.url is not None and not args.url.lower().startswith(("http://", "https://")):
-        ap.error(f"URL must start with http:// or https://, got {args.url!r}")
+    for url in args.url.split(",") if args.url is not None else []:  # a shard list too
+        if not url.strip().lower().startswith(("http://", "https://")):
+            ap.error(f"URL must start with http:// or https://, got {url.strip()!r}")
     if not args.interval > 0 or not args.timeout > 0:
         ap.error("--interval and --timeout must be > 0")
     if (args.client_cert is None) != (args.client_key is None):
@@ -183,6 +187,22 @@ class UrlSource:
         return Snapshot(parse_status(raw, where), where)
 
 
+class ShardedSource:
+    """Every shard's `UrlSource`, their answers merged into the job's (`merge_statuses`)."""
+
+    def __init__(self, sources: list[UrlSource]) -> None:
+        self.sources = sources
+
+    def fetch(self) -> Snapshot:
+        from ddiloco.synchronizer.protocol import Status
+        from ddiloco.synchronizer.shards import merge_statuses
+
+        statuses = [Status.model_validate(s.fetch().raw) for s in self.sources]
+        job = merge_statuses(statuses)
+        where = f"{len(self.sources)} shards ({', '.join(s.url for s in self.sources)})"
+        return Snapshot(job.model_dump(mode="json"), where)
+
+
 def one_line_reason(reason: object) -> str:
     if isinstance(reason, BaseException):
         return one_line(reason)
@@ -261,8 +281,11 @@ def source_for(args: argparse.Namespace) -> Any:
     token = read_token(args.token_file)
     if token is None:
         raise UsageError("no token: give --token-file or set DDILOCO_TOKEN")
-    https = args.url.lower().startswith("https://")
+    https = "https://" in args.url.lower()  # any shard's
     context = tls_context(args.ca, args.client_cert, args.client_key) if https else None
+    urls = [u.strip() for u in args.url.split(",")]
+    if len(urls) > 1:
+        return ShardedSource([UrlSource(u, token, context, args.timeout) for u in urls])
     return UrlSource(args.url, token, context, args.timeout)
 
 

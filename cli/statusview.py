@@ -187,13 +187,17 @@ def summary_line(status: Status) -> str:
 
 def fragments_table(status: Status) -> Table:
     t = Table(title="fragments", title_justify="left")
+    sharded = getattr(status, "shards", 1) > 1  # which shard owns each (synchronizer/shards.py)
     t.add_column("fragment", justify="right")
+    if sharded:
+        t.add_column("shard", justify="right")
     t.add_column("merge")
     for col in ("version", "pending", "pending tokens", "tokens merged"):
         t.add_column(col, justify="right")
     for f in status.fragments:
         t.add_row(
             str(f.index),
+            *([str(f.shard)] if sharded else []),
             f.merge,
             str(f.version),
             str(f.contributors_pending),

@@ -21,7 +21,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from ddiloco.cli.errors import UsageError, usage_errors
+from ddiloco.cli.errors import UsageError, fail, usage_errors
 from ddiloco.learner.config import LearnerConfig
 
 PROG = "ddiloco learner"
@@ -81,6 +81,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--mix-alpha", type=float, help="with overwrite: theta <- a*theta + (1-a)*Theta"
     )
     ap.add_argument(
+        "--update-encoding",
+        choices=["float32", "bfloat16", "int8", "int4"],
+        help="how deltas go up: float32, bfloat16 (default), or blockwise int8 / int4 with "
+        "error feedback (env DDILOCO_UPDATE_ENCODING; the synchronizer must accept it)",
+    )
+    ap.add_argument(
+        "--update-block", type=int, help="values per scale of int8 / int4 (default 128, even)"
+    )
+    ap.add_argument(
         "--upload-http2",
         action="store_true",
         default=None,
@@ -138,9 +147,13 @@ def check_inputs(cfg: LearnerConfig) -> None:
     from ddiloco.synchronizer.protocol import JoinRequest
 
     JoinRequest(learner_id=cfg.learner_id)  # the id rule the join applies
-    url = urlsplit(cfg.sync_url)
-    if url.scheme not in ("http", "https") or not url.hostname:
-        raise UsageError(f"--sync-url {cfg.sync_url!r}: give http://HOST:PORT or https://...")
+    for one in cfg.sync_urls:  # a sharded synchronizer: its shards' URLs, in shard order
+        url = urlsplit(one)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise UsageError(
+                f"--sync-url {one!r}: give http://HOST:PORT or https://... (a sharded "
+                "synchronizer: its shards' URLs, comma-separated, in shard order)"
+            )
     check_model_and_data(cfg.model, cfg.model_entry, cfg.data)
 
 
@@ -194,8 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         return launch(list(sys.argv[1:] if argv is None else argv), cfg.nproc_per_node)
     from ddiloco.learner.train import train  # torch is imported only here
 
-    if args.debug_digests:
-        train(cfg, digests=True)
-    else:
-        train(cfg)
+    try:
+        if args.debug_digests:
+            train(cfg, digests=True)
+        else:
+            train(cfg)
+    except UsageError as e:  # refused at join for its configuration (an update encoding)
+        fail(PROG, e)
     return 0

@@ -18,7 +18,7 @@ from contextvars import ContextVar
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
 
-from pydantic import BeforeValidator, Field, ValidationError, model_validator
+from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -113,7 +113,9 @@ class LearnerConfig(BaseSettings):
 
     # --- identity and synchronizer ---
     sync_url: str = "http://127.0.0.1:8470"
-    """Base URL of the synchronizer: http:// (h2c) or https:// (TLS, HTTP/2 by ALPN)."""
+    """Base URL of the synchronizer: http:// (h2c) or https:// (TLS, HTTP/2 by ALPN). A
+    sharded synchronizer: a comma-separated list of its S shard URLs, in shard order
+    (`sync_urls`; synchronizer/shards.py)."""
     token: str = Field("", repr=False)
     """Per-job bearer token (a Secret in Kubernetes); never logged."""
     token_file: str | None = None
@@ -171,8 +173,15 @@ class LearnerConfig(BaseSettings):
     mix_alpha: float = Field(0.0, ge=0.0, lt=1.0)
     """alpha, with `overwrite` only (refused with `rebase`, which never mixes):
     theta <- alpha*theta_local + (1-alpha)*Theta on arrival (Streaming DiLoCo); 0 overwrites."""
-    wire_dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    """Precision of uploaded deltas."""
+    update_encoding: Literal["float32", "bfloat16", "int8", "int4"] = "bfloat16"
+    """How deltas go up to the synchronizer (synchronizer/wire.py): float32, bfloat16, or
+    blockwise absmax int8 / int4 codes with a float32 scale per `update_block` values (about
+    1/2 and 1/4 of bfloat16's bytes). What rounding or quantization drops is carried into the
+    fragment's next hand-over (the anchor moves by what was sent). The synchronizer must
+    accept it (DDILOCO_UPDATE_ENCODINGS): the learner checks at join and stops if not."""
+    update_block: Int = Field(128, ge=2, le=1 << 16, multiple_of=2)
+    """Values per scale of the int8 / int4 encodings (even). 128 (bench/RESULTS.md, issue 15):
+    a float32 scale per 128 values costs 3% of int8's bytes and 6% of int4's."""
     upload_http2: bool = False
     """Send fragment uploads over HTTP/2 (h2c) instead of HTTP/1.1 on the same port. Control
     calls (long-poll heartbeats, downloads) always use HTTP/2. uvicorn's zttp advertises a fixed
@@ -214,6 +223,19 @@ class LearnerConfig(BaseSettings):
     /metrics; None: off. In a group only rank 0 serves. Pods: 9400, port name "metrics"."""
     metrics_host: str = "0.0.0.0"
     """Address the metrics port binds (`ddiloco local` binds 127.0.0.1)."""
+
+    @field_validator("sync_url")
+    @classmethod
+    def _shard_urls(cls, value: str) -> str:
+        urls = [u.strip() for u in value.split(",")]
+        if not all(urls):
+            raise ValueError(f"an empty URL in the list of synchronizer shards {value!r}")
+        return ",".join(urls)
+
+    @property
+    def sync_urls(self) -> list[str]:
+        """The synchronizer's shard URLs in shard order (one: an unsharded synchronizer)."""
+        return [u.rstrip("/") for u in self.sync_url.split(",")]
 
     @model_validator(mode="after")
     def _consistent(self) -> LearnerConfig:

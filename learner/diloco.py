@@ -59,7 +59,7 @@ from ddiloco.learner.fragments import Schedule, partition
 from ddiloco.learner.group import Group, Plan
 from ddiloco.learner.metrics import LearnerMetrics
 from ddiloco.learner.streaming import Streamer
-from ddiloco.synchronizer.codec import WIRE_DTYPES
+from ddiloco.synchronizer import wire
 from ddiloco.synchronizer.protocol import Heartbeat, UpdateMeta
 
 log = logging.getLogger(__name__)
@@ -368,16 +368,7 @@ class DecoupledDiLoCo:
                 for name in self.names[p]:
                     g.full(self.params[name])
             return
-        dtype = WIRE_DTYPES[self.cfg.wire_dtype]
-        delta = {}
-        for name in self.names[p]:
-            now = g.full(self.params[name])
-            d = (now - self.base[p][name]).to(dtype)
-            delta[name] = d.cpu()
-            # the next delta starts where this one ends, as the synchronizer will see it: the
-            # anchor moves by the delta as sent (after rounding to the wire dtype), so rounding
-            # error is carried into the next delta instead of lost
-            self.base[p][name].add_(d.to(now.dtype))
+        encoding = self.cfg.update_encoding
         meta = UpdateMeta(
             learner_id=self.cfg.learner_id,
             fragment=p,
@@ -386,8 +377,23 @@ class DecoupledDiLoCo:
             tokens=self.c_tokens[p],
             learner_step=self.step,
             incarnation=self.streamer.incarnation,
+            encoding=encoding,
         )
-        self.streamer.send(meta, delta)
+        nows = {name: g.full(self.params[name]) for name in self.names[p]}
+        delta = {name: now - self.base[p][name] for name, now in nows.items()}
+        payload = None
+        if encoding in wire.FLOAT_ENCODINGS:  # the outbox encodes it (and may sum it)
+            delta = {k: d.to(wire.FLOAT_ENCODINGS[encoding]).cpu() for k, d in delta.items()}
+            sent = delta
+        else:  # int8 / int4: quantized now, so the anchor can move by what was sent
+            payload, sent = wire.encode_update(delta, meta, encoding, self.cfg.update_block)
+        for name, now in nows.items():
+            # the next delta starts where this one ends, as the synchronizer will see it: the
+            # anchor moves by the delta as sent (rounded to bfloat16, or quantized), so what
+            # the encoding dropped is carried into the next delta instead of lost (error
+            # feedback)
+            self.base[p][name].add_(sent[name].to(device=now.device, dtype=now.dtype))
+        self.streamer.send(meta, delta if payload is None else {}, payload=payload)
         self.counted["handed_over_steps"][p] += self.c_steps[p]
         self.counted["handed_over_tokens"][p] += self.c_tokens[p]
         self._write(

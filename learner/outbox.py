@@ -3,12 +3,16 @@
     outbox = Outbox(num_fragments)
     outbox.put(meta, delta)          # the training loop: never blocks
     entry = outbox.take(timeout)     # the upload thread: the head, now attempted
+    entry = outbox.take(timeout, fragments={0, 3})  # a shard's thread: the oldest of its own
     outbox.settle(entry, "accepted") # once the answer is definitive (else take it again)
 
 Deltas are incremental, so every update carries work no other carries and none may be
 dropped. Updates of a fragment that queue up behind an outage are summed into one (in
 float32, so no rounding is lost); one that was attempted is frozen and re-sent byte for
 byte, so the synchronizer's (incarnation, learner_step) high-water mark recognises it.
+A quantized update (int8 / int4, synchronizer/wire.py) comes encoded (`put(..., payload=)`):
+the learner's error feedback is built on exactly those bytes, so it is never summed (it
+goes out as its own upload, and the synchronizer merges each).
 """
 
 from __future__ import annotations
@@ -75,8 +79,9 @@ class Outbox:
     def _count(self, p: int) -> dict[str, int]:
         return self.counts.setdefault(p, dict.fromkeys(LEDGER_KEYS, 0))
 
-    def put(self, meta: UpdateMeta, delta: Tensors) -> bool:
-        """Queue an update; True if it was summed into a queued one of its fragment."""
+    def put(self, meta: UpdateMeta, delta: Tensors, payload: bytes | None = None) -> bool:
+        """Queue an update; True if it was summed into a queued one of its fragment. One
+        given as its `payload` (encoded already) is frozen: never summed, sent as is."""
         p = meta.fragment
         with self.cond:
             last = self.last_order.get(p)
@@ -87,6 +92,8 @@ class Outbox:
                 )
             same = [e for e in self.entries if e.meta.fragment == p]
             into = same[-1] if same and same[-1].attempts == 0 and not same[-1].payload else None
+            if payload is not None:
+                into = None
             if into is not None and set(delta) != set(into.delta):
                 raise ValueError(f"update of fragment {p} has other tensors than the queued one")
             self.last_order[p] = meta.order()
@@ -98,7 +105,7 @@ class Outbox:
                 self._sum_into(into, meta, delta)
                 c["summed"] += 1
                 return True
-            self.entries.append(Entry(meta, dict(delta)))
+            self.entries.append(Entry(meta, dict(delta), payload=payload))
             self.cond.notify_all()
             return False
 
@@ -116,12 +123,22 @@ class Outbox:
         )
         e.handovers += 1
 
-    def take(self, timeout: float | None = None) -> Entry | None:
-        """The oldest entry, now attempted (never summed into again); None if none came."""
+    def _head(self, fragments: frozenset[int] | set[int] | None) -> Entry | None:
+        if fragments is None:
+            return self.entries[0] if self.entries else None
+        return next((e for e in self.entries if e.meta.fragment in fragments), None)
+
+    def take(
+        self, timeout: float | None = None, fragments: frozenset[int] | set[int] | None = None
+    ) -> Entry | None:
+        """The oldest entry (of `fragments`, if given: one synchronizer shard's upload thread
+        takes its own), now attempted (never summed into again); None if none came. Each
+        fragment's updates still go out in order: one thread takes all of a fragment's."""
         with self.cond:
-            if not self.cond.wait_for(lambda: bool(self.entries), timeout):
+            if not self.cond.wait_for(lambda: self._head(fragments) is not None, timeout):
                 return None
-            head = self.entries[0]
+            head = self._head(fragments)
+            assert head is not None
             head.attempts += 1
             self._count(head.meta.fragment)["attempts"] += 1
             return head
@@ -131,9 +148,10 @@ class Outbox:
         if outcome not in OUTCOMES:
             raise ValueError(f"not a definitive outcome: {outcome!r}")
         with self.cond:
-            if not self.entries or self.entries[0] is not entry:
+            first = self._head({entry.meta.fragment})
+            if first is not entry or not entry.attempts:
                 raise ValueError("only the entry taken last (the head) can be settled")
-            self.entries.popleft()
+            del self.entries[next(i for i, e in enumerate(self.entries) if e is entry)]
             c = self._count(entry.meta.fragment)
             c[f"{outcome}_uploads"] += 1
             c[f"{outcome}_steps"] += entry.meta.steps

@@ -117,7 +117,11 @@ def poll(
     from ddiloco.synchronizer.spares import SpareAssignment
 
     client = SyncClient(
-        cfg.sync_url, cfg.token_source(), timeout=wait_s + 10.0, tls=cfg.client_tls()
+        # a sharded synchronizer: shard 0 keeps the spares' book (the first URL)
+        cfg.sync_url.split(",")[0],
+        cfg.token_source(),
+        timeout=wait_s + 10.0,
+        tls=cfg.client_tls(),
     )
     backoff = 0.0
     try:

@@ -18,6 +18,16 @@ A refused update (4xx: stale base, bad payload) is not retried; its work is lost
 counted as refused in the ledger. A 401 is not the update's fault (a token being rotated:
 the client re-reads its token file first), so that update is kept and re-sent like one
 that met an outage.
+
+A sharded synchronizer (`DDILOCO_SYNC_URL` = its S shard URLs in shard order, synchronizer/
+shards.py): the learner joins every shard and initializes each (each keeps its fragments),
+sends each fragment's updates and fetches to its owner (`protocol.shard_map`), and runs a
+control thread and an upload thread per shard, so a shard that is away holds back only its
+own fragments (its updates wait in the outbox, re-sent as for one synchronizer) and every
+shard hears every learner's heartbeats. The data position resumes at the highest any shard
+answers: each holds a position this slot reached or reserved (durably, before answering),
+so the highest is one no window below was ever handed out past, while a shard that was away
+may only lag. The incarnation is the highest any shard answered, and never goes down.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ddiloco.cli.errors import UsageError
 from ddiloco.learner import hf
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.data import join_reserve
@@ -46,6 +57,7 @@ from ddiloco.synchronizer.protocol import (
     JoinRequest,
     Layout,
     UpdateMeta,
+    shard_map,
 )
 
 log = logging.getLogger(__name__)
@@ -86,6 +98,11 @@ class Streamer:
         self.stop_event = threading.Event()
         self.snapshot: Heartbeat | None = None
         self.requested: set[int] = set()
+        self.urls: list[str] = getattr(cfg, "sync_urls", None) or [cfg.sync_url]
+        """The synchronizer's shard URLs, in shard order (one: unsharded)."""
+        self.owners = shard_map(layout, len(self.urls))
+        """The shard that owns each fragment: where its updates and fetches go."""
+        self.shard_requested: list[set[int]] = [set() for _ in self.urls]
         self.versions: list[int] = [0] * len(layout.fragments)
         self.outbox = Outbox(len(layout.fragments))
         self.left: dict[int, dict[str, int]] = {}
@@ -106,12 +123,28 @@ class Streamer:
         self.tokens = cfg.token_source()
         self.tls = cfg.client_tls()
 
-    def _client(self, http2: bool = True) -> SyncClient:
-        return SyncClient(self.cfg.sync_url, self.tokens, http2=http2, tls=self.tls)
+    def _client(self, http2: bool = True, shard: int = 0) -> SyncClient:
+        return SyncClient(self.urls[shard], self.tokens, http2=http2, tls=self.tls)
+
+    def owned(self, shard: int) -> list[int]:
+        return [p for p, s in enumerate(self.owners) if s == shard]
 
     # ---- startup -----------------------------------------------------------------
-    def join(self, client: SyncClient) -> list[int]:
-        """Join the job, initializing it with our parameters if nobody has; returns versions."""
+    def _check_shard(self, resp: object, shard: int) -> None:
+        """Refuse (one line) a shard list that is not the job's shards in order."""
+        got = (getattr(resp, "shard", 0), getattr(resp, "shards", 1))
+        mine = self.owned(shard)
+        owned = getattr(resp, "owned", None) or mine
+        if got != (shard, len(self.urls)) or owned != mine:
+            raise UsageError(
+                f"the synchronizer at {self.urls[shard]} is shard {got[0]} of {got[1]} owning "
+                f"fragments {owned}; this learner has it as shard {shard} of {len(self.urls)} "
+                f"owning {mine}: DDILOCO_SYNC_URL must list every shard's URL, in shard order"
+            )
+
+    def join(self, client: SyncClient, shard: int = 0) -> list[int]:
+        """Join the job at one shard, initializing it with our parameters if nobody has;
+        returns the versions of that shard's fragments (0 for the others)."""
         req = JoinRequest(
             learner_id=self.cfg.learner_id,
             layout_digest=self.layout.digest(),
@@ -124,8 +157,19 @@ class Streamer:
             ),
         )
         resp = client.join(req)
-        self.incarnation = resp.incarnation
-        self.resume_position = int(getattr(resp, "data_position", 0) or 0)
+        accepted = getattr(resp, "update_encodings", None)  # [] from an older synchronizer
+        if accepted and self.cfg.update_encoding not in accepted:
+            # a job misconfigured, not an outage: stop with one line (exit 2, learner/cli.py)
+            raise UsageError(
+                f"the synchronizer at {self.cfg.sync_url} accepts update encodings "
+                f"{', '.join(accepted)}; this learner's is {self.cfg.update_encoding}: set "
+                "DDILOCO_UPDATE_ENCODING (--update-encoding) to one of those, or add it to the "
+                "synchronizer's DDILOCO_UPDATE_ENCODINGS"
+            )
+        self._check_shard(resp, shard)
+        self.incarnation = max(self.incarnation, resp.incarnation)
+        position = int(getattr(resp, "data_position", 0) or 0)
+        self.resume_position = max(self.resume_position, position)  # the module docstring
         if not resp.initialized:
             meta = {LAYOUT_KEY: self.layout.model_dump_json()}
             try:  # what the job trains, for `ddiloco export` (learner/hf.py model_spec)
@@ -134,7 +178,11 @@ class Streamer:
                 )
             except (OSError, ValueError) as e:
                 log.warning("Initializing without a model spec (an export will lack it): %s", e)
-            payload = codec.encode(self.initial(), meta)
+            tensors = self.initial()
+            if len(self.urls) > 1:  # a shard keeps only its fragments: send it only those
+                mine = {t.name for p in self.owned(shard) for t in self.layout.fragments[p].tensors}
+                tensors = {k: v for k, v in tensors.items() if k in mine}
+            payload = codec.encode(tensors, meta)
             init = client.init(payload)
             log.info(
                 "Initialized the global model (created=%s digest=%s)",
@@ -145,17 +193,24 @@ class Streamer:
         return resp.versions
 
     def fetch_all(self) -> list[tuple[int, int, Tensors]]:
-        """Block until the synchronizer answers; return every global fragment. Startup only."""
-        client, backoff = self._client(), Backoff(cap=1.0)
+        """Block until the synchronizer answers (every shard); return every global fragment,
+        each from its owner. Startup only."""
+        clients = [self._client(shard=i) for i in range(len(self.urls))]
+        joined: set[int] = set()
+        backoff = Backoff(cap=1.0)
         while not self.stop_event.is_set():
             try:
-                self.join(client)
+                for i, client in enumerate(clients):
+                    if i not in joined:  # a shard joined once is not joined again on a retry
+                        self.join(client, i)
+                        joined.add(i)
                 out = []
                 for spec in self.layout.fragments:
-                    version, tensors = client.fragment(spec.index)
+                    version, tensors = clients[self.owners[spec.index]].fragment(spec.index)
                     out.append((spec.index, version, tensors))
                 self.versions = [v for _, v, _ in out]
-                self._count(client)
+                for client in clients:
+                    self._count(client)
                 return out
             except SyncUnavailable as e:
                 wait = backoff.fail()
@@ -164,10 +219,12 @@ class Streamer:
         raise RuntimeError("stopped before the synchronizer answered")
 
     def start(self) -> None:
-        for target in (self._control_loop, self._upload_loop):
-            t = threading.Thread(target=target, name=f"ddiloco-{target.__name__}", daemon=True)
-            t.start()
-            self.threads.append(t)
+        for shard in range(len(self.urls)):  # a control and an upload thread per shard
+            for target in (self._control_loop, self._upload_loop):
+                name = f"ddiloco-{target.__name__}" + (f"-{shard}" if shard else "")
+                t = threading.Thread(target=target, args=(shard,), name=name, daemon=True)
+                t.start()
+                self.threads.append(t)
 
     def close(self, drain_s: float = 2.0) -> dict[int, dict[str, int]]:
         """Let queued uploads go out for up to `drain_s`, then stop the threads. Returns (and
@@ -193,8 +250,12 @@ class Streamer:
     def report(self, hb: Heartbeat) -> None:
         self.snapshot = hb
 
-    def send(self, meta: UpdateMeta, delta: Tensors) -> None:
-        self.outbox.put(meta, delta)
+    def send(self, meta: UpdateMeta, delta: Tensors, payload: bytes | None = None) -> None:
+        """Queue an update: its float delta, or its `payload` encoded already (quantized)."""
+        if payload is None:
+            self.outbox.put(meta, delta)
+        else:
+            self.outbox.put(meta, delta, payload=payload)
 
     def ledger(self) -> dict[int, dict[str, int]]:
         """The outbox's counters per fragment (see `Outbox`)."""
@@ -223,9 +284,10 @@ class Streamer:
         client.bytes_up = client.bytes_down = 0
 
     # ---- threads -----------------------------------------------------------------
-    def _control_loop(self) -> None:
-        client, backoff = self._client(), Backoff()
-        have = list(self.versions)
+    def _control_loop(self, shard: int = 0) -> None:
+        client, backoff = self._client(shard=shard), Backoff()
+        mine = set(self.owned(shard))  # a shard answers 0 for the fragments it does not own
+        have = [v if p in mine else 0 for p, v in enumerate(self.versions)]
         while not self.stop_event.is_set():
             hb = self.snapshot
             try:
@@ -234,19 +296,24 @@ class Streamer:
                         update={
                             "known_versions": list(have),
                             "wait_s": self.cfg.poll_s,
-                            "known_requested": sorted(self.requested),
+                            "known_requested": sorted(self.shard_requested[shard]),
                         }
                     )
                     resp = client.heartbeat(hb)
-                    self.requested = set(resp.requested)
+                    self.shard_requested[shard] = set(resp.requested)
+                    self.requested = set().union(*self.shard_requested)
                     for p, v in enumerate(resp.versions):
-                        if v > have[p]:
+                        if p in mine and v > have[p]:
                             version, tensors = client.fragment(p)
                             have[p] = version
                             latest = self.snapshot
                             self.arrival_steps[(p, version)] = latest.step if latest else 0
                             self.arrived.put((p, version, tensors))
-                    self.versions = resp.versions
+                    with self.lock:  # each shard's thread writes its own fragments' versions
+                        self.versions = [
+                            v if p in mine else self.versions[p]
+                            for p, v in enumerate(resp.versions[: len(self.versions)])
+                        ]
                 self._count(client)
                 backoff.ok()
                 if hb is None:
@@ -254,7 +321,7 @@ class Streamer:
             except SyncRefused as e:
                 if e.kind == "unknown_learner":
                     log.warning("Synchronizer does not know this learner; joining again")
-                    self._rejoin(client, backoff)
+                    self._rejoin(client, backoff, shard)
                 else:
                     log.warning("Heartbeat refused: %s", e)
                     self.stop_event.wait(backoff.fail())
@@ -266,17 +333,20 @@ class Streamer:
                     )
                 self.stop_event.wait(wait)
 
-    def _rejoin(self, client: SyncClient, backoff: Backoff) -> None:
+    def _rejoin(self, client: SyncClient, backoff: Backoff, shard: int = 0) -> None:
         try:
-            self.join(client)
-        except (SyncRefused, SyncUnavailable) as e:
+            self.join(client, shard)
+        except (SyncRefused, SyncUnavailable, UsageError) as e:
             log.warning("Re-join failed: %s", e)
             self.stop_event.wait(backoff.fail())
 
-    def _upload_loop(self) -> None:
-        client, backoff = self._client(http2=self.cfg.upload_http2), Backoff()
+    def _upload_loop(self, shard: int = 0) -> None:
+        client, backoff = self._client(http2=self.cfg.upload_http2, shard=shard), Backoff()
+        # each shard's thread takes the oldest update of that shard's fragments: one shard
+        # away holds back only its own (one shard: every fragment, strict FIFO as before)
+        mine = frozenset(self.owned(shard)) if len(self.urls) > 1 else None
         while not self.stop_event.is_set():
-            entry = self.outbox.take(timeout=0.1)
+            entry = self.outbox.take(timeout=0.1, fragments=mine)
             if entry is None:
                 continue
             meta = entry.meta

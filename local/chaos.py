@@ -53,7 +53,8 @@ class ChaosEvent:
     """Seconds after the run started."""
     action: Action
     target: str
-    """A learner id, or "synchronizer"."""
+    """A learner id, or "synchronizer" (with `ddiloco local --sync-shards S`: one shard,
+    "synchronizer-<i>"; plain "synchronizer" is shard seed % S)."""
     delay: float
     """Seconds until the process is restarted (kill), resumed (pause) or reconnected
     (partition); 0 for add and remove."""

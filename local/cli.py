@@ -7,6 +7,7 @@
     ddiloco local --tls                             # HTTPS (h2 by ALPN), the run's own CA
     ddiloco local --mtls                            # ... and client certificates (mutual TLS)
     ddiloco local --learner-metrics                 # learners serve /metrics: <out>/metrics.json
+    ddiloco local --sync-shards 2                   # two synchronizer shards, status merged
 
 It prints a live table while it runs, then a summary, and writes <out>/report.json,
 <out>/report.png (eval loss over time; per-learner computing / waiting / dead timeline) and
@@ -60,6 +61,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "-P", type=int, default=4, dest="fragments", help="number of fragments (default 4)"
     )
     ap.add_argument("--tau", type=int, default=2, help="overlap steps (default 2)")
+    ap.add_argument(
+        "--sync-shards",
+        type=int,
+        default=1,
+        help="S, synchronizer shards: S processes, each owning a share of the fragments "
+        "(default 1)",
+    )
     ap.add_argument(
         "--outer-lr",
         type=float,
@@ -139,6 +147,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="each learner serves Prometheus metrics on a loopback port of its own "
         "(listed in <out>/metrics.json)",
     )
+    ap.add_argument(
+        "--update-encoding",
+        choices=["float32", "bfloat16", "int8", "int4"],
+        default="bfloat16",
+        help="how learners send updates, and the one the synchronizer accepts: float32, "
+        "bfloat16 (default), or blockwise int8 / int4 with error feedback",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, help="run directory (default runs/local-<time>)")
     ap.add_argument("--report", type=Path, help="also copy the JSON report here")
@@ -201,7 +216,8 @@ def live_table(run: LocalRun, live: LiveStatus) -> RenderableType:
     """Fragments, learners (the process state and restarts known here, the rest from the
     synchronizer's status) and the summary line; the global model's last eval loss below."""
     live.poll(run)
-    title = f"ddiloco local  t={run.elapsed():5.1f}s  sync={'up' if run.sync.alive() else 'DOWN'}"
+    up = ",".join("up" if s.alive() else "DOWN" for s in run.syncs)
+    title = f"ddiloco local  t={run.elapsed():5.1f}s  sync={up}"
     if live.error and live.status is not None:
         title += "  (status stale: synchronizer away)"
     ev = run.evaluator.history[-1] if run.evaluator and run.evaluator.history else None
@@ -296,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
             mtls=args.mtls,
             tensorboard=args.tensorboard,
             learner_metrics=args.learner_metrics,
+            sync_shards=args.sync_shards,
+            update_encoding=args.update_encoding,
             **({"out": args.out} if args.out else {}),
         )
         from ddiloco.learner.cli import check_model_and_data

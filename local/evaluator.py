@@ -21,6 +21,7 @@ import torch
 
 from ddiloco.learner.task import build_task
 from ddiloco.synchronizer.client import ClientTLS, SyncClient, SyncRefused, SyncUnavailable
+from ddiloco.synchronizer.shards import ShardClients, split_urls
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,13 @@ class GlobalEvaluator:
             eval_only=True,
         )
         self.params = dict(self.task.model.named_parameters())
-        self.client = SyncClient(sync_url, token, tls=tls)
+        # a sharded synchronizer (a comma list): each fragment from its owner, status merged
+        urls = split_urls(sync_url)
+        self.client = (
+            SyncClient(sync_url, token, tls=tls)
+            if len(urls) == 1
+            else ShardClients(urls, token, tls=tls)
+        )
         self.every_s = every_s
         self.history: list[tuple[float, float, int]] = []
         # Every learner starts from this same seeded model (version 0 of every fragment).

@@ -4,6 +4,7 @@
     report = run.run()          # dict, also written to <out>/report.json
     LocalConfig(tls=True)       # HTTPS (HTTP/2 by ALPN) between learners and synchronizer
     LocalConfig(mtls=True)      # ... and a client certificate for every learner (mutual TLS)
+    LocalConfig(sync_shards=2)  # two synchronizer shards (synchronizer/shards.py)
 
 It starts the synchronizer, waits for /healthz, starts the learners, applies the chaos
 schedule (kills and restarts, pauses, a slow half, a synchronizer kill), measures the
@@ -14,6 +15,12 @@ With `tls` the run issues its own CA (synchronizer/tls.py) into <out>/tls: ca.cr
 certificate for 127.0.0.1 and localhost, and with `mtls` a client certificate per learner
 slot (CN = its id) and one for the launcher's own calls; key files are 0600 and the CA's key
 is never written (every certificate the run needs is issued up front).
+
+With `sync_shards` S > 1 it runs S synchronizer processes (`synchronizer-<i>`, state in
+<out>/sync-<i>, a port each); learners get the comma list of their URLs in shard order, and
+the launcher's own calls (health, status, evaluation) go through `shards.ShardClients`, so
+the live table, the samples and the report are `merge_statuses` of the shards'. The chaos
+`sync` event kills shard `seed % S` (or the shard a ready schedule names).
 """
 
 from __future__ import annotations
@@ -29,9 +36,9 @@ from typing import TYPE_CHECKING, Any
 
 from ddiloco.local import scrapes
 from ddiloco.local.chaos import Schedule, learner_ids, make_schedule
-from ddiloco.local.netcut import CutProxy
+from ddiloco.local.netcut import CutProxies
 from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
-from ddiloco.synchronizer import tls
+from ddiloco.synchronizer import shards, tls
 from ddiloco.synchronizer.tls import ClientTLS
 
 if TYPE_CHECKING:  # client.py imports torch: not before a run starts (`ddiloco local` errors)
@@ -101,6 +108,11 @@ class LocalConfig:
     """Each learner slot serves Prometheus metrics on a free loopback port of its own,
     listed in <out>/metrics.json with the synchronizer's; their last scrapes are saved in
     <out>/metrics/ (local/scrapes.py)."""
+    update_encoding: str = "bfloat16"
+    """How learners send updates (synchronizer/wire.py: float32, bfloat16, int8, int4); the
+    synchronizer is configured to accept that one alone."""
+    sync_shards: int = 1
+    """S, synchronizer shards, each a process with its own state dir and port."""
     tensorboard: Path | None = None
     """Write TensorBoard event files here as the run goes (local/tensorboard.py: eval loss,
     training loss per learner, goodput, merged-work ratio, bytes); needs tensorboardX."""
@@ -114,8 +126,17 @@ class LocalConfig:
             raise ValueError(f"quorum must be in 1..learners ({self.learners}), got {self.quorum}")
         if self.nproc_per_node < 1:
             raise ValueError(f"nproc_per_node must be >= 1, got {self.nproc_per_node}")
+        if not 1 <= self.sync_shards <= self.fragments:
+            raise ValueError(
+                f"sync_shards must be in 1..fragments ({self.fragments}), got {self.sync_shards}"
+            )
         if self.max_seconds <= 0 and self.max_steps <= 0:
             self.max_seconds = 60.0
+        if self.update_encoding not in ("float32", "bfloat16", "int8", "int4"):
+            raise ValueError(
+                f"update_encoding must be float32, bfloat16, int8 or int4, got "
+                f"{self.update_encoding!r}"
+            )
         if self.spare_takeover not in ("immediate", "after-delay"):
             raise ValueError(
                 f"spare_takeover must be immediate or after-delay, got {self.spare_takeover!r}"
@@ -131,11 +152,14 @@ class LocalRun:
         self.out = Path(cfg.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.token = secrets.token_urlsafe(24)
-        self.port = free_port()
+        self.ports = [free_port() for _ in range(cfg.sync_shards)]
+        self.port = self.ports[0]
         self.tls_dir = self.out / "tls"
         self.client_tls = self._issue_certificates() if cfg.tls else None
         scheme = "https" if cfg.tls else "http"
-        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        self.urls = [f"{scheme}://127.0.0.1:{port}" for port in self.ports]
+        """Every shard's URL, in shard order (one: unsharded)."""
+        self.url = self.urls[0]
         self.http_version = ""
         """The protocol the launcher's last status call came over (HTTP/2 expected)."""
         self.schedule = cfg.schedule or make_schedule(
@@ -143,7 +167,9 @@ class LocalRun:
         )
         # A learner the schedule partitions talks to the synchronizer through a relay we can cut.
         self.proxies = {
-            e.target: CutProxy(self.port) for e in self.schedule.events if e.action == "partition"
+            e.target: CutProxies(self.ports)
+            for e in self.schedule.events
+            if e.action == "partition"
         }
         self.reconnect_at: dict[str, float] = {}
         self.added: dict[str, float] = {}
@@ -160,7 +186,8 @@ class LocalRun:
             scrapes.assign_ports(learner_ids(cfg.learners)) if cfg.learner_metrics else {}
         )
         """Learner slot -> its metrics port (`learner_metrics`)."""
-        self.sync = self._sync_child()
+        self.syncs = [self._sync_child(i) for i in range(cfg.sync_shards)]
+        self.sync = self.syncs[0]
         self.learners = [
             self._learner_child(i, lid) for i, lid in enumerate(learner_ids(cfg.learners))
         ]
@@ -188,19 +215,26 @@ class LocalRun:
         return ClientTLS(d / "ca.crt", d / "launcher.crt", d / "launcher.key")
 
     def client(self, timeout: float = 60.0) -> SyncClient:
-        """A SyncClient for the launcher's own calls (health, status), TLS files included."""
+        """A SyncClient for the launcher's own calls (health, status), TLS files included;
+        with shards, a `ShardClients` (the same calls, the status merged)."""
         from ddiloco.synchronizer.client import SyncClient
 
+        if len(self.urls) > 1:
+            clients = shards.ShardClients(
+                self.urls, self.token, timeout=timeout, tls=self.client_tls
+            )
+            return clients  # type: ignore[return-value]
         return SyncClient(self.url, self.token, timeout=timeout, tls=self.client_tls)
 
-    def _sync_child(self) -> Child:
+    def _sync_child(self, shard: int = 0) -> Child:
         c = self.cfg
+        state = shards.state_dirs(self.out, c.sync_shards)[shard]
         argv = ddiloco_command(
             "synchronizer",
             "--port",
-            str(self.port),
+            str(self.ports[shard]),
             "--state-dir",
-            str(self.out / "state"),
+            str(state),
             "--quorum",
             str(c.quorum),
             "--merge",
@@ -210,6 +244,8 @@ class LocalRun:
         )
         if not c.grace:
             argv.append("--no-grace")
+        if c.sync_shards > 1:
+            argv += ["--shard", str(shard), "--shards", str(c.sync_shards)]
         if c.tls:
             argv += ["--tls-cert", str(self.tls_dir / "server.crt")]
             argv += ["--tls-key", str(self.tls_dir / "server.key")]
@@ -221,15 +257,17 @@ class LocalRun:
             DDILOCO_OUTER_LR=str(c.outer_lr),
             DDILOCO_OUTER_MOMENTUM=str(c.outer_momentum),
             DDILOCO_COUNTER_CAP_STEPS=str(4 * c.h),
+            DDILOCO_UPDATE_ENCODINGS=c.update_encoding,
         )
-        return Child("synchronizer", argv, env, self.out / "logs" / "synchronizer.log")
+        name = "synchronizer" if c.sync_shards == 1 else f"synchronizer-{shard}"
+        return Child(name, argv, env, self.out / "logs" / f"{name}.log")
 
     def _learner_child(self, index: int, lid: str) -> Child:
         c = self.cfg
         argv = ddiloco_command(
             "learner",
             "--sync-url",
-            self.proxies[lid].url if lid in self.proxies else self.url,
+            self.proxies[lid].url if lid in self.proxies else ",".join(self.urls),
             "--learner-id",
             lid,
             "--learner-index",
@@ -254,6 +292,8 @@ class LocalRun:
             "1",
             "--slow-factor",
             str(self.schedule.slow_factors.get(lid, 1.0)),
+            "--update-encoding",
+            c.update_encoding,
             "--log-level",
             "WARNING",
         )
@@ -323,17 +363,19 @@ class LocalRun:
         client = self.client(timeout=5.0)
         deadline = time.time() + timeout
         while not client.healthy():
-            if not self.sync.alive():
-                raise RuntimeError(f"synchronizer exited; see {self.sync.log_path}")
+            for sync in self.syncs:
+                if not sync.alive():
+                    raise RuntimeError(f"synchronizer exited; see {sync.log_path}")
             if time.time() > deadline:
                 raise RuntimeError(
-                    f"synchronizer not healthy after {timeout:.0f}s; see {self.sync.log_path}"
+                    f"synchronizer not healthy after {timeout:.0f}s; see {self.out / 'logs'}"
                 )
             time.sleep(0.05)
         client.close()
 
     def _apply_chaos(self, now: float) -> None:
-        by_name = {c.name: c for c in [self.sync, *self.learners]}
+        by_name = {c.name: c for c in [*self.syncs, *self.learners]}
+        by_name.setdefault("synchronizer", self.syncs[self.cfg.seed % len(self.syncs)])
         while self.schedule.events and self.schedule.events[0].at <= now:
             ev = self.schedule.events.pop(0)
             child = by_name[ev.target]
@@ -381,7 +423,7 @@ class LocalRun:
             if child.resume_at is not None and now >= child.resume_at:
                 child.resume()
             if child.restart_at is not None and now >= child.restart_at:
-                if child is self.sync:
+                if child in self.syncs:
                     child.start()
                 else:
                     self._start_learner(child)
@@ -413,12 +455,13 @@ class LocalRun:
         from ddiloco.local.report import build_report
 
         (self.out / "schedule.json").write_text(self.schedule.to_json())
-        children = [self.sync, *self.learners]
+        children = [*self.syncs, *self.learners]
         try:
-            self.sync.start()
+            for sync in self.syncs:
+                sync.start()
             self._wait_healthy()
             if self.metrics_ports:
-                scrapes.write_index(self.out, self.url, self.metrics_ports)
+                scrapes.write_index(self.out, self.url, self.metrics_ports, self.urls)
             for proxy in self.proxies.values():
                 proxy.start()
             if self.cfg.warm_spares:
@@ -437,7 +480,7 @@ class LocalRun:
                     self._start_learner(child)
             c = self.cfg
             self.evaluator = GlobalEvaluator(
-                self.url,
+                ",".join(self.urls),
                 self.token,
                 tls=self.client_tls,
                 preset=c.model,
@@ -480,8 +523,9 @@ class LocalRun:
             terminate_all(self.learners)
             self.evaluator.stop()
             self.sampler.stop()
-            if not self.sync.alive():  # a synchronizer killed near the end: bring it back
-                self.sync.start()
+            for sync in self.syncs:  # a synchronizer killed near the end: bring it back
+                if not sync.alive():
+                    sync.start()
             self._wait_healthy()  # a restarted one may still be starting (imports, state)
             time.sleep(0.3)  # last merges of updates the learners flushed on SIGTERM
             self.evaluator.evaluate()

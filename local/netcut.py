@@ -120,3 +120,36 @@ class CutProxy:
         for s in pair:
             with contextlib.suppress(OSError):
                 s.close()
+
+
+class CutProxies:
+    """One `CutProxy` per synchronizer shard, cut and restored together: a learner's link to
+    a sharded synchronizer. `url` is the comma list of the relays, in shard order."""
+
+    def __init__(self, target_ports: list[int], target_host: str = "127.0.0.1") -> None:
+        self.proxies = [CutProxy(port, target_host) for port in target_ports]
+        self.url = ",".join(p.url for p in self.proxies)
+
+    @property
+    def cuts(self) -> int:
+        return self.proxies[0].cuts
+
+    @property
+    def resets(self) -> int:
+        return sum(p.resets for p in self.proxies)
+
+    def start(self) -> None:
+        for p in self.proxies:
+            p.start()
+
+    def cut(self) -> None:
+        for p in self.proxies:
+            p.cut()
+
+    def restore(self) -> None:
+        for p in self.proxies:
+            p.restore()
+
+    def close(self) -> None:
+        for p in self.proxies:
+            p.close()

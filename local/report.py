@@ -161,7 +161,13 @@ def build_report(run: LocalRun) -> dict[str, Any]:
         "bytes_up": status.bytes_up,
         "bytes_down": status.bytes_down,
         "learner_restarts": sum(x["restarts"] for x in learners),
-        "sync_restarts": max(0, len(run.sync.starts) - 1),
+        "sync_restarts": sum(max(0, len(s.starts) - 1) for s in run.syncs),
+        "sync_shards": len(run.syncs),
+        # every fragment with its owner shard and final version (the job's, merged over shards)
+        "fragments": [
+            {"index": f.index, "shard": f.shard, "version": f.version, "merge": f.merge}
+            for f in status.fragments
+        ],
         "wall_seconds": round(wall, 3),
         "sync_seconds_mean": status.xi.get("sync") or 0.0,
         "mean_contributors": round(status.mean_contributors, 3),
@@ -223,6 +229,7 @@ def build_report(run: LocalRun) -> dict[str, Any]:
             "outer_momentum": cfg.outer_momentum,
             "tls": cfg.tls,
             "mtls": cfg.mtls,
+            "update_encoding": cfg.update_encoding,
         },
         "learners": learners,
     }

@@ -44,12 +44,17 @@ def learner_url(port: int) -> str:
     return f"http://127.0.0.1:{port}/metrics"
 
 
-def write_index(out: Path, sync_url: str, ports: dict[str, int]) -> dict[str, Any]:
-    """<out>/metrics.json: the synchronizer's and every learner's /metrics URL."""
-    index = {
+def write_index(
+    out: Path, sync_url: str, ports: dict[str, int], shard_urls: list[str] | None = None
+) -> dict[str, Any]:
+    """<out>/metrics.json: the synchronizer's and every learner's /metrics URL (with shards,
+    `synchronizer` is shard 0's and `synchronizer_shards` lists every shard's in order)."""
+    index: dict[str, Any] = {
         "synchronizer": f"{sync_url}/metrics",
         "learners": {lid: learner_url(port) for lid, port in ports.items()},
     }
+    if shard_urls and len(shard_urls) > 1:
+        index["synchronizer_shards"] = [f"{u}/metrics" for u in shard_urls]
     (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return index
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any, Final, NoReturn
 
@@ -19,6 +20,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from ddiloco.synchronizer.buffers import POOL
 from ddiloco.synchronizer.errors import PayloadError
 from ddiloco.synchronizer.protocol import LAYOUT_KEY, FragmentSpec, Layout
 
@@ -29,10 +31,13 @@ __all__ = [
     "PayloadError",
     "check_fragment",
     "decode",
+    "decode_float32",
     "encode",
     "finite_norm",
+    "pieces",
     "read_header",
     "read_metadata",
+    "tensor_views",
 ]
 
 WIRE_DTYPES: Final[dict[str, torch.dtype]] = {
@@ -46,6 +51,12 @@ ST_DTYPES: Final[dict[str, tuple[torch.dtype, int]]] = {
     "F16": (torch.float16, 2),
 }
 """The safetensors dtype names of the wire dtypes, with their item size in bytes."""
+CODE_DTYPES: Final[dict[str, tuple[torch.dtype, int]]] = {
+    "I8": (torch.int8, 1),
+    "U8": (torch.uint8, 1),
+}
+"""The dtypes of quantized update codes (int8, int4 packed two per byte; synchronizer/wire.py),
+accepted by `read_header(codes=True)` only: the update route's, which wire.py then checks."""
 
 MAX_HEADER_BYTES: Final = 16 << 20
 """The largest safetensors header accepted (the init payload's carries the whole layout)."""
@@ -79,9 +90,55 @@ class Header:
     """Length of the data buffer the offsets index."""
 
 
+_NAMES: Final[dict[torch.dtype, str]] = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.int32: "I32",
+    torch.int64: "I64",
+}
+"""Dtypes `pieces` lays out itself (the safetensors names); any other goes through the
+safetensors library."""
+
+
+def pieces(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> list[memoryview | bytes] | None:
+    """A safetensors file as its parts: the header, then each tensor's bytes as a view of
+    the tensor itself (no copy). None if a dtype is not in `_NAMES`. The views keep the
+    tensors alive; write or join them before the tensors change."""
+    header: dict[str, Any] = {}
+    parts: list[memoryview | bytes] = []
+    at = 0
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        if t.dtype not in _NAMES:
+            return None
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [at, at + size],
+        }
+        if size:
+            parts.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        at += size
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return [len(raw).to_bytes(8, "little") + raw, *parts]
+
+
 def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
-    contiguous = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    return st_save(contiguous, metadata=metadata)
+    """Tensors as a safetensors payload (one copy of their bytes, into the result)."""
+    parts = pieces(tensors, metadata)
+    if parts is None:
+        contiguous = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+        return st_save(contiguous, metadata=metadata)
+    return b"".join(parts)
 
 
 def _bad(why: str) -> NoReturn:
@@ -125,27 +182,28 @@ def _is_count(x: object) -> bool:
     return type(x) is int and 0 <= x <= MAX_INT
 
 
-def _entry(name: object, raw: object) -> TensorEntry:
+def _entry(name: object, raw: object, dtypes: dict[str, tuple[torch.dtype, int]]) -> TensorEntry:
     if not isinstance(raw, dict) or set(raw) != _ENTRY_KEYS:
         _bad(f"entry {name!r} is not {{dtype, shape, data_offsets}}")
     dtype, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
     if not isinstance(dtype, str):
         _bad(f"entry {name!r} has a dtype that is not a string")
-    if dtype not in ST_DTYPES:
-        allowed = ", ".join(ST_DTYPES)
+    if dtype not in dtypes:
+        allowed = ", ".join(dtypes)
         raise PayloadError(f"tensor {name!r} has dtype {dtype[:32]!r}; the wire allows {allowed}")
     if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_count(d) for d in shape):
         _bad(f"entry {name!r} has a shape that is not a list of at most {MAX_DIMS} sizes >= 0")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_count, offsets)):
         _bad(f"entry {name!r} has data_offsets that are not [begin, end]")
     begin, end = offsets
-    if end < begin or end - begin != math.prod(shape) * ST_DTYPES[dtype][1]:
+    if end < begin or end - begin != math.prod(shape) * dtypes[dtype][1]:
         _bad(f"entry {name!r}: data_offsets {offsets} do not hold a {dtype} tensor of {shape}")
     return TensorEntry(dtype, tuple(shape), begin, end)
 
 
-def read_header(payload: bytes) -> Header:
-    """Parse and check a safetensors header without touching any tensor data."""
+def read_header(payload: bytes, *, codes: bool = False) -> Header:
+    """Parse and check a safetensors header without touching any tensor data. `codes` also
+    admits the `CODE_DTYPES` of a quantized update (the update route: wire.py checks them)."""
     if len(payload) < 8:
         _bad("shorter than its 8-byte header length")
     n = int.from_bytes(payload[:8], "little")
@@ -171,7 +229,8 @@ def read_header(payload: bytes) -> Header:
         _bad("__metadata__ is not a map of strings")
     if not all(map(_utf8, [*raw, *meta, *meta.values()])):
         _bad("header holds a string that is not UTF-8 (a lone surrogate escape)")
-    tensors = {name: _entry(name, entry) for name, entry in raw.items()}
+    dtypes = ST_DTYPES | CODE_DTYPES if codes else ST_DTYPES
+    tensors = {name: _entry(name, entry, dtypes) for name, entry in raw.items()}
     data_bytes = len(payload) - 8 - n
     at = 0
     for name, t in sorted(tensors.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
@@ -199,11 +258,63 @@ def decode(payload: bytes, header: Header | None = None) -> dict[str, torch.Tens
         raise PayloadError(f"payload is not valid safetensors: {str(e)[:200]}") from None
     for name, t in header.tensors.items():
         got = tensors.get(name)
-        if got is None or tuple(got.shape) != t.shape or got.dtype != ST_DTYPES[t.dtype][0]:
+        want = (ST_DTYPES | CODE_DTYPES)[t.dtype][0]
+        if got is None or tuple(got.shape) != t.shape or got.dtype != want:
             raise PayloadError(f"payload is not valid safetensors: tensor {name!r} misread")
     if len(tensors) != len(header.tensors):
         raise PayloadError("payload is not valid safetensors: unexpected tensors")
     return tensors
+
+
+def decode_float32(
+    payload: bytes | bytearray | memoryview, header: Header | None = None
+) -> dict[str, torch.Tensor]:
+    """The float tensors of a payload whose header passed `read_header`, as float32 of their
+    shapes: each read in place from the body (`torch.frombuffer`, no copy) and converted
+    once, into a buffer of `buffers.POOL` (already touched: no page faults). The body is
+    never written nor kept. Raises PayloadError for a non-float tensor."""
+    header = header or read_header(payload)
+    view = memoryview(payload)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    start = len(view) - header.data_bytes
+    out: dict[str, torch.Tensor] = {}
+    with warnings.catch_warnings():  # a bytes body is read-only; it is only ever read
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+        for name, t in header.tensors.items():
+            if t.dtype not in ST_DTYPES:
+                raise PayloadError(f"tensor {name!r} has dtype {t.dtype}; not a float tensor")
+            dst = POOL.take(t.shape)
+            if t.end > t.begin:
+                dtype = ST_DTYPES[t.dtype][0]
+                src = view[start + t.begin : start + t.end]
+                dst.view(-1).copy_(torch.frombuffer(src, dtype=dtype))
+            out[name] = dst
+    return out
+
+
+def tensor_views(
+    payload: bytes | bytearray | memoryview, header: Header
+) -> dict[str, torch.Tensor]:
+    """Every tensor of a payload whose header passed `read_header`, as a read-only view of
+    the body's bytes in its own dtype and shape (no copy: the caller converts what it keeps,
+    and must not write to them nor keep them past the body)."""
+    view = memoryview(payload)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    start = len(view) - header.data_bytes
+    dtypes = ST_DTYPES | CODE_DTYPES
+    out: dict[str, torch.Tensor] = {}
+    with warnings.catch_warnings():  # a bytes body is read-only; it is only ever read
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+        for name, t in header.tensors.items():
+            dtype = dtypes[t.dtype][0]
+            if t.end == t.begin:
+                out[name] = torch.empty(t.shape, dtype=dtype)
+                continue
+            src = view[start + t.begin : start + t.end]
+            out[name] = torch.frombuffer(src, dtype=dtype).view(t.shape)
+    return out
 
 
 def check_fragment(

@@ -13,15 +13,16 @@ Every knob of the merge service lives here, with the paper's symbol where it has
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from ddiloco.synchronizer.auth import StaticTokens, TokenFile, Tokens
-from ddiloco.synchronizer.protocol import MergeRule
+from ddiloco.synchronizer.protocol import MergeRule, UpdateEncoding
 
 DEFAULT_PORT = 8470
 
@@ -57,6 +58,12 @@ class SyncSettings(BaseSettings):
     Update bodies are capped by their fragment's size in float32, from the layout."""
     body_timeout_s: float = Field(30.0, gt=0.0)
     """A request body that sends nothing for this long is refused (408)."""
+    shard: int = Field(0, ge=0)
+    """This synchronizer's shard index (`DDILOCO_SHARD`), 0 <= shard < shards. A shard owns
+    the fragments `protocol.shard_map(layout, shards)` gives it: it stores, merges and serves
+    only those, with its own state directory; the others are refused (421, naming the owner)."""
+    shards: int = Field(1, ge=1)
+    """S, the job's synchronizer shards (`DDILOCO_SHARDS`); 1: one synchronizer for all."""
     metrics: bool = True
     """Serve Prometheus metrics on GET /metrics (README "Metrics"). False
     (`DDILOCO_METRICS=0`): every instrument is a no-op and /metrics answers 404."""
@@ -109,12 +116,39 @@ class SyncSettings(BaseSettings):
     the fragment file, so it too survives a restart)."""
     broadcast_dtype: Literal["float32", "bfloat16"] = "float32"
     """Precision of global fragments served to learners."""
+    update_encodings: Annotated[list[UpdateEncoding], NoDecode] = Field(
+        default_factory=lambda: ["float32", "bfloat16"], min_length=1
+    )
+    """The update encodings accepted from learners (synchronizer/wire.py): float32, bfloat16,
+    int8, int4; `DDILOCO_UPDATE_ENCODINGS=int4,bfloat16` (a comma list, or JSON). An update in
+    any other is refused (415) before anything is written; a learner learns the list at join
+    and stops with one line if its own is not in it."""
+
+    @field_validator("update_encodings", mode="before")
+    @classmethod
+    def _comma_list(cls, value: object) -> object:
+        """`int4,bfloat16` (the environment's comma list) or `["int4", "bfloat16"]` (JSON)."""
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [v.strip() for v in text.split(",") if v.strip()]
+        return value
 
     @model_validator(mode="after")
     def _token_source(self) -> SyncSettings:
         if self.token is None and self.token_file is None:
             raise ValueError(
                 "set DDILOCO_TOKEN or DDILOCO_TOKEN_FILE: every learner call is authenticated"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _shard_index(self) -> SyncSettings:
+        if not 0 <= self.shard < self.shards:
+            raise ValueError(
+                f"DDILOCO_SHARD={self.shard} is out of range for DDILOCO_SHARDS={self.shards}: "
+                f"give 0 <= shard < shards"
             )
         return self
 

@@ -28,6 +28,12 @@ class Refusal(StrEnum):
     """The body stopped arriving (408)."""
     INVALID = "invalid"
     """Malformed, non-finite, wrong shape, implausible norm, or failed validation (422)."""
+    ENCODING = "unsupported_encoding"
+    """An update in an encoding this synchronizer was not configured for (415:
+    `DDILOCO_UPDATE_ENCODINGS`); the detail names both."""
+    WRONG_SHARD = "wrong_shard"
+    """The fragment is owned by another synchronizer shard (421 Misdirected Request); the
+    detail names the owner."""
 
 
 HTTP_STATUS: dict[Refusal, int] = {
@@ -39,6 +45,8 @@ HTTP_STATUS: dict[Refusal, int] = {
     Refusal.TOO_LARGE: 413,
     Refusal.TIMEOUT: 408,
     Refusal.INVALID: 422,
+    Refusal.ENCODING: 415,
+    Refusal.WRONG_SHARD: 421,
 }
 
 

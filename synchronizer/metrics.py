@@ -40,10 +40,19 @@ ENCODINGS: Final = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
 BROADCAST_ENCODINGS: Final = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
+QUANTIZED_CODES: Final = {"I8": "int8", "U8": "int4"}
+"""The safetensors dtype of a quantized update's codes -> its label (synchronizer/wire.py:
+int8 codes are I8, int4 codes packed in U8; their float32 scales do not make it `mixed`)."""
+
+
 def encoding_of(dtypes: Iterable[str]) -> str:
     """The `encoding` label of a payload from its tensors' safetensors dtypes: `bf16`,
-    `fp32`, `fp16`, or `mixed`."""
-    names = {ENCODINGS.get(d, d.lower()) for d in dtypes}
+    `fp32`, `fp16`, `int8`, `int4` (codes with their float32 scales), or `mixed`."""
+    seen = set(dtypes)
+    codes = {QUANTIZED_CODES[d] for d in seen if d in QUANTIZED_CODES}
+    if len(codes) == 1 and seen - set(QUANTIZED_CODES) <= {"F32"}:
+        return codes.pop()
+    names = {ENCODINGS.get(d, d.lower()) for d in seen}
     if len(names) == 1:
         return names.pop()
     return "mixed" if names else "none"
@@ -79,6 +88,7 @@ class SyncMetrics:
         self._protocols: Mapping[tuple[str, str], int] = {}
         if not enabled:
             self.merge_duration = self.round_quorum = self.round_publish = NOOP
+            self.round_served = NOOP
             self.grace_window = self.merge_contributors = self.update_staleness = NOOP
             self.update_bytes = self.updates_accepted = self.learner_tokens_merged = NOOP
             self.bytes_received = self.bytes_served = NOOP
@@ -102,6 +112,14 @@ class SyncMetrics:
         self.round_publish: Any = Histogram(
             "ddiloco_round_publish_seconds",
             "A merged round's first accepted contribution to its merged fragment being served",
+            frag,
+            registry=r,
+            buckets=ROUND_SECONDS,
+        )
+        self.round_served: Any = Histogram(
+            "ddiloco_round_served_seconds",
+            "A merged round's quorum to its merged fragment being served (grace window, "
+            "merge and persisting it)",
             frag,
             registry=r,
             buckets=ROUND_SECONDS,
@@ -172,6 +190,7 @@ class SyncMetrics:
         self.merge_duration.labels(frag).observe(now - t_merge)
         self.round_quorum.labels(frag).observe(max(0.0, (r.quorum_at or started) - started))
         self.round_publish.labels(frag).observe(max(0.0, now - started))
+        self.round_served.labels(frag).observe(max(0.0, now - (r.quorum_at or started)))
         self.grace_window.labels(frag).observe(r.grace)
         self.merge_contributors.labels(frag).observe(outcome.contributors)
         items = list(r.contributions.items())

@@ -35,6 +35,12 @@ MODEL_KEY: Final = "ddiloco.model"  # init metadata key carrying the ModelSpec J
 MAX_DATA_POSITION: Final = (1 << 53) - 1
 """The largest data position (windows of a slot's stream) accepted: exact in any JSON."""
 
+UpdateEncoding = Literal["float32", "bfloat16", "int8", "int4"]
+"""How a learner's update crosses the wire (synchronizer/wire.py): float tensors, or
+blockwise absmax codes with float32 scales. float16 stays readable as a float dtype of an old
+sender, but is not a job's encoding."""
+UPDATE_ENCODINGS: Final[tuple[str, ...]] = ("float32", "bfloat16", "int8", "int4")
+
 MergeRule = Literal["rda", "mean"]
 """How a fragment's contributions combine: radial-directional averaging, or the weighted mean."""
 MAX_STEP_SECONDS: Final = 3600.0
@@ -79,6 +85,26 @@ class Layout(_Msg):
         return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
+def shard_map(layout: Layout, shards: int) -> list[int]:
+    """The shard that owns each fragment (indexed like `layout.fragments`), balanced by bytes
+    (float32 numel): the largest fragment first onto the least-loaded shard, ties by the lower
+    fragment index and then the lower shard. Deterministic, so every shard and every learner
+    compute the same map from the same layout; with `shards` = 1 every fragment is shard 0's.
+
+        shard_map(layout, 2)   # e.g. [0, 1, 1, 0]
+    """
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    sizes = [f.numel() for f in layout.fragments]
+    load = [0] * shards
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        s = min(range(shards), key=lambda k: (load[k], k))
+        owner[i] = s
+        load[s] += sizes[i]
+    return owner
+
+
 class JoinRequest(_Msg):
     learner_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
     layout_digest: str | None = None
@@ -100,6 +126,17 @@ class JoinResponse(_Msg):
     data_position: int = 0
     """Where this slot's data stream resumes: the highest data position recorded for this
     learner id (durable in the ledger), before this join's `data_reserve` was added."""
+    shard: int = 0
+    """This synchronizer's shard index (0 <= shard < shards)."""
+    shards: int = 1
+    """S, the job's synchronizer shards: a learner sends fragment p to shard `shard_map(layout,
+    S)[p]` and heartbeats to every shard. `versions` stays indexed over the whole layout: a
+    shard answers 0 for the fragments it does not own."""
+    owned: list[int] = []
+    """The fragments this shard owns ([] before init)."""
+    update_encodings: list[str] = []
+    """The update encodings this synchronizer accepts (`UpdateEncoding`s); a learner whose
+    own is not among them stops at join with one line. [] from an older synchronizer."""
 
 
 class InitResponse(_Msg):
@@ -129,6 +166,9 @@ class UpdateMeta(_Msg):
     updates of a fragment: the synchronizer keeps, per learner and fragment, the highest
     (incarnation, learner_step) it accepted, durably, and answers `duplicate` to anything at
     or below it, however long ago that was."""
+    encoding: UpdateEncoding | None = None
+    """The learner's update encoding (synchronizer/wire.py); the synchronizer refuses one it
+    was not configured for (415). None: an older sender, whose tensors' float dtype says it."""
 
     def update_id(self) -> str:
         return f"{self.learner_id}/{self.fragment}/{self.incarnation}/{self.learner_step}"
@@ -138,7 +178,7 @@ class UpdateMeta(_Msg):
         return (self.incarnation, self.learner_step)
 
     def to_metadata(self) -> dict[str, str]:
-        return {k: str(v) for k, v in self.model_dump().items()}
+        return {k: str(v) for k, v in self.model_dump().items() if v is not None}
 
     @classmethod
     def from_metadata(cls, meta: dict[str, str] | None) -> UpdateMeta:
@@ -240,6 +280,8 @@ class FragmentStatus(_Msg):
     """Tokens behind every contribution merged into this fragment."""
     tokens_pending: int = 0
     """Tokens behind accepted contributions waiting in its open round (durable, see state)."""
+    shard: int = 0
+    """The shard that owns (merges and serves) this fragment."""
 
 
 class Status(_Msg):
@@ -269,3 +311,8 @@ class Status(_Msg):
     learners: list[LearnerStatus]
     xi: dict[str, float | None]
     """Current moving averages: step (slowest live learner), quorum, sync; seconds."""
+    shard: int = 0
+    """The shard that answered (a shard's status lists only the fragments it owns, and its
+    counts are over those; `shards.merge_statuses` makes the job's view, `shard` 0 there)."""
+    shards: int = 1
+    """S, the job's synchronizer shards (1: one synchronizer owns every fragment)."""

@@ -22,6 +22,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Message, Receive
 
 from ddiloco.synchronizer.auth import Tokens, token_matches
@@ -84,7 +85,8 @@ class BodyGuard:
                 "bytes this route can need",
             )
         try:
-            message = await asyncio.wait_for(self.receive(), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):  # no task per chunk, as wait_for made
+                message = await self.receive()
         except TimeoutError:
             raise self.refuse(
                 Refusal.TIMEOUT,
@@ -134,13 +136,37 @@ class GuardedRoute(APIRoute):
         return guarded
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, refused (413) beyond `limit` bytes or (408) when it stalls."""
+async def read_body(request: Request, limit: int) -> bytes | bytearray:
+    """The whole body, refused (413) beyond `limit` bytes or (408) when it stalls.
+
+    With a Content-Length (within the limit) the body is read once into a buffer of that
+    size, each chunk copied in where it belongs: no list of chunks joined at the end (a
+    second copy of every byte, and a second body-sized allocation). A body that does not
+    match its Content-Length is refused (422). Without one (chunked), chunks are joined."""
     guard = request.receive
     if not isinstance(guard, BodyGuard):
         raise TypeError("routes read bodies through GuardedRoute, which guards them")
     guard.limit = limit
-    return await request.body()
+    size = guard.declared
+    if size is None or size > limit:
+        return await request.body()  # the guard refuses an oversized declaration itself
+    buf = bytearray(size)
+    view, at, more = memoryview(buf), 0, True
+    while more:
+        message = await guard()
+        if message["type"] != "http.request":  # http.disconnect: the client went away
+            raise ClientDisconnect()
+        chunk: bytes = message.get("body", b"")
+        more = message.get("more_body", False)
+        if at + len(chunk) > size:
+            raise SyncError(Refusal.INVALID, f"body is longer than its Content-Length ({size})")
+        view[at : at + len(chunk)] = chunk
+        at += len(chunk)
+    if at != size:
+        raise SyncError(
+            Refusal.INVALID, f"body of {at} bytes is shorter than its Content-Length ({size})"
+        )
+    return buf
 
 
 def get_sync(request: Request) -> Synchronizer:
@@ -176,6 +202,8 @@ ERRORS: Final[dict[int | str, dict[str, Any]]] = {
         408: "timeout: the body stopped arriving",
         409: "not_initialized, stale or conflict",
         413: "too_large: the body is larger than the route can need",
+        415: "unsupported_encoding: an update encoding this synchronizer does not accept",
+        421: "wrong_shard: another synchronizer shard owns this fragment",
         422: "invalid: malformed, non-finite, wrong shape or failed validation",
     }.items()
 }
@@ -228,6 +256,7 @@ async def fragment(p: int, sync: SyncDep) -> Response:
     openapi_extra=_binary_body("safetensors of the learner's progress on p, UpdateMeta metadata"),
 )
 async def update(p: int, request: Request, sync: SyncDep) -> UpdateResponse:
+    sync.check_owner(p)  # a misdirected update is refused before its body is read (421)
     body = await read_body(request, sync.body_limit(p))
     return await asyncio.to_thread(sync.submit, body, p)
 

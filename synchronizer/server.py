@@ -3,6 +3,7 @@
     DDILOCO_TOKEN=s3cret ddiloco synchronizer --state-dir /tmp/ddiloco-state --port 8470
     DDILOCO_TOKEN_FILE=/run/secrets/token ddiloco synchronizer \
         --tls-cert server.crt --tls-key server.key [--tls-client-ca ca.crt]
+    ddiloco synchronizer --shard 1 --shards 2 --state-dir state-1 --port 8471   # shards.py
 
 Settings come from the environment (`DDILOCO_*`, see config.py); the few flags here
 override them. uvicorn >= 0.54 with its zttp protocol serves h2c by prior knowledge when TLS
@@ -11,6 +12,15 @@ neither) the same port serves HTTPS instead, and uvicorn's zttp dispatcher picks
 HTTP/1.1 per connection from ALPN (h2, http/1.1). DDILOCO_TLS_CLIENT_CA_FILE (`--tls-client-ca`)
 also requires a client certificate signed by that CA (mutual TLS). The bearer token is checked
 either way; DDILOCO_TOKEN_FILE is re-read when it changes (token rotation, auth.py).
+
+Why uvicorn (issue 15, bench/RESULTS.md "Synchronizer ingest after issue 15's work"): with 16
+pycurl clients posting 32 MB bodies to an app that only reads them, uvicorn (zttp or
+httptools) spends 2.4-2.5 CPU s per GB of HTTP/1.1, hypercorn 3.0, granian 1.0; the
+synchronizer's own work per GB is several times that, so the server is not what bounds
+ingest yet, and granian would need the TLS/mTLS path redone. HTTP/2 bulk uploads reach
+under half of HTTP/1.1 on every server measured (zttp's fixed 64 KiB window; granian's
+h2 0.3x even with 16 MiB windows), so learners upload over HTTP/1.1 on the same port
+(`LearnerConfig.upload_http2` False) and keep HTTP/2 for heartbeats and downloads.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import uvicorn
 from ddiloco.cli.errors import usage_errors
 from ddiloco.synchronizer import tls
 from ddiloco.synchronizer.config import SyncSettings
+from ddiloco.synchronizer.shards import check_state_dir
 
 
 def init_logging(level: str = "INFO") -> None:
@@ -45,6 +56,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-grace", action="store_true", help="merge at the quorum, no grace window")
     ap.add_argument(
         "--merge", choices=["rda", "mean"], help="non-embedding merge rule (env DDILOCO_MERGE)"
+    )
+    ap.add_argument("--shard", type=int, help="this shard's index, 0..S-1 (env DDILOCO_SHARD)")
+    ap.add_argument(
+        "--shards", type=int, help="S, the job's synchronizer shards (env DDILOCO_SHARDS)"
+    )
+    ap.add_argument(
+        "--update-encoding",
+        action="append",
+        choices=["float32", "bfloat16", "int8", "int4"],
+        help="an update encoding to accept; repeat for several (env DDILOCO_UPDATE_ENCODINGS, "
+        "a comma list; default float32 and bfloat16)",
     )
     ap.add_argument("--http1", action="store_true", help="serve HTTP/1.1 only (comparison runs)")
     ap.add_argument(
@@ -89,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
             "state_dir": args.state_dir,
             "quorum": args.quorum,
             "merge": args.merge,
+            "shard": args.shard,
+            "shards": args.shards,
+            "update_encodings": args.update_encoding,
             "grace": False if args.no_grace else None,
             "tls_cert_file": args.tls_cert,
             "tls_key_file": args.tls_key,
@@ -100,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = SyncSettings(**overrides)
         settings.tokens()  # refuse a missing or empty token file now, by name
         Path(settings.state_dir).mkdir(parents=True, exist_ok=True)  # else at startup, traced
+        check_state_dir(settings)  # another shard's (or another S's) state dir: one line
     from ddiloco.synchronizer.app import create_app  # torch: after the settings are checked
 
     shown = settings.model_dump(exclude={"token"})  # paths only: never a token or a key

@@ -16,6 +16,12 @@ the per-learner order high-water marks make any re-send a `duplicate`. A merge i
 result is not finite is refused: the fragment stays as it was and its contributions wait.
 Anything refused (malformed, non-finite, implausible norm, too stale, unknown learner)
 raises a `SyncError` whose message says why, and changes nothing.
+
+Shards (`SyncSettings.shard`/`shards`, synchronizer/shards.py): a shard owns the fragments
+`protocol.shard_map` gives it and keeps, merges, persists and serves only those; an update
+or GET of another shard's fragment is refused (421, naming the owner). Lists indexed by
+fragment (`versions`, `fragments`, rounds) stay over the whole layout: a fragment owned
+elsewhere holds an empty placeholder at version 0 and no round ever opens on it.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from collections.abc import Callable
 
 import torch
 
-from ddiloco.synchronizer import admission, codec, ledger
+from ddiloco.synchronizer import admission, codec, ledger, shards, wire
+from ddiloco.synchronizer.buffers import POOL
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
 from ddiloco.synchronizer.ledger import LearnerRecord
@@ -77,6 +84,8 @@ class Synchronizer:
 
     def __init__(self, settings: SyncSettings, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = s = settings
+        self.accepted = frozenset(s.update_encodings)
+        """The update encodings accepted (wire.py); any other is refused, 415."""
         self.clock = clock
         self.store = StateStore(s.state_dir)
         self.lock = threading.RLock()
@@ -92,6 +101,9 @@ class Synchronizer:
             tau=s.tau,
         )
         self.layout: Layout | None = self.store.load_layout()
+        shards.check_state_dir(s)  # a state dir is one shard's, of one S: never another's
+        self.owned: list[int] = shards.owned(self.layout, s)
+        """The fragments this shard owns ([] before init; all of them with one shard)."""
         self.model: ModelSpec | None = self.store.load_model()
         """What the job trains, from the init upload (None: it said nothing, or no init)."""
         self.fragments: list[FragmentState] = []
@@ -115,7 +127,7 @@ class Synchronizer:
         self.refusals: Counter[str] = Counter(saved.get("totals", {}).get("refusals", {}))
         self.rounds: Rounds[Contribution] = self._rounds(0)
         if self.layout is not None:
-            self._adopt(self.store.load_fragments(self.layout))
+            self._adopt(shards.load_owned(self.store, self.layout, self.owned))
             replayed = self._replay()
             log.info(
                 "Resumed state from %s: versions %s, %d pending updates replayed",
@@ -147,12 +159,13 @@ class Synchronizer:
         count = 0
         for p, fs in enumerate(self.fragments):
             for payload in self.store.pending(p).read():
-                header = codec.read_header(payload)
+                header = codec.read_header(payload, codes=True)
                 meta = UpdateMeta.from_metadata(header.metadata)
                 merged = fs.high_water.get(meta.learner_id)
                 if merged is not None and meta.order() <= merged:
                     continue  # merged before the crash; the log was not emptied yet
-                self._hold(p, meta, codec.decode(payload, header))
+                spec = self.layout.fragments[p]  # accepted once: replayed in any encoding
+                self._hold(p, meta, wire.decode_update(payload, header, spec, wire.ALL))
                 count += 1
         return count
 
@@ -230,6 +243,10 @@ class Synchronizer:
             versions=self.versions(),
             incarnation=incarnation,
             data_position=resume,
+            update_encodings=list(self.settings.update_encodings),
+            shard=self.settings.shard,
+            shards=self.settings.shards,
+            owned=list(self.owned),
         )
 
     def init(self, payload: bytes) -> InitResponse:
@@ -243,14 +260,17 @@ class Synchronizer:
                 return InitResponse(
                     created=False, layout_digest=self.layout.digest(), versions=self.versions()
                 )
-            fragments = admission.initial_fragments(layout, codec.decode(payload, header))
-            for spec, fs in zip(layout.fragments, fragments, strict=True):
-                self.store.save_fragment(spec.index, fs)
+            owned = shards.owned(layout, self.settings)
+            fragments = shards.initial_owned(layout, owned, payload, header)
+            for p in owned:
+                self.store.save_fragment(p, fragments[p])
+            shards.save_state_dir(self.settings)
             if model is not None:
                 self.store.save_model(model)
             self.store.save_layout(layout)  # written last: its presence means "initialized"
             self.layout = layout
             self.model = model
+            self.owned = owned
             self._adopt(fragments)
             log.info(
                 "Initialized global model fragments=%d digest=%s", len(fragments), layout.digest()
@@ -268,12 +288,25 @@ class Synchronizer:
             raise SyncError(
                 Refusal.INVALID, f"fragment {p} does not exist (0..{len(self.fragments) - 1})"
             )
+        self.check_owner(p)
         version, body = self.served[p]
         with self.lock:
             self.totals["bytes_down"] += len(body)
         encoding = BROADCAST_ENCODINGS[self.settings.broadcast_dtype]
         self.metrics.bytes_served.labels(encoding).inc(len(body))
         return version, body
+
+    def check_owner(self, p: int) -> None:
+        """Refuse (421, naming the owner) a fragment another shard owns; pure and lock-free,
+        so the update route calls it before reading the body."""
+        owner = shards.owner_elsewhere(self.layout, self.settings, p)
+        if owner is not None:
+            raise SyncError(
+                Refusal.WRONG_SHARD,
+                f"fragment {p} is owned by shard {owner} of {self.settings.shards}, not by "
+                f"this shard {self.settings.shard}: send it to shard {owner} (the learner's "
+                "DDILOCO_SYNC_URL lists the shards in order)",
+            )
 
     def _high_water(self, p: int, learner_id: str) -> Order | None:
         """The highest order held for this learner and fragment, merged or pending."""
@@ -286,8 +319,9 @@ class Synchronizer:
     def submit(self, payload: bytes, path_fragment: int | None = None) -> UpdateResponse:
         if self.layout is None:
             raise SyncError(Refusal.NOT_INITIALIZED, "no global model yet: nothing to update")
-        header = codec.read_header(payload)  # checked once, used twice
+        header = codec.read_header(payload, codes=True)  # checked once, used twice
         meta = admission.parse_update(header, path_fragment, len(self.fragments))
+        self.check_owner(meta.fragment)
         self._learner(meta.learner_id)
         p, s = meta.fragment, self.settings
         with self.frag_locks[p]:
@@ -300,7 +334,8 @@ class Synchronizer:
             )
             if verdict == "duplicate":
                 return UpdateResponse(status="duplicate", fragment=p, round_version=fs.version)
-            delta = codec.decode(payload, header)
+            # float32 of the layout's shapes, in an accepted encoding (415 else): wire.py
+            delta = wire.decode_update(payload, header, self.layout.fragments[p], self.accepted)
             n = admission.check_delta(
                 delta,
                 self.layout.fragments[p],
@@ -437,9 +472,14 @@ class Synchronizer:
                 with self.lock:
                     self.rounds.restore(p, taken)
                 raise
+            retired = fs
             self.fragments[p] = fs = new  # in memory only once it is durable
             self.store.pending(p).clear()  # only now: the merge that consumed it is durable
             self.served[p] = self._encode(fs)
+            if outcome is not None:  # the superseded fragment and the merged rounds: reused
+                POOL.give([*retired.params.values(), *retired.momentum.values()])
+            for c in taken.values():
+                POOL.give(c.delta.values())
             if outcome is not None:  # published: its histograms, each observed once
                 self.metrics.merged(
                     p, round_, outcome, t_merge, self.clock(), len(self.fragments), fs.version - 1
@@ -478,8 +518,9 @@ class Synchronizer:
             merges = sum(fs.merges for fs in self.fragments)
             contributions = sum(fs.contributions for fs in self.fragments)
             merged = self.totals["merged_contributors"]
-            tokens_merged = sum(fs.tokens_merged for fs in self.fragments) // max(
-                1, len(self.fragments)
+            owned = self.owned  # a shard's status is over its fragments (shards.py)
+            tokens_merged = sum(self.fragments[p].tokens_merged for p in owned) // max(
+                1, len(owned)
             )
             frags = [
                 FragmentStatus(
@@ -491,10 +532,12 @@ class Synchronizer:
                     tokens_pending=sum(
                         c.tokens for c in self.rounds.rounds[i].contributions.values()
                     ),
+                    shard=self.settings.shard,
                 )
                 for i, (spec, fs) in enumerate(
                     zip(self.layout.fragments if self.layout else [], self.fragments, strict=True)
                 )
+                if i in owned
             ]
             return Status(
                 initialized=self.layout is not None,
@@ -512,15 +555,17 @@ class Synchronizer:
                 bytes_down=int(self.totals["bytes_down"]),
                 goodput=ledger.goodput(self.learners),
                 merged_work_ratio=ledger.merged_work_ratio(
-                    self.learners, tokens_merged, len(self.fragments)
+                    self.learners, tokens_merged, len(owned)
                 ),
                 fragments=frags,
-                learners=ledger.learner_statuses(self.learners, live, now, len(self.fragments)),
+                learners=ledger.learner_statuses(self.learners, live, now, len(owned)),
                 xi={
                     "step": self.rounds.xi_step(live),
                     "quorum": self.rounds.xi_quorum.value,
                     "sync": self.rounds.xi_sync.value,
                 },
+                shard=self.settings.shard,
+                shards=self.settings.shards,
             )
 
     def close(self) -> None:

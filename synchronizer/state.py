@@ -13,6 +13,9 @@ fsynced before the synchronizer answers `accepted`, and the log is emptied only 
 merge that consumed it is durable in the fragment file. A record torn by a crash (it was
 never acknowledged) is cut off when the log is read back.
 
+A fragment file is written from the tensors' own memory (`codec.pieces`: header, then each
+tensor's bytes, no serialized copy in between), then fsynced, before its version is served.
+
 A fragment file carries, per learner, the highest (incarnation, learner_step) merged into
 it: with the pending log's records it tells a restarted synchronizer exactly which
 updates it already holds, however long ago they came.
@@ -32,6 +35,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.protocol import Layout, ModelSpec
 
 Tensors = dict[str, torch.Tensor]
@@ -63,6 +67,18 @@ def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(path: Path, parts: list[memoryview | bytes]) -> None:
+    """Write `parts` one after the other into a new file (not yet fsynced)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for part in parts:
+            view = memoryview(part).cast("B")
+            while view:
+                view = view[os.write(fd, view[: 1 << 30]) :]
     finally:
         os.close(fd)
 
@@ -177,7 +193,11 @@ class StateStore:
         }
         final = self._fragment_path(p)
         tmp = final.with_name(f".{final.name}.tmp")
-        save_file(tensors, str(tmp), metadata=meta)
+        parts = codec.pieces(tensors, meta)  # the tensors' own bytes: no serialized copy
+        if parts is None:
+            save_file(tensors, str(tmp), metadata=meta)
+        else:
+            _write_all(tmp, parts)
         _replace(tmp, final)
 
     def load_fragment(self, p: int) -> FragmentState:

@@ -51,7 +51,7 @@ def test_no_work_is_dropped_across_an_outage(make_sync_server: Callable[..., Syn
         learner_id="l0",
         h=H,
         num_fragments=P,
-        wire_dtype="bfloat16",
+        update_encoding="bfloat16",
         poll_s=0.2,
     )
     opt = torch.optim.SGD(model.parameters(), lr=1.0)

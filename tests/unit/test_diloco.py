@@ -52,7 +52,7 @@ def learner(
         learner_id="l0",
         h=4,
         num_fragments=layers,
-        wire_dtype="float32",
+        update_encoding="float32",
         poll_s=0.2,
         **kw,
     )

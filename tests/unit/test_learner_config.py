@@ -88,7 +88,7 @@ def test_strict_refuses_unread_names_and_names_them() -> None:
         ("DDILOCO_GRAD_CLIP", "nan"),  # would have disabled clipping (nan > 0 is False)
         ("DDILOCO_UPLOAD_HTTP2", "ture"),  # was read as False
         ("DDILOCO_ADOPTION", "overwirte"),  # was read as is, and acted as overwrite
-        ("DDILOCO_WIRE_DTYPE", "float16"),  # was read as is, and failed at the first hand-over
+        ("DDILOCO_UPDATE_ENCODING", "float16"),  # not a job encoding (synchronizer/wire.py)
     ],
 )
 def test_a_value_that_does_not_parse_names_its_variable(var: str, raw: str) -> None:
@@ -125,7 +125,7 @@ def test_mix_alpha_needs_overwrite() -> None:
         ("slow_factor", 0.5),
         ("max_tokens", -1),
         ("adoption", "merge"),
-        ("wire_dtype", "float16"),
+        ("update_encoding", "float16"),
     ],
 )
 def test_invalid_values_name_the_field(field: str, value: object) -> None:

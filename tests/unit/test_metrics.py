@@ -112,6 +112,7 @@ def test_each_merge_observes_every_fragment_histogram_once(server: SyncServer) -
         "ddiloco_merge_duration_seconds",
         "ddiloco_round_quorum_seconds",
         "ddiloco_round_publish_seconds",
+        "ddiloco_round_served_seconds",
         "ddiloco_grace_window_seconds",
         "ddiloco_merge_contributors",
     ):

@@ -48,7 +48,7 @@ def wrapped(server: SyncServer, group: Group | None = None, **kw: Any) -> tuple[
         learner_id="l0",
         h=4,
         num_fragments=1,
-        wire_dtype="float32",
+        update_encoding="float32",
         poll_s=0.2,
         metrics_host="127.0.0.1",
         **kw,

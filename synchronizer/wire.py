@@ -1,0 +1,235 @@
+"""Learner-to-synchronizer update encodings: float tensors, or blockwise absmax int8 / int4.
+
+    payload, sent = encode_update(delta, meta, "int4", block=128)   # the learner
+    anchor += sent                     # error feedback: what int4 dropped goes out next time
+    tensors = decode_update(payload, codec.read_header(payload, codes=True), spec,
+                            accepted=frozenset({"int4", "bfloat16"}))  # the synchronizer
+
+An update is a safetensors payload whose metadata is `UpdateMeta` (with `encoding`). The
+float encodings (float32, bfloat16) carry each layout tensor as it is, in a float dtype. The
+quantized ones (int8, int4; synchronizer/quant.py) carry, for each layout tensor `name`,
+`name` -> its codes, flat (I8, or U8 holding two int4 codes per byte, low nibble first, each
+offset to 0..14) and `name#scales` -> one float32 scale per block of `ddiloco.block` values
+(metadata), the last block padded with zeros. A value is code x its block's scale.
+
+`sent` is what the synchronizer will decode, as float32: the learner's anchor moves by it,
+so what quantization dropped stays in the learner's parameters minus its anchor and goes
+out with the fragment's next hand-over (error feedback; nothing is lost, only delayed).
+
+The synchronizer refuses an encoding it was not configured for (`accepted`,
+`SyncSettings.update_encodings`) with `Refusal.ENCODING` (415), and anything malformed with
+`PayloadError` (422): tensors missing or extra, codes or scales of the wrong dtype or length
+for the layout shape and block, a scale non-finite or negative, an int4 code above 14, a
+block size that is not a sane even integer, a float update holding integer tensors. Only
+safetensors is read (no pickle). An update with no `encoding` (an older learner) has the
+encoding of its float tensors: bfloat16 if they all are, else float32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final
+
+import torch
+
+from ddiloco.synchronizer import codec, quant
+from ddiloco.synchronizer.buffers import POOL
+from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
+from ddiloco.synchronizer.protocol import UPDATE_ENCODINGS, FragmentSpec, UpdateMeta
+
+__all__ = [
+    "ALL",
+    "BLOCK_KEY",
+    "FLOAT_ENCODINGS",
+    "MAX_BLOCK",
+    "QUANTIZED",
+    "SCALES_SUFFIX",
+    "decode_update",
+    "encode_update",
+    "encoding_of",
+    "require",
+]
+
+FLOAT_ENCODINGS: Final[dict[str, torch.dtype]] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+}
+QUANTIZED: Final = ("int8", "int4")
+ALL: Final = frozenset(UPDATE_ENCODINGS)
+"""Every encoding: what a replay of the pending log (updates accepted earlier) decodes."""
+CODE_DTYPE: Final = {"int8": "I8", "int4": "U8"}
+"""The safetensors dtype of each quantized encoding's codes."""
+BLOCK_KEY: Final = "ddiloco.block"
+SCALES_SUFFIX: Final = "#scales"
+MAX_BLOCK: Final = 1 << 16
+"""The largest block accepted: 64 Ki values per scale (any larger saves nothing)."""
+
+
+def encode_update(
+    delta: dict[str, torch.Tensor],
+    meta: UpdateMeta,
+    encoding: str,
+    block: int = quant.DEFAULT_BLOCK,
+) -> tuple[bytes, dict[str, torch.Tensor]]:
+    """The update's payload in `encoding`, and `sent`: float32 tensors (the delta's shapes,
+    on the CPU) that the synchronizer will decode from it. ValueError on an unknown encoding,
+    a bad block or a non-finite value (quantized)."""
+    if encoding not in UPDATE_ENCODINGS:
+        raise ValueError(
+            f"unknown update encoding {encoding!r}; expected one of {UPDATE_ENCODINGS}"
+        )
+    metadata = meta.model_copy(update={"encoding": encoding}).to_metadata()
+    if encoding in FLOAT_ENCODINGS:
+        dtype = FLOAT_ENCODINGS[encoding]
+        tensors = {k: v.detach().to("cpu", dtype) for k, v in delta.items()}
+        sent = {k: v.to(torch.float32) for k, v in tensors.items()}
+        return codec.encode(tensors, metadata), sent
+    out: dict[str, torch.Tensor] = {}
+    sent = {}
+    for name, d in delta.items():
+        if name.endswith(SCALES_SUFFIX) or name + SCALES_SUFFIX in delta:
+            raise ValueError(f"tensor name {name!r} collides with the {SCALES_SUFFIX} suffix")
+        q = quant.quantize(d.detach().to("cpu", torch.float32), encoding, block)  # type: ignore[arg-type]
+        out[name] = q.codes
+        out[name + SCALES_SUFFIX] = q.scales
+        sent[name] = quant.dequantize(q)
+    metadata[BLOCK_KEY] = str(block)
+    return codec.encode(out, metadata), sent
+
+
+def encoding_of(header: codec.Header) -> str:
+    """The update's encoding: its metadata's `encoding`, else (an older sender) that of its
+    float tensors. PayloadError if the metadata names no known encoding."""
+    named = header.metadata.get("encoding")
+    if named is not None:
+        if named not in UPDATE_ENCODINGS:
+            raise PayloadError(
+                f"update encoding {named[:32]!r} is not one of {', '.join(UPDATE_ENCODINGS)}"
+            )
+        return named
+    dtypes = {t.dtype for t in header.tensors.values()}
+    return "bfloat16" if dtypes == {"BF16"} else "float32"
+
+
+def require(encoding: str, accepted: frozenset[str]) -> None:
+    """Refuse (415) an encoding this synchronizer was not configured for."""
+    if encoding in accepted:
+        return
+    ours = ", ".join(e for e in UPDATE_ENCODINGS if e in accepted) or "none"
+    raise SyncError(
+        Refusal.ENCODING,
+        f"this synchronizer accepts {ours}; the update is {encoding}: set the learner's "
+        f"DDILOCO_UPDATE_ENCODING (--update-encoding) to one of those, or add {encoding} to "
+        "the synchronizer's DDILOCO_UPDATE_ENCODINGS",
+    )
+
+
+def decode_update(
+    payload: bytes, header: codec.Header, spec: FragmentSpec, accepted: frozenset[str]
+) -> dict[str, torch.Tensor]:
+    """float32 tensors of `spec`'s names and shapes from an update whose header passed
+    `codec.read_header(payload, codes=True)`. Raises SyncError(ENCODING) for an encoding not
+    in `accepted`, PayloadError for anything malformed (the module docstring lists it)."""
+    encoding = encoding_of(header)
+    require(encoding, accepted)
+    if encoding in FLOAT_ENCODINGS:
+        return _decode_float(payload, header, spec)
+    return _decode_quantized(payload, header, spec, encoding)
+
+
+def _decode_float(
+    payload: bytes, header: codec.Header, spec: FragmentSpec
+) -> dict[str, torch.Tensor]:
+    for name, t in header.tensors.items():
+        if t.dtype not in codec.ST_DTYPES:
+            allowed = ", ".join(codec.ST_DTYPES)
+            raise PayloadError(
+                f"tensor {name!r} has dtype {t.dtype}; a float update allows {allowed}"
+            )
+    decode = getattr(codec, "decode_float32", None)
+    if decode is not None:  # the fast path (codec.py), once it exists
+        return decode(payload, header)
+    tensors = codec.decode(payload, header)
+    codec.check_fragment(tensors, spec, finite=False)
+    return {k: v.to(torch.float32) for k, v in tensors.items()}
+
+
+def _block(header: codec.Header) -> int:
+    raw = header.metadata.get(BLOCK_KEY)
+    if raw is None:
+        raise PayloadError(f"a quantized update needs its block size ({BLOCK_KEY!r} metadata)")
+    text = raw.strip()
+    if not text.isdigit() or len(text) > 6:
+        raise PayloadError(f"{BLOCK_KEY} {raw[:16]!r} is not an integer")
+    block = int(text)
+    if not 2 <= block <= MAX_BLOCK or block % 2:
+        raise PayloadError(f"{BLOCK_KEY} {block} is not an even number in 2..{MAX_BLOCK}")
+    return block
+
+
+def _decode_quantized(
+    payload: bytes, header: codec.Header, spec: FragmentSpec, encoding: str
+) -> dict[str, torch.Tensor]:
+    block = _block(header)
+    code_dtype = CODE_DTYPE[encoding]
+    expected: dict[str, tuple[str, int]] = {}  # payload tensor -> (dtype, numel)
+    for t in spec.tensors:
+        blocks = -(-math.prod(t.shape) // block)
+        per_block = block // 2 if encoding == "int4" else block
+        expected[t.name] = (code_dtype, blocks * per_block)
+        expected[t.name + SCALES_SUFFIX] = ("F32", blocks)
+    if len(expected) != 2 * len(spec.tensors):
+        raise PayloadError(f"fragment {spec.index} has tensor names that end in {SCALES_SUFFIX}")
+    missing = sorted(set(expected) - set(header.tensors))
+    extra = sorted(set(header.tensors) - set(expected))
+    if missing or extra:
+        raise PayloadError(
+            f"{encoding} update of fragment {spec.index} does not match the layout: missing "
+            f"{missing[:5]}, unexpected {extra[:5]}"
+        )
+    for name, (dtype, numel) in expected.items():
+        got = header.tensors[name]
+        if got.dtype != dtype or got.shape != (numel,):
+            raise PayloadError(
+                f"{encoding} update tensor {name!r} is {got.dtype} {list(got.shape)}; block "
+                f"{block} and the layout need {dtype} [{numel}]"
+            )
+    tensors = codec.tensor_views(payload, header)
+    out = {}
+    try:
+        for t in spec.tensors:
+            scales = tensors[t.name + SCALES_SUFFIX]
+            if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+                raise PayloadError("a scale is non-finite or negative")
+            dst = POOL.take(t.shape)
+            out[t.name] = dst
+            _dequantize_into(dst.view(-1), tensors[t.name], scales, encoding, block)
+    except PayloadError as e:
+        POOL.give(out.values())
+        raise PayloadError(f"{encoding} update tensor {t.name!r}: {e}") from None
+    return out
+
+
+def _dequantize_into(
+    dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, encoding: str, block: int
+) -> None:
+    """`quant.dequantize` written into `dst` (flat float32, the tensor's numel), in place:
+    the codes go once into float32, are range-checked (int4) and scaled there; only a last,
+    partial block takes a small temporary. The codes' lengths were checked by the caller."""
+    n = dst.numel()
+    nb = scales.numel()
+    qmax = quant.QMAX[encoding]
+    work = dst if nb * block == n else torch.empty(nb * block, dtype=torch.float32)
+    if encoding == "int4":
+        nibbles = torch.empty(codes.numel(), 2, dtype=torch.uint8)  # a quarter of dst
+        torch.bitwise_and(codes, 0x0F, out=nibbles[:, 0])
+        torch.bitwise_right_shift(codes, 4, out=nibbles[:, 1])
+        if nibbles.numel() and int(nibbles.max()) > 2 * qmax:
+            raise PayloadError(f"int4 code above {2 * qmax}")
+        work.copy_(nibbles.view(-1))
+        work.sub_(qmax)
+    else:
+        work.copy_(codes)
+    work.view(nb, block).mul_(scales[:, None])
+    if work is not dst:
+        dst.copy_(work[:n])
