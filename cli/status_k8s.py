@@ -4,18 +4,20 @@
     snap = source.fetch()           # the synchronizer's /v1/status, or the job's CR status
 
 With your kubeconfig it reads the DecoupledDiLoCoJob (404: exit 2), the bearer token from the
-job's token Secret (`<job>-token`, key `token`, operator/builders.py), and GET /v1/status from a
-Running synchronizer pod through a port-forward (pods/portforward, as `kubectl port-forward`).
+job's token Secret (`<job>-token`, key `token`, operator/builders.py), and GET /v1/status from
+each Running synchronizer pod of its StatefulSet through a port-forward (pods/portforward, as
+`kubectl port-forward`): with synchronizer.shards S > 1 from every shard's pod (found by its
+pod-index label), merged into the job's view (`ddiloco.synchronizer.shards.merge_statuses`).
 
 Why not the apiserver's service proxy (`.../services/<job>-synchronizer:8470/proxy/v1/status`):
 the apiserver authenticates the caller by the Authorization header and removes it before it
 proxies (kubernetes/kubernetes#38775), so the synchronizer never sees the job's bearer token and
 answers 401. A port-forward carries bytes, so the request, TLS included, is the synchronizer's
 own: the server certificate is verified against the job's CA (`<job>-trust`, or `--ca`) under
-the Service's DNS name.
+the Service's DNS name (a shard's headless name with S > 1).
 
-When that is refused (no RBAC to read the Secret or to port-forward, no Running pod, mutual TLS
-and no `--client-cert`, a synchronizer that does not answer) the snapshot is the job's own
+When that is refused (no RBAC to read the Secret or to port-forward, a shard without a Running
+pod, mutual TLS and no `--client-cert`, a shard that does not answer) the snapshot is the job's own
 status, which the operator fills from the same endpoint (global version, goodput, merged work,
 live learners, conditions), with a one-line note that says what was refused.
 """
@@ -127,7 +129,8 @@ class JobSource:
             raise _Refused(f"Secret {self.namespace}/{name} has no {key!r}")
         return base64.b64decode(data).decode()
 
-    def _pod(self, job: Any) -> str:
+    def _pods(self, job: Any) -> list[str]:
+        """The Running synchronizer pod of each shard, in shard order."""
         from kubernetes.client.exceptions import ApiException
 
         from ddiloco.operator import builders
@@ -142,26 +145,41 @@ class JobSource:
             ).items
         except ApiException as e:
             raise _Refused(f"cannot list the synchronizer's pods: {e.reason}") from None
-        if not pods:
-            raise _Refused("no Running synchronizer pod")
-        return str(pods[0].metadata.name)
+        shards = job.spec.synchronizer.shards
+        if shards == 1:  # also an older operator's Deployment pod, which has no index
+            if not pods:
+                raise _Refused("no Running synchronizer pod")
+            return [str(pods[0].metadata.name)]
+        by_shard = {(p.metadata.labels or {}).get(builders.LABEL_POD_INDEX): p for p in pods}
+        missing = [str(i) for i in range(shards) if str(i) not in by_shard]
+        if missing:
+            raise _Refused(f"no Running synchronizer pod for shard {', '.join(missing)}")
+        return [str(by_shard[str(i)].metadata.name) for i in range(shards)]
 
-    def _tls(self, job: Any) -> tuple[ssl.SSLContext | None, str]:
+    def _tls(self, job: Any) -> ssl.SSLContext | None:
         from ddiloco.operator import builders
 
-        hostname = builders.service_dns_names(job)[2]  # <svc>.<ns>.svc, in its certificate
         tls = job.spec.synchronizer.tls
         if not tls.enabled:
-            return None, hostname
+            return None
         a = self.args
         if tls.mutual and a.client_cert is None:
             raise _Refused("it requires a client certificate (mutual TLS): give --client-cert")
         if a.ca is not None:
-            return tls_context(a.ca, a.client_cert, a.client_key), hostname
+            return tls_context(a.ca, a.client_cert, a.client_key)
         ca_pem = self._secret(builders.trust_secret_name(job), builders.CA_KEY)
         ctx = tls_context(None, a.client_cert, a.client_key)
         ctx.load_verify_locations(cadata=ca_pem)
-        return ctx, hostname
+        return ctx
+
+    @staticmethod
+    def _hostname(job: Any, shard: int) -> str:
+        """The name shard `shard` is verified under: in its certificate (builders.py)."""
+        from ddiloco.operator import builders
+
+        if job.spec.synchronizer.shards == 1:
+            return builders.service_dns_names(job)[2]  # <svc>.<ns>.svc
+        return str(builders.shard_host(job, shard))
 
     def _through_pod(self, job: Any) -> dict[str, Any]:
         from ddiloco.operator import builders, tokens
@@ -173,8 +191,28 @@ class JobSource:
             )
         if not token:
             raise _Refused("the job's token Secret holds no token")
-        context, hostname = self._tls(job)
-        pod = self._pod(job)
+        context = self._tls(job)
+        answers = [
+            self._ask(pod, context, self._hostname(job, i), token)
+            for i, pod in enumerate(self._pods(job))
+        ]
+        if len(answers) == 1:
+            return answers[0]
+        from ddiloco.synchronizer.protocol import Status
+
+        try:
+            from ddiloco.synchronizer.shards import merge_statuses
+        except ImportError:  # TODO(lead): until synchronizer/shards.py lands
+            return answers[0]
+        merged = merge_statuses([Status.model_validate(a) for a in answers])
+        return dict(merged.model_dump(mode="json"))
+
+    def _ask(
+        self, pod: str, context: ssl.SSLContext | None, hostname: str, token: str
+    ) -> dict[str, Any]:
+        """GET /v1/status of one synchronizer pod through a port-forward."""
+        from ddiloco.operator import builders
+
         sock = self._forward(pod, builders.SYNC_PORT)
         where = f"{self.where} (pod {pod})"
         try:

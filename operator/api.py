@@ -32,7 +32,13 @@ API_VERSION: Final = f"{GROUP}/{VERSION}"
 # The value of spec.managedBy that means "this operator" (the default when unset). Any other
 # value hands the job to that controller, e.g. Kueue's MultiKueue, and we leave it alone.
 MANAGED_BY_US: Final = "ddiloco.dev/operator"
-MAX_JOB_NAME: Final = 40  # children append "-synchronizer-state", "-<group>-<index>"; names.py
+# children append "-synchronizer-shards", "-<group>-<index>"; names.py. 39, not 40: the
+# synchronizer StatefulSet `<job>-synchronizer` labels its pods with its name plus "-" and a
+# 10-character revision hash, a label value of at most 63 characters.
+MAX_JOB_NAME: Final = 39
+MAX_SHARDS: Final = 64  # synchronizer.shards
+UpdateEncoding = Literal["float32", "bfloat16", "int8", "int4"]
+"""How learners encode the deltas they send (synchronizer/protocol.py's UpdateEncoding)."""
 MAX_GROUP_NAME: Final = 16
 MAX_GROUPS: Final = 16
 MAX_REPLICAS: Final = 512
@@ -212,7 +218,8 @@ class Tls(_Model):
 
 
 class Synchronizer(_Model):
-    """The merge service: one pod in this cluster, reached by every learner group."""
+    """The merge service: a StatefulSet of `shards` pods in this cluster, reached by every
+    learner group."""
 
     quorum: int = Field(1, ge=1, le=MAX_REPLICAS * MAX_GROUPS)
     """K: minimum number of learners whose contributions a merge waits for."""
@@ -241,6 +248,10 @@ class Synchronizer(_Model):
     """Extra DNS names or IP addresses for the server certificate: the addresses learners in
     other clusters reach the synchronizer at (a load balancer, a DNS name). The hosts of the
     learner groups' https syncUrls are added without being listed here."""
+    shards: int = Field(1, ge=1, le=MAX_SHARDS)
+    """S: synchronizer shards, one pod and one state volume each; each owns a balanced share
+    of the fragments (by bytes) and learners send every fragment to its owner. Fixed for the
+    job's life: the apiserver refuses a change (there is no resharding)."""
     token_rotation_grace_seconds: float = Field(300.0, ge=0, le=86_400)
     """After a token rotation (annotation ddiloco.dev/rotate-token), how long the old token
     stays accepted beside the new one (seconds), so every learner re-reads its Secret first."""
@@ -289,7 +300,7 @@ class LearnerGroup(_Model):
                 },
                 {
                     "rule": "!has(self.cluster) || !has(self.syncUrl) || "
-                    "self.syncUrl.startsWith('https://') || "
+                    "self.syncUrl.split(',').all(u, u.startsWith('https://')) || "
                     "(has(self.insecure) && self.insecure)",
                     "message": INSECURE_MESSAGE,
                 },
@@ -338,7 +349,9 @@ class LearnerGroup(_Model):
     priority_class_name: str | None = Field(None, max_length=253)
     """PriorityClass of the learner pods (preemptible fleets use a low one)."""
     sync_url: str | None = Field(None, max_length=1024, pattern=r"^https?://")
-    """Synchronizer URL for this group's pods; defaults to the in-cluster Service URL."""
+    """Synchronizer URL for this group's pods; defaults to the in-cluster Service URL (with
+    synchronizer.shards > 1, the shards' in-cluster URLs). With shards > 1 it is a comma list
+    of one URL per shard, in shard order (e.g. each shard's load balancer)."""
     insecure: bool = False
     """Allow an http:// syncUrl for a group in another cluster: its token and traffic then
     cross the network in clear text. Without it such a group needs an https:// syncUrl."""
@@ -359,6 +372,25 @@ class FailurePolicy(_Model):
     due, a Ready spare of its group takes over the slot's identity (learner id, data shard)
     within about a second instead of a cold start, and a new spare is started in the
     background. Without a Ready spare the slot is replaced by a new pod, as with 0."""
+
+
+# CEL: a field's value, or its default where unset (a job made before the field existed).
+_SHARDS: Final = (
+    "(has({x}.synchronizer) && has({x}.synchronizer.shards) ? {x}.synchronizer.shards : 1)"
+)
+_ENCODING: Final = "(has({x}.updateEncoding) ? {x}.updateEncoding : 'bfloat16')"
+SHARDS_IMMUTABLE_MESSAGE: Final = (
+    "synchronizer.shards cannot change on an existing job: each shard's state volume holds "
+    "the fragments it owns and there is no resharding; create a new job to change it"
+)
+ENCODING_IMMUTABLE_MESSAGE: Final = (
+    "updateEncoding cannot change on an existing job: its synchronizer would refuse the "
+    "updates of the learners still running with the old one; create a new job to change it"
+)
+SYNC_URLS_MESSAGE: Final = (
+    "a learner group's syncUrl must list one URL per synchronizer shard "
+    "(synchronizer.shards), comma-separated, in shard order"
+)
 
 
 class JobSpec(_Model):
@@ -382,6 +414,19 @@ class JobSpec(_Model):
                     "(!has(self.managedBy) || self.managedBy == oldSelf.managedBy)",
                     "message": "managedBy is immutable",
                 },
+                {
+                    "rule": f"{_SHARDS.format(x='self')} == {_SHARDS.format(x='oldSelf')}",
+                    "message": SHARDS_IMMUTABLE_MESSAGE,
+                },
+                {
+                    "rule": f"{_ENCODING.format(x='self')} == {_ENCODING.format(x='oldSelf')}",
+                    "message": ENCODING_IMMUTABLE_MESSAGE,
+                },
+                {
+                    "rule": "self.learnerGroups.all(g, !has(g.syncUrl) || "
+                    f"g.syncUrl.split(',').size() == {_SHARDS.format(x='self')})",
+                    "message": SYNC_URLS_MESSAGE,
+                },
             ]
         }
     )
@@ -402,6 +447,10 @@ class JobSpec(_Model):
     """Learner groups, each in one cluster; names are unique."""
     failure_policy: FailurePolicy = FailurePolicy()
     """Replacement of failed learner pods."""
+    update_encoding: UpdateEncoding = "bfloat16"
+    """How learners encode the updates they send: bfloat16, float32, or int8 / int4
+    (blockwise absmax scales, with error feedback on the learner). The synchronizer accepts
+    only this encoding. Downloads stay bfloat16. Fixed for the job's life."""
     suspend: bool = False
     """While true no learner pods run and the synchronizer is scaled to zero (Kueue sets it)."""
     managed_by: str | None = Field(None, max_length=63)
@@ -495,11 +544,16 @@ class SynchronizerStatus(_Model):
     """Where the synchronizer is and whether it answers."""
 
     endpoint: str | None = None
-    """In-cluster URL of the synchronizer Service."""
+    """In-cluster URL of the synchronizer Service; with shards > 1 every shard's URL,
+    comma-separated in shard order (what in-cluster learners get as DDILOCO_SYNC_URL)."""
     ready: bool = False
-    """The synchronizer Deployment has an available pod."""
+    """The synchronizer StatefulSet has every shard's pod available."""
     reachable: bool = False
-    """The operator's last request to its status endpoint got an answer."""
+    """The operator's last request to every shard's status endpoint got an answer."""
+    shards: int | None = None
+    """Synchronizer shards (spec.synchronizer.shards)."""
+    available_shards: int | None = None
+    """Shard pods that are available (the StatefulSet's availableReplicas)."""
 
 
 class JobStatus(_Model):
@@ -648,13 +702,19 @@ def validate(spec: JobSpec) -> list[str]:
         for g in spec.learner_groups
         if g.cluster is not None
         and g.sync_url is not None
-        and not g.sync_url.startswith("https://")
+        and not all(u.startswith("https://") for u in g.sync_url.split(","))
         and not g.insecure
     ]
     problems += [
         f"learner group {g.name}: {GPU_TWICE_MESSAGE}"
         for g in spec.learner_groups
         if g.gpus_per_learner and GPU_RESOURCE in {**g.resources.requests, **g.resources.limits}
+    ]
+    problems += [
+        f"learner group {g.name}: {SYNC_URLS_MESSAGE} (it lists "
+        f"{len(g.sync_url.split(','))} for {spec.synchronizer.shards})"
+        for g in spec.learner_groups
+        if g.sync_url is not None and len(g.sync_url.split(",")) != spec.synchronizer.shards
     ]
     tls = spec.synchronizer.tls
     if tls.issuer == "cert-manager" and tls.issuer_ref is None:

@@ -40,9 +40,12 @@ def delete_job_objects(
     """Delete the job's objects in one target; return how many of its pods still exist.
 
     Only objects the job made: pods are selected by the job's uid, and each named object
-    (token Secret; at home the synchronizer's Deployment, Service and claim) is read first and
-    deleted only if it carries the job's uid (label or ownerReference), with the uid it was
-    read with as a precondition, so a same-named object of someone else's is never touched."""
+    (token Secret; at home the synchronizer's StatefulSet, Services and claims, and an older
+    operator's Deployment and claim) is read first and deleted only if it carries the job's
+    uid (label or ownerReference), with the uid it was read with as a precondition, so a
+    same-named object of someone else's is never touched. The shards' claims go with the
+    StatefulSet (its retention policy) and are deleted here too, so the finalizer does not
+    depend on the garbage collector's timing."""
     core, apps = kubernetes.client.CoreV1Api(client), kubernetes.client.AppsV1Api(client)
     ns = tgt.namespace
     kw: dict[str, Any] = {"_request_timeout": timeout}
@@ -68,22 +71,26 @@ def delete_job_objects(
         for name in certs.secret_names(job, tgt, all_clients=True)
     ]
     if tgt.secret is None:  # the home cluster also holds the synchronizer
+        sync = builders.synchronizer_name(job)
+        shards = _shards(job)
         named += [
-            (
-                apps.read_namespaced_deployment,
-                apps.delete_namespaced_deployment,
-                builders.synchronizer_name(job),
-            ),
+            (apps.read_namespaced_stateful_set, apps.delete_namespaced_stateful_set, sync),
+            (apps.read_namespaced_deployment, apps.delete_namespaced_deployment, sync),
+            (core.read_namespaced_service, core.delete_namespaced_service, sync),
             (
                 core.read_namespaced_service,
                 core.delete_namespaced_service,
-                builders.synchronizer_name(job),
+                builders.shards_service_name(job),
             ),
+        ]
+        named += [
             (
                 core.read_namespaced_persistent_volume_claim,
                 core.delete_namespaced_persistent_volume_claim,
-                builders.state_claim_name(job),
-            ),
+                name,
+            )
+            for name in [builders.state_claim_name(job)]
+            + [builders.shard_claim_name(job, i) for i in range(shards)]
         ]
     for read, delete, name in named:
         obj = get_or_none(lambda read=read, name=name: read(name, ns, **kw))
@@ -116,6 +123,13 @@ def delete_job_objects(
     return len(mine)
 
 
+def _shards(job: ddapi.DecoupledDiLoCoJob) -> int:
+    """The job's synchronizer shards; for a spec that does not parse, what its status says."""
+    if job.spec is not None:
+        return job.spec.synchronizer.shards
+    return (job.status.synchronizer.shards if job.status.synchronizer else None) or 1
+
+
 def foreign(
     client: ApiClient, job: ddapi.DecoupledDiLoCoJob, action: Action, timeout: Timeout
 ) -> str | None:
@@ -127,7 +141,7 @@ def foreign(
         "Secret": core.read_namespaced_secret,
         "Service": core.read_namespaced_service,
         "PersistentVolumeClaim": core.read_namespaced_persistent_volume_claim,
-        "Deployment": apps.read_namespaced_deployment,
+        "StatefulSet": apps.read_namespaced_stateful_set,
         "Certificate": lambda name, ns, **kw: _Meta(
             _certificate_api(client, "get", ns, name, kw["_request_timeout"])
         ),
@@ -159,13 +173,17 @@ def send(client: ApiClient, action: Action, timeout: Timeout) -> None:
         "Secret": core.create_namespaced_secret,
         "Service": core.create_namespaced_service,
         "PersistentVolumeClaim": core.create_namespaced_persistent_volume_claim,
-        "Deployment": apps.create_namespaced_deployment,
+        "StatefulSet": apps.create_namespaced_stateful_set,
     }
     replace = {
         "Secret": core.replace_namespaced_secret,
-        "Deployment": apps.replace_namespaced_deployment,
+        "StatefulSet": apps.replace_namespaced_stateful_set,
     }
-    delete = {"Pod": core.delete_namespaced_pod, "Secret": core.delete_namespaced_secret}
+    delete = {
+        "Pod": core.delete_namespaced_pod,
+        "Secret": core.delete_namespaced_secret,
+        "Deployment": apps.delete_namespaced_deployment,  # an older operator's synchronizer
+    }
     if action.kind == "Certificate":  # cert-manager's, through the custom objects API
         verb = {"create": "create", "replace": "replace", "delete": "delete"}[action.verb]
         _certificate_api(client, verb, ns, name, timeout, body)
@@ -183,6 +201,8 @@ def send(client: ApiClient, action: Action, timeout: Timeout) -> None:
             opts["preconditions"] = {"uid": action.uid}
         if action.grace_seconds is not None:
             opts["gracePeriodSeconds"] = action.grace_seconds
+        if action.kind == "Deployment":  # gone only once its pod is: one writer per volume
+            opts["propagationPolicy"] = "Foreground"
         delete[action.kind](name, ns, body=opts, **kw)
 
 

@@ -10,6 +10,17 @@ configured only through environment variables (the contract of `ddiloco synchron
 never through the pod spec, so a rotated token or a renewed certificate arrives without a new
 pod (the kubelet updates mounted Secrets in place; environment variables it never updates).
 
+The synchronizer's own workload is built in sync_workload.py. It (issue 15) is a StatefulSet `<job>-synchronizer` of `synchronizer.shards`
+(S) pods, `<job>-synchronizer-<i>` for shard i (DDILOCO_SHARD from the pod-index label), each
+with its own state claim `state-<job>-synchronizer-<i>` (volumeClaimTemplates, deleted with
+the StatefulSet). The headless Service `<job>-synchronizer-shards` gives each shard its DNS
+name, which learners of a job with S > 1 get, comma-separated in shard order, as
+DDILOCO_SYNC_URL. The ClusterIP Service `<job>-synchronizer` stays: with S = 1 it is the
+learners' URL (as before), with S > 1 it reaches shard 0 only (status, port-forward, spares).
+A job made by an operator before the StatefulSet keeps its claim `<job>-synchronizer-state`,
+mounted by a StatefulSet without claim templates (`legacy_claim`; reconcile.py replaces the
+old Deployment): its state survives the upgrade.
+
 TLS (issue 12 §4; operator/certs.py issues and renews): Secret `<job>-tls` holds the
 synchronizer's server certificate (tls.crt, tls.key, ca.crt), `<job>-trust` the CA bundle a
 learner verifies it against (ca.crt; with mutual TLS also client-ca.crt, what the synchronizer
@@ -117,7 +128,33 @@ def spare_client_secret_name(job: DecoupledDiLoCoJob, group: str, serial: int) -
 
 
 def state_claim_name(job: DecoupledDiLoCoJob) -> str:
+    """The state claim of a job made before the synchronizer was a StatefulSet (kept, and
+    mounted by its StatefulSet, so its state outlives the upgrade); new jobs never get one."""
     return f"{job.name}-synchronizer-state"
+
+
+STATE_TEMPLATE: Final = "state"  # the StatefulSet's volumeClaimTemplate (and volume) name
+LABEL_POD_INDEX: Final = "apps.kubernetes.io/pod-index"  # set by the StatefulSet controller
+
+
+def shards_service_name(job: DecoupledDiLoCoJob) -> str:
+    """The headless Service that names each synchronizer shard's pod in DNS."""
+    return f"{synchronizer_name(job)}-shards"
+
+
+def shard_pod_name(job: DecoupledDiLoCoJob, shard: int) -> str:
+    return f"{synchronizer_name(job)}-{shard}"
+
+
+def shard_claim_name(job: DecoupledDiLoCoJob, shard: int) -> str:
+    """`<template>-<statefulset>-<ordinal>`: the claim the StatefulSet makes for a shard. No
+    choice of names makes shard 0's the old `state_claim_name` (it would have to end in
+    "-0"), hence `legacy_claim` for jobs that have one."""
+    return f"{STATE_TEMPLATE}-{synchronizer_name(job)}-{shard}"
+
+
+def shard_host(job: DecoupledDiLoCoJob, shard: int) -> str:
+    return f"{shard_pod_name(job, shard)}.{shards_service_name(job)}.{job.namespace}.svc"
 
 
 def learner_id(group: str, index: int) -> str:
@@ -146,19 +183,36 @@ def _tagged_pod_name(job: DecoupledDiLoCoJob, group: str, middle: str) -> str:
 
 
 def synchronizer_service_url(job: DecoupledDiLoCoJob) -> str:
+    """The ClusterIP Service's URL: the synchronizer with S = 1, shard 0 with S > 1."""
     scheme = "https" if job.spec.synchronizer.tls.enabled else "http"
     return f"{scheme}://{synchronizer_name(job)}.{job.namespace}.svc:{SYNC_PORT}"
 
 
+def shard_urls(job: DecoupledDiLoCoJob) -> list[str]:
+    """One URL per shard, in shard order, as in-cluster learners reach them: the Service's
+    with S = 1 (what learners had before shards), else each shard pod's headless DNS name."""
+    shards = job.spec.synchronizer.shards
+    if shards == 1:
+        return [synchronizer_service_url(job)]
+    scheme = "https" if job.spec.synchronizer.tls.enabled else "http"
+    return [f"{scheme}://{shard_host(job, i)}:{SYNC_PORT}" for i in range(shards)]
+
+
 def service_dns_names(job: DecoupledDiLoCoJob) -> list[str]:
-    """The names the synchronizer Service answers to inside its cluster."""
+    """The names the synchronizer answers to inside its cluster (the server certificate's
+    SANs): the Service's, and with S > 1 every shard's headless name."""
     svc, ns = synchronizer_name(job), job.namespace
-    return [svc, f"{svc}.{ns}", f"{svc}.{ns}.svc", f"{svc}.{ns}.svc.cluster.local"]
+    names = [svc, f"{svc}.{ns}", f"{svc}.{ns}.svc", f"{svc}.{ns}.svc.cluster.local"]
+    if job.spec.synchronizer.shards > 1:
+        for i in range(job.spec.synchronizer.shards):
+            names += [shard_host(job, i), f"{shard_host(job, i)}.cluster.local"]
+    return names
 
 
 def uses_tls(job: DecoupledDiLoCoJob, group: LearnerGroup) -> bool:
     """Whether this group's learners talk TLS to this job's synchronizer (verified by its CA)."""
-    return job.spec.synchronizer.tls.enabled and sync_url_for(job, group).startswith("https://")
+    urls = sync_url_for(job, group).split(",")
+    return job.spec.synchronizer.tls.enabled and any(u.startswith("https://") for u in urls)
 
 
 def uses_client_cert(job: DecoupledDiLoCoJob, group: LearnerGroup) -> bool:
@@ -166,7 +220,9 @@ def uses_client_cert(job: DecoupledDiLoCoJob, group: LearnerGroup) -> bool:
 
 
 def sync_url_for(job: DecoupledDiLoCoJob, group: LearnerGroup) -> str:
-    return group.sync_url or synchronizer_service_url(job)
+    """DDILOCO_SYNC_URL of a group's learners: its syncUrl (one URL per shard, the CRD
+    checks), else the shards' in-cluster URLs, comma-separated in shard order."""
+    return group.sync_url or ",".join(shard_urls(job))
 
 
 def learner_selector(job: DecoupledDiLoCoJob) -> str:
@@ -344,133 +400,7 @@ def _env(pairs: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"name": k, "value": str(v)} for k, v in pairs.items() if v is not None]
 
 
-def build_synchronizer_service(job: DecoupledDiLoCoJob) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _metadata(job, synchronizer_name(job), "synchronizer", job.namespace),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": {LABEL_JOB: job.name, LABEL_COMPONENT: "synchronizer"},
-            "ports": [
-                {
-                    "name": "http",
-                    "port": SYNC_PORT,
-                    "targetPort": "http",
-                    "protocol": "TCP",
-                    # HTTPS (h2 by ALPN) with TLS on, else HTTP/2 cleartext
-                    "appProtocol": "https"
-                    if job.spec.synchronizer.tls.enabled
-                    else "kubernetes.io/h2c",
-                }
-            ],
-        },
-    }
-
-
-def build_state_claim(job: DecoupledDiLoCoJob) -> dict[str, Any]:
-    storage = job.spec.synchronizer.storage
-    spec: dict[str, Any] = {
-        "accessModes": ["ReadWriteOnce"],
-        "resources": {"requests": {"storage": str(storage.size)}},
-    }
-    if storage.storage_class_name is not None:
-        spec["storageClassName"] = storage.storage_class_name
-    return {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": _metadata(job, state_claim_name(job), "synchronizer", job.namespace),
-        "spec": spec,
-    }
-
-
 IMAGE_UID = 10001  # the non-root user of the project's Dockerfile
-
-COUNTER_CAP_H: Final = 4
-"""The synchronizer caps the steps a contribution may claim at this many H (README, "Weights
-and merge"; `ddiloco local` sets the same). Its own default, 96, is 4H only for H = 24."""
-
-
-def build_synchronizer_deployment(
-    job: DecoupledDiLoCoJob, tls_revision: str | None = None
-) -> dict[str, Any]:
-    """One synchronizer pod (Recreate: never two writing the same state volume).
-    `tls_revision` (certs.py) names the certificates it serves; a new one rolls the pod."""
-    spec, sync = job.spec, job.spec.synchronizer
-    files, volumes, mounts = _files(job, None)
-    env = [
-        *_env(
-            {
-                **files,
-                "DDILOCO_HOST": "0.0.0.0",
-                "DDILOCO_STATE_DIR": STATE_DIR,
-                "DDILOCO_PORT": SYNC_PORT,
-                "DDILOCO_QUORUM": sync.quorum,
-                "DDILOCO_GRACE_GAMMA": sync.grace_gamma,
-                "DDILOCO_GRACE_CAP_STEPS": sync.grace_cap_steps,
-                "DDILOCO_MERGE": sync.merge,
-                "DDILOCO_OUTER_LR": sync.outer_learning_rate,
-                "DDILOCO_OUTER_MOMENTUM": sync.outer_momentum,
-                "DDILOCO_MAX_STALENESS": sync.max_staleness,
-                "DDILOCO_TAU": spec.training.overlap_steps,
-                "DDILOCO_COUNTER_CAP_STEPS": COUNTER_CAP_H * spec.training.inner_steps,
-            }
-        ),
-    ]
-    probe: dict[str, Any] = {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10}
-    if sync.tls.enabled:
-        probe["httpGet"]["scheme"] = "HTTPS"  # the kubelet does not verify the certificate
-    if sync.tls.enabled and sync.tls.mutual:
-        # the kubelet has no client certificate to present: check that the port accepts
-        probe = {"tcpSocket": {"port": "http"}, "periodSeconds": 10}
-    container = {
-        "name": "synchronizer",
-        "image": spec.image,
-        "imagePullPolicy": spec.image_pull_policy,
-        "command": ["ddiloco", "synchronizer"],
-        "env": env,
-        "ports": [{"name": "http", "containerPort": SYNC_PORT, "protocol": "TCP"}],
-        # Liveness counts only once the port first answers: loading the state and replaying
-        # the pending log of a large model takes minutes, and a busy 2-core node took over the
-        # liveness budget (60 s) to start one, which the kubelet then killed in a loop.
-        "startupProbe": {**probe, "periodSeconds": 2, "failureThreshold": 300},
-        "readinessProbe": {**probe, "periodSeconds": 5},
-        "livenessProbe": {**probe, "failureThreshold": 6},
-        "resources": sync.resources.to_k8s(),
-        "volumeMounts": [{"name": "state", "mountPath": STATE_DIR}, *mounts],
-    }
-    selector = {LABEL_JOB: job.name, LABEL_COMPONENT: "synchronizer"}
-    template: dict[str, Any] = {
-        "metadata": {"labels": labels(job, "synchronizer")},
-        "spec": {
-            "containers": [container],
-            "enableServiceLinks": False,
-            "automountServiceAccountToken": False,
-            # The image runs as uid 10001 (Dockerfile); fsGroup makes the state volume writable
-            # for it on storage classes that mount volumes root-owned.
-            "securityContext": {"runAsNonRoot": True, "fsGroup": IMAGE_UID},
-            "volumes": [
-                {"name": "state", "persistentVolumeClaim": {"claimName": state_claim_name(job)}},
-                *volumes,
-            ],
-        },
-    }
-    if tls_revision:
-        template["metadata"]["annotations"] = {ANNOTATION_TLS_REVISION: tls_revision}
-    deployment_spec = {
-        "replicas": 0 if spec.suspend else 1,
-        "strategy": {"type": "Recreate"},
-        "selector": {"matchLabels": selector},
-        "template": template,
-    }
-    meta = _metadata(job, synchronizer_name(job), "synchronizer", job.namespace)
-    meta["annotations"] = {ANNOTATION_SPEC_HASH: spec_hash(deployment_spec)}
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": meta,
-        "spec": deployment_spec,
-    }
 
 
 def global_index(job: DecoupledDiLoCoJob, group: LearnerGroup, index: int) -> int:
@@ -525,6 +455,7 @@ def build_learner_pod(
                 "DDILOCO_MAX_TOKENS": training.max_tokens,
                 "DDILOCO_MAX_SECONDS": training.max_seconds,
                 "DDILOCO_METRICS_PORT": LEARNER_METRICS_PORT,
+                "DDILOCO_UPDATE_ENCODING": spec.update_encoding,
                 **compute.env(group),  # processes per learner, SIGTERM drain budget
             }
         ),

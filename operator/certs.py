@@ -88,9 +88,9 @@ def server_names(job: DecoupledDiLoCoJob) -> tuple[list[str], list[str]]:
     """(DNS names, IP addresses) of the server certificate, in a stable order."""
     names = builders.service_dns_names(job) + list(job.spec.synchronizer.external_names)
     for group in job.spec.learner_groups:
-        url = group.sync_url or ""
-        if url.startswith("https://") and (host := urlsplit(url).hostname):
-            names.append(host)
+        for url in (group.sync_url or "").split(","):  # one URL per shard
+            if url.startswith("https://") and (host := urlsplit(url).hostname):
+                names.append(host)
     dns, ips = [], []
     for name in dict.fromkeys(names):
         try:

@@ -8,9 +8,9 @@ Like cert-manager's Certificate conditions, each type says when it is True:
     Ready               the synchronizer is ready, every desired learner pod is Ready and
                         nothing is Degraded. The summary that `kubectl wait --for=condition=Ready`
                         uses (the phase is coarser: Running while any learner trains).
-    SynchronizerReady   the synchronizer Deployment has an available pod, its Service and claim
-                        exist, and its status endpoint answered the operator's last request
-                        (SynchronizerNotAnswering when it did not).
+    SynchronizerReady   the synchronizer StatefulSet has every shard's pod available, its
+                        Services exist, and every shard's status endpoint answered the
+                        operator's last request (SynchronizerNotAnswering when one did not).
     LearnersReady       every desired learner slot has a Ready pod (True with zero slots too).
     Degraded            the operator cannot do what the spec asks: a slot has used up its
                         replacements, or a learner group's cluster cannot be reached (its

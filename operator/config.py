@@ -31,6 +31,12 @@ class OperatorSettings(BaseSettings):
     """Where the operator reads a job's synchronizer status; {name} and {namespace} are the
     job's, {scheme} https with TLS on (verified against the job's CA) else http. Override when
     the operator runs outside the cluster (tests, development)."""
+    shard_url_template: str = (
+        "{scheme}://{name}-synchronizer-{shard}.{name}-synchronizer-shards.{namespace}.svc:8470"
+    )
+    """Where the operator reads the status of shard {shard} of a job with
+    synchronizer.shards > 1 (the shard pod's headless-Service name by default); the job
+    status merges every shard's answer. Placeholders as status_url_template, plus {shard}."""
     http_timeout_seconds: float = Field(3.0, gt=0)
     """Timeout of one request to a synchronizer's status endpoint."""
     api_timeout_seconds: float = Field(10.0, gt=0)
@@ -77,6 +83,17 @@ class OperatorSettings(BaseSettings):
         except (KeyError, IndexError) as e:
             raise ValueError(
                 f"may use only {{name}}, {{namespace}} and {{scheme}}, not {e}"
+            ) from None
+        return v
+
+    @field_validator("shard_url_template")
+    @classmethod
+    def _shard_template(cls, v: str) -> str:
+        try:
+            v.format(name="x", namespace="y", scheme="https", shard=0)
+        except (KeyError, IndexError) as e:
+            raise ValueError(
+                f"may use only {{name}}, {{namespace}}, {{scheme}} and {{shard}}, not {e}"
             ) from None
         return v
 

@@ -63,6 +63,14 @@ def label_value(value: str) -> str | None:
     return None
 
 
+def statefulset_name(name: str) -> str | None:
+    """A StatefulSet labels its pods `controller-revision-hash: <name>-<hash>`, the hash up
+    to 10 characters: a label value of at most 63 characters leaves 52 for the name."""
+    if len(name) > 52:
+        return f"is {len(name)} characters, more than 52 (its pods' revision label)"
+    return dns1123_subdomain(name)
+
+
 Rule = Callable[[str], str | None]
 
 
@@ -70,8 +78,11 @@ def derived(job: DecoupledDiLoCoJob) -> Iterator[tuple[str, str, Rule]]:
     """(what, name, rule) of every name the job's objects get; per group, at its highest
     index (the longest name) and index 0."""
     yield "Service", builders.synchronizer_name(job), dns1035_label
-    yield "Deployment", builders.synchronizer_name(job), dns1123_subdomain
-    yield "PersistentVolumeClaim", builders.state_claim_name(job), dns1123_subdomain
+    yield "Service", builders.shards_service_name(job), dns1035_label
+    yield "StatefulSet", builders.synchronizer_name(job), statefulset_name
+    last = job.spec.synchronizer.shards - 1
+    yield "Pod", builders.shard_pod_name(job, last), dns1123_label  # its hostname
+    yield "PersistentVolumeClaim", builders.shard_claim_name(job, last), dns1123_subdomain
     yield "Secret", builders.token_secret_name(job), dns1123_subdomain
     for fn in ("ca_secret_name", "tls_secret_name", "trust_secret_name"):
         if hasattr(builders, fn):

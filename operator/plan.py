@@ -170,9 +170,13 @@ class ClusterView:
 class Observed:
     now: datetime
     clusters: Mapping[Target, ClusterView]
-    deployment: Mapping[str, Any] | None = None  # the synchronizer Deployment as read
-    service: bool = False
+    statefulset: Mapping[str, Any] | None = None  # the synchronizer StatefulSet as read
+    service: bool = False  # the ClusterIP Service exists
+    shards_service: bool = False  # the headless Service exists
+    # A job made by an operator before the StatefulSet: its claim (`state_claim_name`), which
+    # the StatefulSet then mounts, and its Deployment as read, which reconcile deletes first.
     claim: bool = False
+    legacy_deployment: Mapping[str, Any] | None = None
     sync_status: Mapping[str, Any] | None = None  # last answer of GET /v1/status, if any
     # cert-manager, observed only when the job's tls.issuer is cert-manager: whether its
     # Certificate CRD is installed, and the job's Certificate as read

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
-from ddiloco.operator import builders, names, slots, spares
+from ddiloco.operator import builders, names, slots, spares, sync_workload
 from ddiloco.operator import conditions as c
 from ddiloco.operator.api import (
     DecoupledDiLoCoJob,
@@ -333,43 +333,54 @@ def _slot(
 def _synchronizer(
     job: DecoupledDiLoCoJob, obs: Observed, plan: Plan, tls_revision: str | None = None
 ) -> None:
+    """The Services, then the StatefulSet (builders.py). A job made by an operator before
+    the StatefulSet has a Deployment: it is deleted first (foreground: gone only once its pod
+    is), and the StatefulSet that mounts its claim is made after, so one pod at a time writes
+    the state."""
     h = home(job)
     if obs.clusters.get(h, ClusterView()).problem is not None:
         return
-    if not obs.claim:
-        plan.actions.append(
-            Action(
-                "create",
-                h,
-                "PersistentVolumeClaim",
-                builders.state_claim_name(job),
-                builders.build_state_claim(job),
+    for there, name, build in (
+        (obs.service, builders.synchronizer_name(job), sync_workload.build_synchronizer_service),
+        (obs.shards_service, builders.shards_service_name(job), sync_workload.build_shards_service),
+    ):
+        if not there:
+            plan.actions.append(Action("create", h, "Service", name, build(job)))
+    name = builders.synchronizer_name(job)
+    old = obs.legacy_deployment
+    if old is not None:
+        meta = old.get("metadata") or {}
+        if not meta.get("deletionTimestamp"):
+            plan.actions.append(Action("delete", h, "Deployment", name, uid=meta.get("uid")))
+            plan.events.append(
+                Event(
+                    "Normal",
+                    "SynchronizerUpgrade",
+                    f"Replacing the synchronizer Deployment {name} by a StatefulSet that "
+                    f"mounts the same state claim {builders.state_claim_name(job)}",
+                )
             )
-        )
-    if not obs.service:
-        plan.actions.append(
-            Action(
-                "create",
-                h,
-                "Service",
-                builders.synchronizer_name(job),
-                builders.build_synchronizer_service(job),
-            )
-        )
-    want = builders.build_synchronizer_deployment(job, tls_revision)
-    if obs.deployment is None:
-        plan.actions.append(
-            Action("create", h, "Deployment", builders.synchronizer_name(job), want)
-        )
-    else:
-        have = (obs.deployment.get("metadata") or {}).get("annotations") or {}
-        if (
-            have.get(builders.ANNOTATION_SPEC_HASH)
-            != want["metadata"]["annotations"][builders.ANNOTATION_SPEC_HASH]
-        ):
-            plan.actions.append(
-                Action("replace", h, "Deployment", builders.synchronizer_name(job), want)
-            )
+        return
+    have = obs.statefulset
+    have_spec = (have or {}).get("spec") or {}
+    legacy = obs.claim or (have is not None and not have_spec.get("volumeClaimTemplates"))
+    want = sync_workload.build_synchronizer_statefulset(job, tls_revision, legacy_claim=legacy)
+    if have is None:
+        plan.actions.append(Action("create", h, "StatefulSet", name, want))
+        return
+    annotations = (have.get("metadata") or {}).get("annotations") or {}
+    if (
+        annotations.get(builders.ANNOTATION_SPEC_HASH)
+        != want["metadata"]["annotations"][builders.ANNOTATION_SPEC_HASH]
+    ):
+        # What a StatefulSet never changes stays as it is (a new storage size reaches no
+        # existing claim, as with the Deployment's claim before).
+        for key in ("volumeClaimTemplates", "serviceName", "podManagementPolicy", "selector"):
+            if key in have_spec:
+                want["spec"][key] = have_spec[key]
+            else:
+                want["spec"].pop(key, None)
+        plan.actions.append(Action("replace", h, "StatefulSet", name, want))
 
 
 def _prune(job: DecoupledDiLoCoJob, obs: Observed, plan: Plan, groups: list[GroupStatus]) -> None:

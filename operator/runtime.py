@@ -166,8 +166,13 @@ class Runtime:
         kw: dict[str, Any] = {"_request_timeout": self.timeout}
         apps, core = kubernetes.client.AppsV1Api(h), kubernetes.client.CoreV1Api(h)
         sync, claim_name = builders.synchronizer_name(job), builders.state_claim_name(job)
-        deployment = get_or_none(lambda: apps.read_namespaced_deployment(sync, job.namespace, **kw))
+        shards_svc = builders.shards_service_name(job)
+        sts = get_or_none(lambda: apps.read_namespaced_stateful_set(sync, job.namespace, **kw))
+        legacy = get_or_none(lambda: apps.read_namespaced_deployment(sync, job.namespace, **kw))
         service = get_or_none(lambda: core.read_namespaced_service(sync, job.namespace, **kw))
+        headless = get_or_none(
+            lambda: core.read_namespaced_service(shards_svc, job.namespace, **kw)
+        )
         claim = get_or_none(
             lambda: core.read_namespaced_persistent_volume_claim(claim_name, job.namespace, **kw)
         )
@@ -176,8 +181,10 @@ class Runtime:
         home_view = views[home(job)]
         conflicts = [] if home_view.problem is None else [home_view.problem]
         for kind, obj in (
-            ("Deployment", deployment),
+            ("StatefulSet", sts),
+            ("Deployment", legacy),
             ("Service", service),
+            ("Service", headless),
             ("PersistentVolumeClaim", claim),
         ):
             if obj is not None and not builders.made_by(job, obj.metadata):
@@ -187,9 +194,9 @@ class Runtime:
         if any(reason == c.NAME_CONFLICT for reason, _ in conflicts):
             problem = next(p for p in conflicts if p[0] == c.NAME_CONFLICT)
             views = {t: ClusterView(problem=problem) for t in views}
-            deployment = service = claim = None
-        dep = as_dict(h, deployment) if deployment is not None else None
-        available = int(((dep or {}).get("status") or {}).get("availableReplicas") or 0) > 0
+            sts = legacy = service = headless = claim = None
+        sts_dict = as_dict(h, sts) if sts is not None else None
+        available = int(((sts_dict or {}).get("status") or {}).get("availableReplicas") or 0)
         cert_manager, certificate = certs.observe_cert_manager(h, job, self.timeout)
         sync_status = (
             self.status.read(
@@ -197,15 +204,17 @@ class Runtime:
                 tokens.current(views[home(job)].token),
                 self.status_tls.context(job, views[home(job)], datetime.now(UTC)),
             )
-            if available
+            if available >= job.spec.synchronizer.shards
             else None
         )
         return Observed(
             now=datetime.now(UTC),
             clusters=views,
-            deployment=dep,
+            statefulset=sts_dict,
             service=service is not None,
+            shards_service=headless is not None,
             claim=claim is not None,
+            legacy_deployment=as_dict(h, legacy) if legacy is not None else None,
             sync_status=sync_status,
             cert_manager=cert_manager,
             certificate=certificate,
@@ -562,8 +571,9 @@ class Runtime:
                 f"already gone: the learner pods labelled {builders.LABEL_JOB_UID}={job.uid} "
                 f"and Secret {builders.token_secret_name(job)}"
                 + (
-                    f", Deployment and Service {builders.synchronizer_name(job)}, "
-                    f"PersistentVolumeClaim {builders.state_claim_name(job)}"
+                    f", StatefulSet and Service {builders.synchronizer_name(job)}, Service "
+                    f"{builders.shards_service_name(job)}, the PersistentVolumeClaims "
+                    f"labelled {builders.LABEL_JOB_UID}={job.uid}"
                     if tgt.secret is None
                     else ""
                 )

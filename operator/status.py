@@ -6,9 +6,9 @@ Pure: the flow of cert-manager's readiness controller (gather, evaluate into con
 reconcile.py gathers, this module evaluates, and the runtime writes the result only when it
 differs from the status the job has. conditions.py says when each condition is True.
 
-Readiness is what was *seen to work*: the synchronizer is ready only once its Deployment has
-an available pod, its Service and claim exist, and its status endpoint answered the
-operator's last request (an available pod that never answers is not a synchronizer anyone
+Readiness is what was *seen to work*: the synchronizer is ready only once its StatefulSet has
+every shard's pod available, its Services exist, and every shard's status endpoint answered
+the operator's last request (an available pod that never answers is not a synchronizer anyone
 can use). The phase summarises what is going on, not whether every box is ticked: Running
 while the synchronizer is available and at least one learner trains, even with a slot empty
 (Ready then says False, LearnersNotReady, and names the slot).
@@ -54,12 +54,15 @@ def summarize(
     spec, now, gen = job.spec, iso(obs.now), job.generation
     desired = spec.total_replicas()
     ready = sum(g.ready for g in groups if g.name in {x.name for x in spec.learner_groups})
-    dep_status = (obs.deployment or {}).get("status") or {}
-    available = obs.deployment is not None and int(dep_status.get("availableReplicas") or 0) > 0
+    shards = spec.synchronizer.shards
+    sts_status = (obs.statefulset or {}).get("status") or {}
+    up = int(sts_status.get("availableReplicas") or 0)
+    available = obs.statefulset is not None and up >= shards
     answered = obs.sync_status is not None
-    sync_ready = available and obs.service and obs.claim and answered
+    sync_ready = available and obs.service and obs.shards_service and answered
     completed = desired > 0 and done == desired
     dep = builders.synchronizer_name(job)
+    pods = "its pod" if shards == 1 else f"all {shards} shard pods"
 
     if spec.suspend:
         sync_c = c.make(c.SYNCHRONIZER_READY, False, c.SUSPENDED, "The job is suspended")
@@ -70,21 +73,25 @@ def summarize(
                 c.SYNCHRONIZER_READY,
                 True,
                 c.SYNCHRONIZER_AVAILABLE,
-                f"Deployment {dep} has an available pod and its status endpoint answers",
+                f"StatefulSet {dep} has {pods} available and "
+                + ("its status endpoint answers" if shards == 1 else "every shard answers"),
             )
         elif not available:
             sync_c = c.make(
                 c.SYNCHRONIZER_READY,
                 False,
                 c.SYNCHRONIZER_PROGRESSING,
-                f"Waiting for Deployment {dep} to have an available pod",
+                f"Waiting for StatefulSet {dep} to have {pods} available ({up} of {shards})"
+                if obs.legacy_deployment is None
+                else f"Waiting for the Deployment {dep} of an older operator to go: the "
+                "StatefulSet that replaces it mounts its state claim",
             )
-        elif not (obs.service and obs.claim):
+        elif not (obs.service and obs.shards_service):
             missing = [
                 what
                 for what, there in (
                     (f"Service {dep}", obs.service),
-                    (f"PersistentVolumeClaim {builders.state_claim_name(job)}", obs.claim),
+                    (f"Service {builders.shards_service_name(job)}", obs.shards_service),
                 )
                 if not there
             ]
@@ -99,9 +106,13 @@ def summarize(
                 c.SYNCHRONIZER_READY,
                 False,
                 c.SYNCHRONIZER_NOT_ANSWERING,
-                f"Deployment {dep} has an available pod, but its status endpoint "
-                f"({builders.synchronizer_service_url(job)}/v1/status) did not answer the "
-                "operator's last request",
+                f"StatefulSet {dep} has {pods} available, but "
+                + (
+                    f"its status endpoint ({builders.synchronizer_service_url(job)}/v1/status)"
+                    if shards == 1
+                    else "not every shard's status endpoint"
+                )
+                + " answered the operator's last request",
             )
         if completed:
             learn_c = c.make(
@@ -174,9 +185,11 @@ def summarize(
             "unhealthy_slots": unhealthy,
             "data_shards": shard_count if shard_count is not None else old.data_shards,
             "synchronizer": SynchronizerStatus(
-                endpoint=builders.synchronizer_service_url(job),
+                endpoint=",".join(builders.shard_urls(job)),
                 ready=sync_ready,
                 reachable=obs.sync_status is not None,
+                shards=shards,
+                available_shards=up if obs.statefulset is not None else None,
             ),
             **numbers,
         }

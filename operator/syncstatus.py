@@ -4,7 +4,9 @@
     answer = reader.read(job, token)        # dict from GET {url}/v1/status, or None
 
 The URL comes from `status_url_template` (config.py): the in-cluster Service by default,
-anything reachable in tests and development. HTTP/1.1 is enough here (the synchronizer serves
+anything reachable in tests and development. A job with synchronizer.shards > 1 has one URL
+per shard (`shard_url_template`); every shard must answer, and `combine` makes the job's one
+answer of theirs (`ddiloco.synchronizer.shards.merge_statuses`). HTTP/1.1 is enough here (the synchronizer serves
 both it and h2c). A synchronizer that does not answer is normal (starting, restarting, or a
 fake pod in tests): the caller keeps the last numbers.
 """
@@ -20,6 +22,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
+
+import pydantic
 
 from ddiloco.operator import api as ddapi
 from ddiloco.operator.config import OperatorSettings
@@ -41,10 +45,25 @@ class StatusReader:
         self._lock = threading.Lock()
 
     def url(self, job: ddapi.DecoupledDiLoCoJob) -> str:
+        """The ClusterIP Service's URL (the synchronizer, or shard 0 of several): where hot
+        spares' assignments go (spares.py), as a spare polls the first of its URLs."""
         scheme = "https" if job.spec.synchronizer.tls.enabled else "http"
         return self.settings.status_url_template.format(
             name=job.name, namespace=job.namespace, scheme=scheme
         )
+
+    def urls(self, job: ddapi.DecoupledDiLoCoJob) -> list[str]:
+        """Every shard's status URL, in shard order (one: `url`)."""
+        shards = job.spec.synchronizer.shards
+        if shards == 1:
+            return [self.url(job)]
+        scheme = "https" if job.spec.synchronizer.tls.enabled else "http"
+        return [
+            self.settings.shard_url_template.format(
+                name=job.name, namespace=job.namespace, scheme=scheme, shard=i
+            )
+            for i in range(shards)
+        ]
 
     def read(
         self,
@@ -58,9 +77,12 @@ class StatusReader:
             at, last = self._last.get(key, (0.0, None))
         if time.monotonic() - at < self.settings.status_poll_seconds or token is None:
             return last
-        future = self._pool.submit(self._get, self.url(job), token, context)
+        futures = [self._pool.submit(self._get, u, token, context) for u in self.urls(job)]
+        answer: dict[str, Any] | None = None
         try:  # DNS lookups are not covered by socket timeouts; bound the whole call here
-            answer: dict[str, Any] | None = future.result(self.settings.http_timeout_seconds + 1)
+            deadline = time.monotonic() + self.settings.http_timeout_seconds + 1
+            answers = [f.result(max(0.0, deadline - time.monotonic())) for f in futures]
+            answer = combine(answers)
         except (FutureTimeout, OSError, ValueError) as e:
             answer = None
             if last is not None or at == 0.0:
@@ -92,6 +114,24 @@ class StatusReader:
     def forget(self, uid: str) -> None:
         with self._lock:
             self._last.pop(uid, None)
+
+
+def combine(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """One job-wide answer from every shard's (in shard order), by
+    `ddiloco.synchronizer.shards.merge_statuses`. One answer is returned as it is; answers
+    that are not whole synchronizer Status objects (a stub's) give shard 0's."""
+    if len(answers) == 1:
+        return answers[0]
+    try:
+        from ddiloco.synchronizer.protocol import Status
+        from ddiloco.synchronizer.shards import merge_statuses
+    except ImportError:  # TODO(lead): only until synchronizer/shards.py lands
+        return answers[0]
+    try:
+        statuses = [Status.model_validate(a) for a in answers]
+    except pydantic.ValidationError:
+        return answers[0]
+    return dict(merge_statuses(statuses).model_dump(mode="json"))
 
 
 def derived(answer: dict[str, Any] | None) -> dict[str, Any]:

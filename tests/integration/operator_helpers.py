@@ -68,13 +68,19 @@ def free_port() -> int:
 class _StatusStub(BaseHTTPRequestHandler):
     """Answers GET /<namespace>/<job>/v1/status as a synchronizer that has merged nothing yet:
     the synchronizer pods are kwok's and never run, and the operator calls a job Ready only
-    once its synchronizer answered (operator/status.py)."""
+    once its synchronizer answered (operator/status.py). GET /<namespace>/<job>/shard-<i>/v1/status
+    (the operator's shard_url_template here) answers as shard i of a sharded one: a whole Status owning fragment i at
+    version i + 1, so the job's status shows the shards' sum."""
 
     def do_GET(self) -> None:
         ok = self.path.endswith("/v1/status") and self.headers.get("Authorization", "").startswith(
             "Bearer "
         )
-        body = json.dumps({"global_version": 0, "merges": 0, "tokens_merged": 0}).encode()
+        answer: dict[str, Any] = {"global_version": 0, "merges": 0, "tokens_merged": 0}
+        shard = re.search(r"/shard-(\d+)/v1/status$", self.path)
+        if shard:
+            answer = _shard_status(int(shard.group(1)))
+        body = json.dumps(answer).encode()
         self.send_response(200 if ok else 401)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body) if ok else 0))
@@ -84,6 +90,28 @@ class _StatusStub(BaseHTTPRequestHandler):
 
     def log_message(self, *args: Any) -> None:
         pass
+
+
+def _shard_status(shard: int) -> dict[str, Any]:
+    version = shard + 1
+    fragment = {"index": shard, "merge": "rda", "version": version, "contributors_pending": 0}
+    return {
+        "initialized": True,
+        "global_version": version,
+        "merges": version,
+        "tokens_merged": 0,
+        "contributions_merged": version,
+        "contributions_rejected": 0,
+        "mean_contributors": 1.0,
+        "mean_staleness": 0.0,
+        "bytes_up": 0,
+        "bytes_down": 0,
+        "goodput": None,
+        "fragments": [{**fragment, "shard": shard}],
+        "learners": [],
+        "xi": {"step": None, "quorum": None, "sync": None},
+        "shard": shard,
+    }
 
 
 _STUB: list[str] = []
@@ -136,6 +164,7 @@ class Operator:
             "DDILOCO_OPERATOR_LIVENESS_ENDPOINT": f"http://127.0.0.1:{port}/healthz",
             "DDILOCO_OPERATOR_CLEANUP_TIMEOUT_SECONDS": "10",
             "DDILOCO_OPERATOR_STATUS_URL_TEMPLATE": status_stub(),
+            "DDILOCO_OPERATOR_SHARD_URL_TEMPLATE": status_stub() + "/shard-{shard}",
             "DDILOCO_OPERATOR_METRICS_PORT": str(self.metrics_port),
             "DDILOCO_OPERATOR_METRICS_ADDRESS": "127.0.0.1",
             **self.env,
@@ -328,10 +357,13 @@ def kubeconfig_secret(
         core.replace_namespaced_secret(secret, cl.ns, body)
 
 
-def state_volume(cl: Clusters, job: str, size: str = "50Gi") -> str:
-    """A PersistentVolume pre-bound to the job's synchronizer claim: the control plane has no
-    storage provisioner, and the synchronizer pod is scheduled only once its claim is bound."""
-    name = f"{cl.ns}-{job}"[:63].rstrip("-")
+def state_volume(
+    cl: Clusters, job: str, size: str = "50Gi", shard: int = 0, claim: str | None = None
+) -> str:
+    """A PersistentVolume pre-bound to a synchronizer shard's claim (the StatefulSet's
+    `state-<job>-synchronizer-<shard>`, or `claim`): the control plane has no storage
+    provisioner, and a synchronizer pod is scheduled only once its claim is bound."""
+    name = f"{cl.ns}-{job}-{shard}"[:63].rstrip("-")
     cl.core().create_persistent_volume(
         {
             "apiVersion": "v1",
@@ -343,7 +375,10 @@ def state_volume(cl: Clusters, job: str, size: str = "50Gi") -> str:
                 "persistentVolumeReclaimPolicy": "Delete",
                 "storageClassName": "",
                 "hostPath": {"path": f"/tmp/ddiloco-test/{name}"},
-                "claimRef": {"namespace": cl.ns, "name": f"{job}-synchronizer-state"},
+                "claimRef": {
+                    "namespace": cl.ns,
+                    "name": claim or f"state-{job}-synchronizer-{shard}",
+                },
             },
         }
     )
@@ -482,7 +517,9 @@ def delete_jobs(cl: Clusters, op: Operator, timeout: float = 30.0) -> None:
 def create_job(cl: Clusters, body: dict[str, Any], volume: bool = True) -> str:
     name = body["metadata"]["name"]
     if volume:
-        cl.pvs.append(state_volume(cl, name))  # type: ignore[attr-defined]
+        shards = body["spec"].get("synchronizer", {}).get("shards", 1)
+        for i in range(shards):
+            cl.pvs.append(state_volume(cl, name, shard=i))  # type: ignore[attr-defined]
     cl.custom().create_namespaced_custom_object(
         GROUP, VERSION, cl.ns, PLURAL, body, field_validation="Strict"
     )

@@ -19,7 +19,7 @@ import chart_helpers as c
 import pytest
 from chart_helpers import helm_fixture  # noqa: F401  (fixture)
 
-from ddiloco.operator import builders
+from ddiloco.operator import builders, sync_workload
 from ddiloco.operator.api import DecoupledDiLoCoJob
 
 pytestmark = pytest.mark.integration
@@ -103,7 +103,7 @@ def test_all_on_selects_what_the_operator_makes(helm: c.Helm) -> None:
 
     # the synchronizers: the Service every job gets (builders.py), any namespace
     job = a_job()
-    sync_service = builders.build_synchronizer_service(job)
+    sync_service = sync_workload.build_synchronizer_service(job)
     sm = named(docs, "ServiceMonitor", "-synchronizers")
     assert selects(sm["spec"]["selector"], sync_service["metadata"]["labels"])
     assert sm["spec"]["namespaceSelector"] == {"any": True}

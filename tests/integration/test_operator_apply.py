@@ -44,9 +44,10 @@ def test_three_cluster_example_becomes_ready(cl: h.Clusters, operator: h.Operato
     assert h.condition(job, "SynchronizerReady")["reason"] == "SynchronizerAvailable"
     print(f"three-cluster example Ready in {took:.1f}s")
 
-    # home: the synchronizer's Deployment, Service and claim, and the token Secret
-    dep = cl.apps().read_namespaced_deployment("three-regions-synchronizer", cl.ns)
-    assert dep.spec.replicas == 1 and dep.spec.strategy.type == "Recreate"
+    # home: the synchronizer's StatefulSet, Services and claim, and the token Secret
+    dep = cl.apps().read_namespaced_stateful_set("three-regions-synchronizer", cl.ns)
+    assert dep.spec.replicas == 1 and dep.spec.update_strategy.type == "RollingUpdate"
+    assert dep.spec.service_name == "three-regions-synchronizer-shards"
     container = dep.spec.template.spec.containers[0]
     assert container.command == ["ddiloco", "synchronizer"]
     env = {e.name: e for e in container.env}
@@ -57,8 +58,8 @@ def test_three_cluster_example_becomes_ready(cl: h.Clusters, operator: h.Operato
     svc = cl.core().read_namespaced_service("three-regions-synchronizer", cl.ns)
     assert [(p.name, p.port, p.app_protocol) for p in svc.spec.ports] == [("http", 8470, "https")]
     claim = cl.core().read_namespaced_persistent_volume_claim(
-        "three-regions-synchronizer-state", cl.ns
-    )
+        "state-three-regions-synchronizer-0", cl.ns
+    )  # the StatefulSet's, for its shard 0
     assert claim.status.phase == "Bound"
     token = cl.core().read_namespaced_secret("three-regions-token", cl.ns).data["token"]
     assert len(base64.b64decode(token)) >= 32

@@ -68,12 +68,13 @@ def test_deleting_the_job_removes_everything_in_every_cluster(
         assert cl.pods(c, job) == [], c
         assert gone(lambda c=c: cl.core(c).read_namespaced_secret(f"{job}-token", cl.ns)), c
     name = f"{job}-synchronizer"
-    assert gone(lambda: cl.apps().read_namespaced_deployment(name, cl.ns))
+    assert gone(lambda: cl.apps().read_namespaced_stateful_set(name, cl.ns))
     assert gone(lambda: cl.core().read_namespaced_service(name, cl.ns))
+    assert gone(lambda: cl.core().read_namespaced_service(f"{name}-shards", cl.ns))
     k8senv.wait_until(
         "the state claim to go",
         lambda: gone(
-            lambda: cl.core().read_namespaced_persistent_volume_claim(f"{name}-state", cl.ns)
+            lambda: cl.core().read_namespaced_persistent_volume_claim(f"state-{name}-0", cl.ns)
         ),
         30,
     )
@@ -175,8 +176,11 @@ def test_suspend_frees_the_learners_and_resume_brings_them_back(
         lambda: not any(cl.pods(c, job) for c in ("home", "region-a")),
         timeout=20,
     )
-    dep = cl.apps().read_namespaced_deployment(f"{job}-synchronizer", cl.ns)
+    dep = cl.apps().read_namespaced_stateful_set(f"{job}-synchronizer", cl.ns)
     assert dep.spec.replicas == 0
+    # scaled to 0, the shard keeps its claim (whenScaled: Retain): resuming keeps the state
+    claim = f"state-{job}-synchronizer-0"
+    assert cl.core().read_namespaced_persistent_volume_claim(claim, cl.ns).status.phase == "Bound"
     assert (
         h.wait_condition(cl, job, "Ready", "False", reason="Suspended")["status"]["phase"]
         == "Suspended"

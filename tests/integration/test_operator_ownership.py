@@ -99,7 +99,7 @@ def test_someone_elses_token_secret_at_home_holds_the_job_back_untouched(
     time.sleep(4 * float(h.RESYNC_S))
     # not adopted as the bearer token: nothing that would read it was made
     assert cl.pods("home", job) == []
-    deps = cl.apps().list_namespaced_deployment(cl.ns).items
+    deps = cl.apps().list_namespaced_stateful_set(cl.ns).items
     assert not [d for d in deps if d.metadata.name == f"{job}-synchronizer"]
     delete_job(cl, job)
     after = cl.core().read_namespaced_secret("adopt-token", cl.ns)

@@ -5,7 +5,7 @@
 
 Home: the ClusterRole of deploy/rbac/operator.yaml; region-a: the Role of
 deploy/rbac/remote-learners.yaml in the job's namespace. The job is created, a pod fails and is
-replaced, the job is suspended and resumed (Deployment update) and deleted (cleanup), and
+replaced, the job is suspended and resumed (StatefulSet update) and deleted (cleanup), and
 the apiservers never answer 403 to the operator.
 """
 
@@ -80,7 +80,7 @@ def test_operator_runs_with_the_documented_rbac_only(
         k8senv.wait_until(
             "the synchronizer scaled to 0",
             lambda: (
-                cl.apps().read_namespaced_deployment(f"{job}-synchronizer", cl.ns).spec.replicas
+                cl.apps().read_namespaced_stateful_set(f"{job}-synchronizer", cl.ns).spec.replicas
                 == 0
             ),
             timeout=20,

@@ -202,9 +202,9 @@ def test_the_largest_spec_at_its_worst_status_is_accepted(cl: h.Clusters) -> Non
     obs = Observed(
         now=datetime.now(UTC),
         clusters={home(job): ClusterView(pods=tuple(pods), token="t")},
-        deployment={"status": {"availableReplicas": 1}},
+        statefulset={"status": {"availableReplicas": 1}},
         service=True,
-        claim=True,
+        shards_service=True,
         sync_status={"global_version": 1},
     )
     plan = reconcile(job, obs, fresh_token="t")

@@ -182,7 +182,7 @@ def test_the_job_gets_its_ca_certificates_and_mounts_everywhere(
     assert not [s for s in other if s.metadata.name.startswith(job)], "no learners there"
 
     # the synchronizer serves the server certificate and checks client certificates
-    dep = cl.apps().read_namespaced_deployment(svc, cl.ns)
+    dep = cl.apps().read_namespaced_stateful_set(svc, cl.ns)
     pod_spec = dep.spec.template.spec
     env = env_of(pod_spec.containers[0])
     assert env["DDILOCO_TLS_CERT_FILE"] == "/var/run/ddiloco/tls/tls.crt"
@@ -238,7 +238,7 @@ def test_a_certificate_near_expiry_is_renewed(cl: h.Clusters, operator: h.Operat
     job = h.create_job(cl, tls_job("renew"))
     ready(cl, operator, job)
     svc = f"{job}-synchronizer"
-    revision = cl.apps().read_namespaced_deployment(svc, cl.ns).spec.template.metadata.annotations
+    revision = cl.apps().read_namespaced_stateful_set(svc, cl.ns).spec.template.metadata.annotations
     pods = h.running_uids(cl, ["home", "region-a"], job)
     ca_data = data(secret(cl, "home", f"{job}-ca"))
     ca = x.KeyPair.from_pem(ca_data["tls.crt"], ca_data["tls.key"])
@@ -265,7 +265,7 @@ def test_a_certificate_near_expiry_is_renewed(cl: h.Clusters, operator: h.Operat
     k8senv.wait_until(
         "the synchronizer rolled to the new certificate",
         lambda: (
-            cl.apps().read_namespaced_deployment(svc, cl.ns).spec.template.metadata.annotations
+            cl.apps().read_namespaced_stateful_set(svc, cl.ns).spec.template.metadata.annotations
             != revision
         ),
         timeout=30,
@@ -291,7 +291,7 @@ def test_the_token_rotates_without_restarting_a_pod(cl: h.Clusters, operator: h.
     )
     sync_uids = sorted(p.metadata.uid for p in sync_pods.items)
     dep_generation = (
-        cl.apps().read_namespaced_deployment(f"{job}-synchronizer", cl.ns).metadata.generation
+        cl.apps().read_namespaced_stateful_set(f"{job}-synchronizer", cl.ns).metadata.generation
     )
     (old,) = token_lines(cl, "home", job)
     assert token_lines(cl, "region-a", job) == [old]
@@ -317,13 +317,13 @@ def test_the_token_rotates_without_restarting_a_pod(cl: h.Clusters, operator: h.
     )
     # the same annotation value is not acted on twice
     assert token_lines(cl, "home", job) == [new]
-    # nothing restarted: same learner pods, same synchronizer pod and Deployment generation
+    # nothing restarted: same learner pods, same synchronizer pod and StatefulSet generation
     assert h.running_uids(cl, clusters, job) == pods
     again = cl.core().list_namespaced_pod(
         cl.ns, label_selector=f"ddiloco.dev/job={job},app.kubernetes.io/component=synchronizer"
     )
     assert sorted(p.metadata.uid for p in again.items) == sync_uids
-    dep = cl.apps().read_namespaced_deployment(f"{job}-synchronizer", cl.ns)
+    dep = cl.apps().read_namespaced_stateful_set(f"{job}-synchronizer", cl.ns)
     assert dep.metadata.generation == dep_generation
     reasons = {
         e.reason
@@ -372,7 +372,7 @@ def test_cert_manager_issues_when_asked_and_installed(
         assert spec["secretTemplate"]["labels"]["ddiloco.dev/job-uid"] == uid
         assert cert["metadata"]["ownerReferences"][0]["uid"] == uid
         # the synchronizer mounts the Secret the Certificate names; no CA of the operator's
-        dep = cl.apps().read_namespaced_deployment(svc, cl.ns)
+        dep = cl.apps().read_namespaced_stateful_set(svc, cl.ns)
         assert secret_mounts(dep.spec.template.spec)["/var/run/ddiloco/tls"] == spec["secretName"]
         with pytest.raises(ApiException):
             secret(cl, "home", f"{job}-ca")

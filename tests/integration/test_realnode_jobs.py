@@ -12,7 +12,8 @@ Eviction API, delete the synchronizer pod, leave a pod as a preempted node would
 reason Evicted, a DisruptionTarget condition), turn on a hot spare and evict again (the
 spare takes the slot), then delete the job; last, a short job runs to the end (Succeeded) and
 its trained model is exported in its synchronizer pod and copied out with `kubectl cp`, as
-operator/README.md tells users to. Measured times are printed
+operator/README.md tells users to; then a job with synchronizer.shards 2 trains on two real
+synchronizer pods (a StatefulSet, a claim each). Measured times are printed
 (`-s`), never asserted; the timeouts are only there so that a broken run ends.
 """
 
@@ -579,7 +580,8 @@ def test_deleting_the_job_removes_everything_it_made(run: Run) -> None:
     uid = run.job()["metadata"]["uid"]
     run.kubectl("delete", "ddj", JOB, "--wait=true", "--timeout=120s", timeout=150)
     kinds = (
-        "pods,services,secrets,configmaps,persistentvolumeclaims,serviceaccounts,roles,rolebindings"
+        "pods,services,secrets,configmaps,persistentvolumeclaims,serviceaccounts,roles,rolebindings,"
+        "statefulsets"
     )
 
     def left() -> list[str]:
@@ -638,7 +640,7 @@ def test_a_finished_job_keeps_its_synchronizer_and_the_model_comes_out(
     ]
     assert len(syncs) == 1, [p["status"] for p in syncs]
     pod = syncs[0]["metadata"]["name"]
-    claim = run.get("pvc", f"{FINISHED}-synchronizer-state")
+    claim = run.get("pvc", f"state-{FINISHED}-synchronizer-0")  # the StatefulSet's, shard 0
     assert claim["status"]["phase"] == "Bound"
 
     # what a user runs (operator/README.md, "Getting the trained model out")
@@ -671,5 +673,70 @@ def test_a_finished_job_keeps_its_synchronizer_and_the_model_comes_out(
     k8senv.wait_until(
         "the state claim deleted with the job",
         lambda: run.kubectl("get", "pvc", "-o", "name", check=False).find(FINISHED) < 0 or None,
+        timeout=120,
+    )
+
+
+SHARDED = "tiny-shards"
+
+
+def test_a_sharded_job_trains_on_two_synchronizer_pods(run: Run) -> None:
+    """synchronizer.shards 2 (issue 15): a StatefulSet of two real synchronizer pods, one
+    claim each; the learner reaches both through the headless Service's names (TLS verified
+    under each), the job's status and `ddiloco status --job` merge both shards, and deleting
+    the job deletes both claims."""
+    body = yaml.safe_load((c.REPO / "deploy" / "examples" / "tiny-cpu.yaml").read_text())
+    body["metadata"]["name"] = SHARDED
+    body["spec"]["image"] = run.image
+    body["spec"]["imagePullPolicy"] = "Never"
+    body["spec"]["training"]["maxSteps"] = 48  # 2H: every fragment merged twice, then exit 0
+    body["spec"]["synchronizer"]["shards"] = 2
+    body["spec"]["learnerGroups"][0]["replicas"] = 1
+    t0 = time.monotonic()
+    run.plane.kubectl("home", "-n", run.ns, "apply", "-f", "-", input=yaml.safe_dump(body))
+    selector = f"ddiloco.dev/job={SHARDED}"
+
+    def both_ready() -> list[dict[str, Any]] | None:
+        pods = [
+            p
+            for p in run.get("pods", "-l", f"{selector},{SYNC_POD_LABEL}")["items"]
+            if running_ready(p)
+        ]
+        return pods if len(pods) == 2 else None
+
+    syncs = k8senv.wait_until("both synchronizer shards Ready", both_ready, timeout=300)
+    run.figures["sharded_apply_to_shards_ready_s"] = round(time.monotonic() - t0, 1)
+    assert sorted(p["metadata"]["name"] for p in syncs) == [
+        f"{SHARDED}-synchronizer-0",
+        f"{SHARDED}-synchronizer-1",
+    ]
+    for p in syncs:
+        real_container(p)
+
+    def merged() -> dict[str, Any] | None:
+        job = run.get("ddj", SHARDED)
+        return job if (job.get("status", {}).get("globalVersion") or 0) >= 4 else None
+
+    job = k8senv.wait_until("merges on both shards in the job's status", merged, timeout=360)
+    run.figures["sharded_apply_to_4_merges_s"] = round(time.monotonic() - t0, 1)
+    assert job["status"]["synchronizer"]["availableShards"] == 2, job["status"]
+    for i in range(2):
+        claim = run.get("pvc", f"state-{SHARDED}-synchronizer-{i}")
+        assert claim["status"]["phase"] == "Bound"
+    got = subprocess.run(
+        [sys.executable, "-m", "ddiloco.cli.main", "status", "--job", SHARDED, "-n", run.ns,
+         "--kubeconfig", str(run.plane.home.kubeconfig), "--json"],
+        capture_output=True, text=True, timeout=90, env=run.plane.env(),
+    )  # fmt: skip
+    assert got.returncode == 0 and not got.stderr.strip(), got.stderr
+    st = json.loads(got.stdout)
+    assert st["shards"] == 2 and {f["shard"] for f in st["fragments"]} == {0, 1}, st
+    print(f"\nsharded job: 2 shards Ready in {run.figures['sharded_apply_to_shards_ready_s']}s, "
+          f"4 merges in {run.figures['sharded_apply_to_4_merges_s']}s")  # fmt: skip
+
+    run.kubectl("delete", "ddj", SHARDED, "--wait=true", "--timeout=120s", timeout=150)
+    k8senv.wait_until(
+        "both state claims deleted with the job",
+        lambda: run.kubectl("get", "pvc", "-o", "name", check=False).find(SHARDED) < 0 or None,
         timeout=120,
     )

@@ -36,7 +36,7 @@ dump() {
   kubectl --context "$CTX" get ddj,pods,pvc -A -o wide || true
   kubectl --context "$CTX" describe ddj "$JOB" || true
   kubectl --context "$CTX" -n "$NS" logs deployment/ddiloco-operator --tail=80 || true
-  kubectl --context "$CTX" logs "deployment/$JOB-synchronizer" --tail=80 || true
+  kubectl --context "$CTX" logs "statefulset/$JOB-synchronizer" --tail=80 || true
 }
 cleanup() {
   if [[ ${KEEP:-0} != 1 ]]; then kind delete cluster --name "$CLUSTER" >/dev/null 2>&1 || true; fi

@@ -21,7 +21,7 @@ import pytest
 
 from ddiloco.cli.main import SUBCOMMANDS
 from ddiloco.learner.config import READ_ELSEWHERE, LearnerConfig
-from ddiloco.operator import api, builders
+from ddiloco.operator import api, builders, sync_workload
 from ddiloco.synchronizer.config import SyncSettings
 
 TOKEN = "contract-token-0123456789"
@@ -86,6 +86,7 @@ FULL: dict[str, Any] = {
         },
     ],
     "failurePolicy": {"maxReplacementsPerSlot": 3, "backoffSeconds": 2, "maxBackoffSeconds": 60},
+    "updateEncoding": "int8",
     "managedBy": api.MANAGED_BY_US,
 }
 MINIMAL: dict[str, Any] = {
@@ -121,7 +122,7 @@ def learner_pods(job: api.DecoupledDiLoCoJob) -> list[tuple[api.LearnerGroup, in
 
 
 def sync_container(job: api.DecoupledDiLoCoJob) -> dict[str, Any]:
-    (container,) = builders.build_synchronizer_deployment(job)["spec"]["template"]["spec"][
+    (container,) = sync_workload.build_synchronizer_statefulset(job)["spec"]["template"]["spec"][
         "containers"
     ]
     return container
@@ -142,9 +143,12 @@ def mounted(path: str) -> str:
     return str(MOUNT_ROOT[0]) + path
 
 
-def container_env(job: api.DecoupledDiLoCoJob, container: dict[str, Any]) -> dict[str, str]:
+def container_env(
+    job: api.DecoupledDiLoCoJob, container: dict[str, Any], pod_index: int = 0
+) -> dict[str, str]:
     """name -> value as the process sees it; secret refs resolved through the operator's Secret,
-    and the token Secret's mounted file written where the *_FILE variables point."""
+    the StatefulSet's pod-index label (DDILOCO_SHARD) as `pod_index`, and the token Secret's
+    mounted file written where the *_FILE variables point."""
     secrets = {builders.token_secret_name(job): builders.build_token_secret(job, TOKEN)}
     mounts = [m["mountPath"] for m in container.get("volumeMounts", [])]
     token_dir = Path(mounted(builders.TOKEN_DIR))
@@ -160,6 +164,11 @@ def container_env(job: api.DecoupledDiLoCoJob, container: dict[str, Any]) -> dic
             if var["name"].endswith("_FILE"):  # a file of a mounted Secret, never a subPath
                 assert any(var["value"].startswith(m + "/") for m in mounts), var
                 env[var["name"]] = mounted(var["value"])
+            continue
+        if "fieldRef" in var["valueFrom"]:  # the downward API: only the pod-index label
+            path = var["valueFrom"]["fieldRef"]["fieldPath"]
+            assert path == f"metadata.labels['{builders.LABEL_POD_INDEX}']", var
+            env[var["name"]] = str(pod_index)
             continue
         ref = var["valueFrom"]["secretKeyRef"]
         value = builders.secret_token(secrets[ref["name"]]) if ref["key"] == "token" else None
@@ -194,7 +203,7 @@ def sync_env_names() -> dict[str, str]:
 
 
 def sync_settings(
-    monkeypatch: pytest.MonkeyPatch, job: api.DecoupledDiLoCoJob
+    monkeypatch: pytest.MonkeyPatch, job: api.DecoupledDiLoCoJob, pod_index: int = 0
 ) -> tuple[SyncSettings, dict[str, Any]]:
     container = sync_container(job)
     server = command_module(container)
@@ -204,7 +213,7 @@ def sync_settings(
     assert [k for k, v in args.items() if v not in (None, False) and k != "log_level"] == []
     for name in [k for k in os.environ if k.upper().startswith(PREFIX)]:
         monkeypatch.delenv(name)
-    for name, value in container_env(job, container).items():
+    for name, value in container_env(job, container, pod_index).items():
         monkeypatch.setenv(name, value)
     return SyncSettings(_env_file=None), container  # type: ignore[call-arg]
 
@@ -258,7 +267,7 @@ def expected_learner(
 ) -> dict[str, Any]:
     """What the operator means for a learner slot, from the job alone (not from the builders)."""
     t, default = job.spec.training, LearnerConfig()
-    svc = builders.build_synchronizer_service(job)
+    svc = sync_workload.build_synchronizer_service(job)
     scheme = "https" if job.spec.synchronizer.tls.enabled else "http"  # TLS is on by default
     in_cluster = (
         f"{scheme}://{svc['metadata']['name']}.{job.namespace}.svc:"
@@ -284,6 +293,7 @@ def expected_learner(
         "max_seconds": t.max_seconds or 0.0,
         "nproc_per_node": group.gpus_per_learner or 1,  # one rank per GPU
         "metrics_port": builders.LEARNER_METRICS_PORT,  # the pod's port named "metrics"
+        "update_encoding": job.spec.update_encoding,
     }
     if t.model is not None:  # with a model entry the preset is not used (learner/task.py)
         out["model"] = t.model
@@ -318,7 +328,7 @@ def test_the_synchronizer_reads_what_the_operator_meant(
     sync, t = job.spec.synchronizer, job.spec.training
     (port,) = container["ports"]
     (mount,) = [m for m in container["volumeMounts"] if m["name"] == "state"]
-    svc = builders.build_synchronizer_service(job)["spec"]["ports"][0]
+    svc = sync_workload.build_synchronizer_service(job)["spec"]["ports"][0]
     want = {
         "host": "0.0.0.0",
         "port": port["containerPort"],
@@ -332,6 +342,9 @@ def test_the_synchronizer_reads_what_the_operator_meant(
         "max_staleness": sync.max_staleness,
         "tau": t.overlap_steps,
         "counter_cap_steps": 4 * t.inner_steps,  # README: "counters capped at 4H"
+        "shard": 0,
+        "shards": sync.shards,
+        "update_encodings": [job.spec.update_encoding],  # only the job's encoding
     }
     assert {k: getattr(settings, k) for k in want} == want
     assert settings.bearer_token() == TOKEN
@@ -353,7 +366,14 @@ def test_the_jobs_set_no_value_to_a_default() -> None:
     job = make_job(FULL)
     sync_default = {k: f.default for k, f in SyncSettings.model_fields.items()}
     spec_sync = job.spec.synchronizer.model_dump(
-        exclude={"resources", "storage", "tls", "external_names", "token_rotation_grace_seconds"}
+        exclude={
+            "resources",
+            "storage",
+            "tls",
+            "external_names",
+            "token_rotation_grace_seconds",
+            "shards",  # test_a_sharded_job_tells_each_shard_its_place checks S > 1
+        }
     )  # TLS reaches the synchronizer as files (test_operator_tls.py checks those)
     renamed = {"outer_learning_rate": "outer_lr"}
     for field, value in spec_sync.items():
@@ -374,6 +394,7 @@ def test_the_jobs_here_make_the_builders_emit_every_name(monkeypatch: pytest.Mon
         return real(pairs)
 
     monkeypatch.setattr(builders, "_env", spy)
+    monkeypatch.setattr(sync_workload, "_env", spy)  # the synchronizer's builder (its seam)
     for spec in SPECS.values():
         job = make_job(spec)
         learner_pods(job)
@@ -401,3 +422,19 @@ def test_the_builders_emit_only_strings_the_receivers_round_trip() -> None:
     job = make_job(spec)
     cfg = learner_config(job, learner_pods(job)[0][2])
     assert (cfg.inner_lr, cfg.max_seconds) == (1 / 3, 1e-3)
+
+
+def test_a_sharded_job_tells_each_shard_its_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    # S = 3: shard i reads i from its pod-index label, and every learner gets the 3 shards'
+    # headless names in shard order, each a name in the synchronizer's certificate
+    job = make_job({**MINIMAL, "synchronizer": {"shards": 3}})
+    for i in range(3):
+        settings, _ = sync_settings(monkeypatch, job, pod_index=i)
+        assert (settings.shard, settings.shards) == (i, 3)
+    cfg = learner_config(job, learner_pods(job)[0][2])
+    sync = builders.synchronizer_name(job)
+    want = [f"https://{sync}-{i}.{sync}-shards.team-a.svc:{builders.SYNC_PORT}" for i in range(3)]
+    assert cfg.sync_urls == want
+    hosts = {u.split("//")[1].split(":")[0] for u in want}
+    assert hosts <= set(builders.service_dns_names(job))
+    assert cfg.ca_file is not None  # https: verified against the job's CA

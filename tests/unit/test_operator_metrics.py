@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ddiloco.operator import builders
+from ddiloco.operator import builders, sync_workload
 from ddiloco.operator.api import DecoupledDiLoCoJob
 from ddiloco.operator.metrics import MAX_CAUSES, OperatorMetrics
 from ddiloco.operator.plan import ClusterView, Observed, PodView, home
@@ -62,14 +62,14 @@ class Operator:
         self.job, self.metrics = job, OperatorMetrics()
 
     def tick(self, now: datetime, *pods: PodView) -> list[str]:
-        deployment = builders.build_synchronizer_deployment(self.job)
-        deployment["status"] = {"availableReplicas": 1}
+        sts = sync_workload.build_synchronizer_statefulset(self.job)
+        sts["status"] = {"availableReplicas": 1}
         obs = Observed(
             now=now,
             clusters={home(self.job): ClusterView(pods=pods, token="tok")},
-            deployment=deployment,
+            statefulset=sts,
             service=True,
-            claim=True,
+            shards_service=True,
             sync_status={"global_version": 0},
         )
         plan = reconcile(self.job, obs, fresh_token="fresh")
@@ -225,8 +225,8 @@ def test_merged_work_and_live_learners_from_the_synchronizer_status() -> None:
 
 def test_the_job_status_carries_them() -> None:
     job = make_job()
-    deployment = builders.build_synchronizer_deployment(job)
-    deployment["status"] = {"availableReplicas": 1}
+    sts = sync_workload.build_synchronizer_statefulset(job)
+    sts["status"] = {"availableReplicas": 1}
     answer = {
         "global_version": 4,
         "tokens_merged": 100,
@@ -235,9 +235,9 @@ def test_the_job_status_carries_them() -> None:
     obs = Observed(
         now=T0,
         clusters={home(job): ClusterView(pods=(), token="tok")},
-        deployment=deployment,
+        statefulset=sts,
         service=True,
-        claim=True,
+        shards_service=True,
         sync_status=answer,
     )
     status = reconcile(job, obs, fresh_token="fresh").status

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from ddiloco.operator import builders
+from ddiloco.operator import builders, sync_workload
 from ddiloco.operator import conditions as c
 from ddiloco.operator.api import DecoupledDiLoCoJob, SecretKeyRef
 from ddiloco.operator.plan import (
@@ -99,17 +99,17 @@ def observe(
     available: bool = True,
     sync: dict[str, Any] | None = SYNC_ANSWER,
 ) -> Observed:
-    deployment = builders.build_synchronizer_deployment(job)
-    deployment["status"] = {"availableReplicas": 1 if available else 0}
+    sts = sync_workload.build_synchronizer_statefulset(job)
+    sts["status"] = {"availableReplicas": 1 if available else 0}
     return Observed(
         now=now,
         clusters={
             home(job): ClusterView(pods=home_pods, token=TOKEN),
             REMOTE: remote or ClusterView(pods=remote_pods, token=TOKEN),
         },
-        deployment=deployment,
+        statefulset=sts,
         service=True,
-        claim=True,
+        shards_service=True,
         sync_status=sync,
     )
 
@@ -145,11 +145,12 @@ def test_a_new_job_creates_everything_everywhere() -> None:
     assert {
         ("create", k, n)
         for k, n in [
-            ("PersistentVolumeClaim", "tiny-synchronizer-state"),
             ("Service", "tiny-synchronizer"),
-            ("Deployment", "tiny-synchronizer"),
+            ("Service", "tiny-synchronizer-shards"),
+            ("StatefulSet", "tiny-synchronizer"),
         ]
     } <= set(got)
+    assert not [a for a in plan.actions if a.kind == "PersistentVolumeClaim"]  # the sts's
     pods = [a for a in plan.actions if a.kind == "Pod"]
     assert sorted((a.name, a.target.label) for a in pods) == [
         (builders.learner_pod_name(job, "home", 0), "local"),
@@ -383,9 +384,9 @@ def test_removed_group_is_cleaned_from_its_cluster() -> None:
         Observed(
             now=T0,
             clusters={home(job2): ClusterView(pods=home_pods, token=TOKEN), REMOTE: ClusterView()},
-            deployment=observe(job2).deployment,
+            statefulset=observe(job2).statefulset,
             service=True,
-            claim=True,
+            shards_service=True,
         ),
     )
     assert [g.name for g in job3.status.groups] == ["home"]
@@ -402,8 +403,8 @@ def test_suspend_removes_learners_without_counting_failures() -> None:
         "tiny-home-1",
         "tiny-ra-0",
     ]
-    deployment = next(a for a in plan.actions if a.kind == "Deployment")
-    assert deployment.verb == "replace" and deployment.body["spec"]["replicas"] == 0
+    sts = next(a for a in plan.actions if a.kind == "StatefulSet")
+    assert sts.verb == "replace" and sts.body["spec"]["replicas"] == 0
     assert suspended.status.phase == "Suspended" and cond(suspended, c.READY)[1] == c.SUSPENDED
     _, plan = step(suspended, observe(suspended))
     assert not [a for a in plan.actions if a.kind == "Pod"]

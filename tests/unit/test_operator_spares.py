@@ -20,7 +20,7 @@ import pydantic
 import pytest
 import yaml
 
-from ddiloco.operator import builders, names, spares
+from ddiloco.operator import api, builders, names, spares
 from ddiloco.operator.api import DecoupledDiLoCoJob, FailurePolicy
 from ddiloco.operator.plan import Action, ClusterView, Observed, Plan, PodView, home
 from ddiloco.operator.reconcile import reconcile
@@ -130,7 +130,7 @@ def test_under_mutual_tls_a_spare_mounts_its_own_client_certificate() -> None:
 
 
 def test_the_longest_names_with_spares_are_valid() -> None:
-    long = "j" * 40
+    long = "j" * api.MAX_JOB_NAME
     job = DecoupledDiLoCoJob.from_body(
         {
             "metadata": {"name": long, "namespace": "n" * 63, "uid": "u"},
@@ -216,9 +216,9 @@ def run(
         obs = Observed(
             now=now + timedelta(seconds=k),
             clusters={home(job): ClusterView(pods=ns.views(), token="tok")},
-            deployment={"status": {"availableReplicas": 1}},
+            statefulset={"status": {"availableReplicas": 1}},
             service=True,
-            claim=True,
+            shards_service=True,
             sync_status={"global_version": 0},
         )
         plan = reconcile(job, obs, fresh_token="tok")
@@ -314,9 +314,9 @@ def test_a_promotion_whose_precondition_fails_changes_nothing() -> None:
         Observed(
             now=T0 + timedelta(seconds=10),
             clusters={home(job): ClusterView(pods=obs_pods, token="tok")},
-            deployment={"status": {"availableReplicas": 1}},
+            statefulset={"status": {"availableReplicas": 1}},
             service=True,
-            claim=True,
+            shards_service=True,
         ),
         fresh_token="tok",
     )
@@ -327,9 +327,9 @@ def test_a_promotion_whose_precondition_fails_changes_nothing() -> None:
         Observed(
             now=T0 + timedelta(seconds=11),
             clusters={home(job): ClusterView(pods=obs_pods[1:], token="tok")},
-            deployment={"status": {"availableReplicas": 1}},
+            statefulset={"status": {"availableReplicas": 1}},
             service=True,
-            claim=True,
+            shards_service=True,
         ),
         fresh_token="tok",
     )

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from ddiloco.operator import api, builders, names, slots
+from ddiloco.operator import api, builders, names, slots, sync_workload
 from ddiloco.operator import conditions as c
 from ddiloco.operator.api import DecoupledDiLoCoJob, JobStatus, SecretKeyRef
 from ddiloco.operator.plan import ClusterView, Observed, Plan, PodView, Target, home
@@ -57,14 +57,14 @@ def observe(
     sync: dict[str, Any] | None = ANSWER,
     service: bool = True,
 ) -> Observed:
-    deployment = builders.build_synchronizer_deployment(job)
-    deployment["status"] = {"availableReplicas": 1}
+    sts = sync_workload.build_synchronizer_statefulset(job)
+    sts["status"] = {"availableReplicas": 1}
     return Observed(
         now=now,
         clusters={home(job): ClusterView(pods=pods, token="tok")},
-        deployment=deployment,
+        statefulset=sts,
         service=service,
-        claim=True,
+        shards_service=True,
         sync_status=sync,
     )
 
@@ -268,7 +268,7 @@ def test_the_longest_names_the_crd_allows_give_valid_children() -> None:
     job = longest_job()
     assert names.problems(job) == []
     checked = {what.split(":")[0] for what, _, _ in names.derived(job)}
-    assert {"Service", "Deployment", "PersistentVolumeClaim", "Secret", "Pod"} <= checked
+    assert {"Service", "StatefulSet", "PersistentVolumeClaim", "Secret", "Pod"} <= checked
 
 
 @pytest.mark.parametrize(
@@ -453,9 +453,9 @@ def test_the_status_fits_etcd_at_the_crds_largest_spec() -> None:
     obs = Observed(
         now=T0,
         clusters={home(job): ClusterView(pods=tuple(pods), token="t")},
-        deployment={"status": {"availableReplicas": 1}},
+        statefulset={"status": {"availableReplicas": 1}},
         service=True,
-        claim=True,
+        shards_service=True,
         sync_status=ANSWER,
     )
     out, _ = step(job, obs)

@@ -23,7 +23,7 @@ import pydantic
 import pytest
 from cryptography import x509
 
-from ddiloco.operator import api, builders, certs, crd, tokens
+from ddiloco.operator import api, builders, certs, crd, sync_workload, tokens
 from ddiloco.operator import conditions as c
 from ddiloco.operator.config import OperatorSettings
 from ddiloco.operator.plan import (
@@ -93,12 +93,12 @@ def secret_view(body: dict[str, Any], uid: str = "uid-1") -> SecretView:
 
 
 class World:
-    """The Secrets, Deployment and Certificate of one job in two targets, as plans leave them."""
+    """The Secrets, StatefulSet and Certificate of one job in two targets, as plans leave them."""
 
     def __init__(self, job: api.DecoupledDiLoCoJob) -> None:
         self.job = job
         self.secrets: dict[Target, dict[str, SecretView]] = {home(job): {}, REMOTE: {}}
-        self.deployment: dict[str, Any] | None = None
+        self.sts: dict[str, Any] | None = None
         self.certificate: dict[str, Any] | None = None
         self.cert_manager = False
         self.now = T0
@@ -115,9 +115,9 @@ class World:
         return Observed(
             now=self.now,
             clusters=views,
-            deployment=self.deployment,
+            statefulset=self.sts,
             service=True,
-            claim=True,
+            shards_service=True,
             cert_manager=self.cert_manager,
             certificate=self.certificate,
         )
@@ -132,8 +132,8 @@ class World:
                     assert (a.verb == "create") == (a.name not in there), a.describe()
                     assert a.body is not None
                     there[a.name] = secret_view(a.body)
-            elif a.kind == "Deployment":
-                self.deployment = a.body
+            elif a.kind == "StatefulSet":
+                self.sts = a.body
             elif a.kind == "Certificate":
                 self.certificate = a.body
 
@@ -161,7 +161,7 @@ def tls_actions(plan: Plan) -> list[tuple[str, str, str]]:
 
 
 def container(obj: dict[str, Any]) -> dict[str, Any]:
-    spec = obj["spec"]["template"]["spec"] if obj["kind"] == "Deployment" else obj["spec"]
+    spec = obj["spec"]["template"]["spec"] if obj["kind"] == "StatefulSet" else obj["spec"]
     (ctr,) = spec["containers"]
     return ctr
 
@@ -171,8 +171,8 @@ def env(obj: dict[str, Any]) -> dict[str, str]:
 
 
 def mounts(obj: dict[str, Any]) -> dict[str, str]:
-    """mount path -> Secret name, for the Secret volumes of a pod or Deployment."""
-    spec = obj["spec"]["template"]["spec"] if obj["kind"] == "Deployment" else obj["spec"]
+    """mount path -> Secret name, for the Secret volumes of a pod or StatefulSet."""
+    spec = obj["spec"]["template"]["spec"] if obj["kind"] == "StatefulSet" else obj["spec"]
     secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
     out = {}
     for m in container(obj)["volumeMounts"]:
@@ -191,11 +191,11 @@ def test_tls_is_on_by_default_and_the_service_url_is_https() -> None:
     tls = job.spec.synchronizer.tls
     assert (tls.enabled, tls.issuer, tls.mutual) == (True, "operator", False)
     assert builders.synchronizer_service_url(job) == "https://tj-synchronizer.ns.svc:8470"
-    svc = builders.build_synchronizer_service(job)
+    svc = sync_workload.build_synchronizer_service(job)
     assert svc["spec"]["ports"][0]["appProtocol"] == "https"
     off = make_job(tls={"enabled": False})
     assert builders.synchronizer_service_url(off).startswith("http://")
-    assert builders.build_synchronizer_service(off)["spec"]["ports"][0]["appProtocol"] == (
+    assert sync_workload.build_synchronizer_service(off)["spec"]["ports"][0]["appProtocol"] == (
         "kubernetes.io/h2c"
     )
 
@@ -231,7 +231,7 @@ def test_the_crd_carries_the_same_rules() -> None:
     spec = crd.openapi_schema()["properties"]["spec"]["properties"]
     group = spec["learnerGroups"]["items"]
     rules = {r["message"]: r["rule"] for r in group["x-kubernetes-validations"]}
-    assert "self.syncUrl.startsWith('https://')" in rules[api.INSECURE_MESSAGE]
+    assert "self.syncUrl.split(',').all(u, u.startsWith('https://'))" in rules[api.INSECURE_MESSAGE]
     assert group["properties"]["insecure"]["default"] is False
     sync = spec["synchronizer"]["properties"]
     tls = sync["tls"]
@@ -269,7 +269,7 @@ def test_external_names_must_be_names_or_addresses(name: str) -> None:
 
 
 def test_the_synchronizer_reads_its_certificate_and_token_from_mounted_files() -> None:
-    dep = builders.build_synchronizer_deployment(make_job(), tls_revision="abc")
+    dep = sync_workload.build_synchronizer_statefulset(make_job(), tls_revision="abc")
     e = env(dep)
     assert "DDILOCO_TOKEN" not in e, "the token travels as a file, so it can rotate"
     assert e["DDILOCO_TOKEN_FILE"] == "/var/run/ddiloco/token/token"
@@ -281,8 +281,8 @@ def test_the_synchronizer_reads_its_certificate_and_token_from_mounted_files() -
     assert probe["httpGet"]["scheme"] == "HTTPS"
     template = dep["spec"]["template"]
     assert template["metadata"]["annotations"] == {builders.ANNOTATION_TLS_REVISION: "abc"}
-    # a new certificate changes the Deployment's hash: the synchronizer loads it at startup
-    other = builders.build_synchronizer_deployment(make_job(), tls_revision="def")
+    # a new certificate changes the StatefulSet's hash: the synchronizer loads it at startup
+    other = sync_workload.build_synchronizer_statefulset(make_job(), tls_revision="def")
     assert (
         other["metadata"]["annotations"][builders.ANNOTATION_SPEC_HASH]
         != dep["metadata"]["annotations"][builders.ANNOTATION_SPEC_HASH]
@@ -290,7 +290,7 @@ def test_the_synchronizer_reads_its_certificate_and_token_from_mounted_files() -
 
 
 def test_mutual_tls_adds_the_client_ca_and_a_tcp_probe() -> None:
-    dep = builders.build_synchronizer_deployment(make_job(tls={"mutual": True}))
+    dep = sync_workload.build_synchronizer_statefulset(make_job(tls={"mutual": True}))
     assert env(dep)["DDILOCO_TLS_CLIENT_CA_FILE"] == "/var/run/ddiloco/trust/client-ca.crt"
     assert mounts(dep)["/var/run/ddiloco/trust"] == "tj-trust"
     # the kubelet has no client certificate: an HTTPS probe would fail the handshake
@@ -301,7 +301,7 @@ def test_mutual_tls_adds_the_client_ca_and_a_tcp_probe() -> None:
 def test_liveness_waits_for_a_slow_start() -> None:
     """A synchronizer that takes minutes to load its state is not killed before it answers:
     the startup probe allows 10 minutes, liveness counts only after it."""
-    c = container(builders.build_synchronizer_deployment(make_job()))
+    c = container(sync_workload.build_synchronizer_statefulset(make_job()))
     start = c["startupProbe"]
     assert start["httpGet"]["path"] == "/healthz"
     assert start["periodSeconds"] * start["failureThreshold"] >= 600
@@ -310,7 +310,7 @@ def test_liveness_waits_for_a_slow_start() -> None:
 
 
 def test_without_tls_the_synchronizer_gets_only_the_token_file() -> None:
-    dep = builders.build_synchronizer_deployment(make_job(tls={"enabled": False}))
+    dep = sync_workload.build_synchronizer_statefulset(make_job(tls={"enabled": False}))
     assert not [n for n in env(dep) if n.startswith("DDILOCO_TLS")]
     assert mounts(dep) == {"/var/run/ddiloco/token": "tj-token"}
     assert "scheme" not in container(dep)["readinessProbe"]["httpGet"]
@@ -429,7 +429,7 @@ def test_a_server_certificate_near_expiry_is_renewed_and_rolls_the_synchronizer(
     w.step()
     w.step()
     before = w.pair(home(w.job), "tj-tls")
-    revision = w.deployment["spec"]["template"]["metadata"]["annotations"]
+    revision = w.sts["spec"]["template"]["metadata"]["annotations"]
     w.now = T0 + timedelta(days=59)  # 31 of 90 days left: more than a third
     assert tls_actions(w.step()) == []
     w.now = T0 + timedelta(days=61)  # 29 left: renew
@@ -437,8 +437,8 @@ def test_a_server_certificate_near_expiry_is_renewed_and_rolls_the_synchronizer(
     assert tls_actions(plan) == [("replace", "tj-tls", "local")]
     after = w.pair(home(w.job), "tj-tls")
     assert after.cert_pem != before.cert_pem and after.key_pem != before.key_pem
-    assert any(a.kind == "Deployment" and a.verb == "replace" for a in plan.actions)
-    assert w.deployment["spec"]["template"]["metadata"]["annotations"] != revision
+    assert any(a.kind == "StatefulSet" and a.verb == "replace" for a in plan.actions)
+    assert w.sts["spec"]["template"]["metadata"]["annotations"] != revision
 
 
 @pytest.fixture
@@ -567,7 +567,7 @@ def test_cert_manager_gets_a_certificate_and_its_secret_feeds_the_trust() -> Non
     assert "server auth" in spec["usages"]
     # the operator makes no CA of its own without mutual TLS, and writes no tj-tls itself
     assert {n for _, n, _ in tls_actions(plan)} == {"tj-tls"}
-    assert mounts(w.deployment)["/var/run/ddiloco/tls"] == "tj-tls"
+    assert mounts(w.sts)["/var/run/ddiloco/tls"] == "tj-tls"
     deg = c.get(w.job.status.conditions, c.DEGRADED)
     assert deg is not None and deg.reason == certs.CERT_PENDING
     # cert-manager issues (here: the test, from a CA of its own)
@@ -583,7 +583,7 @@ def test_cert_manager_gets_a_certificate_and_its_secret_feeds_the_trust() -> Non
         ("create", "tj-trust", "region-a-kubeconfig"),
     ]
     assert w.secrets[REMOTE]["tj-trust"].data == {"ca.crt": ca.cert_pem}
-    assert w.deployment["spec"]["template"]["metadata"]["annotations"]
+    assert w.sts["spec"]["template"]["metadata"]["annotations"]
     assert c.get(w.job.status.conditions, c.DEGRADED).status == "False"
     # a new external name changes the Certificate
     w.job = cm_job().model_copy(update={"status": w.job.status})
@@ -623,8 +623,8 @@ def test_a_token_rotation_keeps_the_old_token_for_the_grace_period() -> None:
     plan = w.step(fresh="new")
     assert [e.reason for e in plan.events] == ["TokenRotating"]
     assert token_of(w, home(w.job)) == token_of(w, REMOTE) == "new\nold"
-    # nothing restarts: no pod deleted, the synchronizer's Deployment left as it is
-    assert not [a for a in plan.actions if a.kind == "Deployment" or a.verb == "delete"]
+    # nothing restarts: no pod deleted, the synchronizer's StatefulSet left as it is
+    assert not [a for a in plan.actions if a.kind == "StatefulSet" or a.verb == "delete"]
     notes = w.home_secret("tj-token").annotations
     assert notes[tokens.ANNOTATION_ROTATION] == "2026-12-01"
     w.now = T0 + timedelta(seconds=59)

@@ -1,0 +1,209 @@
+"""The synchronizer's workload: its StatefulSet of S shards, the ClusterIP Service and the
+shards' headless Service, as plain dicts (the seam of builders.py, whose names, labels and
+helpers these use).
+
+    from ddiloco.operator import sync_workload
+    sts = sync_workload.build_synchronizer_statefulset(job)   # what the operator would apply
+
+The StatefulSet `<job>-synchronizer` runs `synchronizer.shards` (S) pods, `<job>-synchronizer-<i>`
+for shard i (DDILOCO_SHARD from the pod-index label), each with its own state claim
+`state-<job>-synchronizer-<i>` (volumeClaimTemplates, deleted with the StatefulSet); a job made
+before the StatefulSet keeps its claim `<job>-synchronizer-state` (`legacy_claim`). See
+builders.py's docstring for the Services' roles.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from ddiloco.operator.api import DecoupledDiLoCoJob
+from ddiloco.operator.builders import (
+    ANNOTATION_SPEC_HASH,
+    ANNOTATION_TLS_REVISION,
+    IMAGE_UID,
+    LABEL_COMPONENT,
+    LABEL_JOB,
+    LABEL_POD_INDEX,
+    STATE_DIR,
+    STATE_TEMPLATE,
+    SYNC_PORT,
+    _env,
+    _files,
+    _metadata,
+    labels,
+    shards_service_name,
+    spec_hash,
+    state_claim_name,
+    synchronizer_name,
+)
+
+
+def _sync_port(job: DecoupledDiLoCoJob) -> dict[str, Any]:
+    return {
+        "name": "http",
+        "port": SYNC_PORT,
+        "targetPort": "http",
+        "protocol": "TCP",
+        # HTTPS (h2 by ALPN) with TLS on, else HTTP/2 cleartext
+        "appProtocol": "https" if job.spec.synchronizer.tls.enabled else "kubernetes.io/h2c",
+    }
+
+
+def _sync_selector(job: DecoupledDiLoCoJob) -> dict[str, str]:
+    return {LABEL_JOB: job.name, LABEL_COMPONENT: "synchronizer"}
+
+
+def build_synchronizer_service(job: DecoupledDiLoCoJob) -> dict[str, Any]:
+    """The ClusterIP Service: the synchronizer with S = 1; with S > 1 shard 0 only (a
+    Service in front of several shards would send a fragment to a shard that does not own
+    it), for `ddiloco status`, port-forwards and hot spares' assignments."""
+    selector = _sync_selector(job)
+    if job.spec.synchronizer.shards > 1:
+        selector[LABEL_POD_INDEX] = "0"
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(job, synchronizer_name(job), "synchronizer", job.namespace),
+        "spec": {"type": "ClusterIP", "selector": selector, "ports": [_sync_port(job)]},
+    }
+
+
+def build_shards_service(job: DecoupledDiLoCoJob) -> dict[str, Any]:
+    """The StatefulSet's headless Service: DNS names `<sync>-<i>.<sync>-shards.<ns>.svc`,
+    for Ready shard pods only (publishNotReadyAddresses false: a learner retries a shard
+    that is starting, as it retries a Service without endpoints)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(job, shards_service_name(job), "synchronizer", job.namespace),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": False,
+            "selector": _sync_selector(job),
+            "ports": [_sync_port(job)],
+        },
+    }
+
+
+def _claim_spec(job: DecoupledDiLoCoJob) -> dict[str, Any]:
+    storage = job.spec.synchronizer.storage
+    spec: dict[str, Any] = {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": str(storage.size)}},
+    }
+    if storage.storage_class_name is not None:
+        spec["storageClassName"] = storage.storage_class_name
+    return spec
+
+
+COUNTER_CAP_H: Final = 4
+"""The synchronizer caps the steps a contribution may claim at this many H (README, "Weights
+and merge"; `ddiloco local` sets the same). Its own default, 96, is 4H only for H = 24."""
+
+
+def build_synchronizer_statefulset(
+    job: DecoupledDiLoCoJob, tls_revision: str | None = None, legacy_claim: bool = False
+) -> dict[str, Any]:
+    """S synchronizer shards, one pod and one state claim each (replicas 0 while suspended).
+
+    Each pod learns its shard from its pod-index label (downward API: DDILOCO_SHARD) and the
+    count from DDILOCO_SHARDS. A rolling update deletes a shard's pod before it makes its
+    successor, so no two pods ever write one state volume (what Recreate did for the
+    Deployment). The claims (volumeClaimTemplates) are deleted with the StatefulSet
+    (whenDeleted: Delete) and kept when it scales to 0 (whenScaled: Retain: a suspend
+    keeps the state). `legacy_claim`: mount the claim of a job made before the StatefulSet
+    (`state_claim_name`, S = 1) instead of claim templates. `tls_revision` (certs.py)
+    names the certificates the pods serve; a new one rolls them."""
+    spec, sync = job.spec, job.spec.synchronizer
+    files, volumes, mounts = _files(job, None)
+    env = [
+        *_env(
+            {
+                **files,
+                "DDILOCO_HOST": "0.0.0.0",
+                "DDILOCO_STATE_DIR": STATE_DIR,
+                "DDILOCO_PORT": SYNC_PORT,
+                "DDILOCO_QUORUM": sync.quorum,
+                "DDILOCO_GRACE_GAMMA": sync.grace_gamma,
+                "DDILOCO_GRACE_CAP_STEPS": sync.grace_cap_steps,
+                "DDILOCO_MERGE": sync.merge,
+                "DDILOCO_OUTER_LR": sync.outer_learning_rate,
+                "DDILOCO_OUTER_MOMENTUM": sync.outer_momentum,
+                "DDILOCO_MAX_STALENESS": sync.max_staleness,
+                "DDILOCO_TAU": spec.training.overlap_steps,
+                "DDILOCO_COUNTER_CAP_STEPS": COUNTER_CAP_H * spec.training.inner_steps,
+                "DDILOCO_SHARDS": sync.shards,
+                "DDILOCO_UPDATE_ENCODINGS": spec.update_encoding,
+            }
+        ),
+        {
+            "name": "DDILOCO_SHARD",
+            "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{LABEL_POD_INDEX}']"}},
+        },
+    ]
+    probe: dict[str, Any] = {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10}
+    if sync.tls.enabled:
+        probe["httpGet"]["scheme"] = "HTTPS"  # the kubelet does not verify the certificate
+    if sync.tls.enabled and sync.tls.mutual:
+        # the kubelet has no client certificate to present: check that the port accepts
+        probe = {"tcpSocket": {"port": "http"}, "periodSeconds": 10}
+    container = {
+        "name": "synchronizer",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["ddiloco", "synchronizer"],
+        "env": env,
+        "ports": [{"name": "http", "containerPort": SYNC_PORT, "protocol": "TCP"}],
+        # Liveness counts only once the port first answers: loading the state and replaying
+        # the pending log of a large model takes minutes, and a busy 2-core node took over the
+        # liveness budget (60 s) to start one, which the kubelet then killed in a loop.
+        "startupProbe": {**probe, "periodSeconds": 2, "failureThreshold": 300},
+        "readinessProbe": {**probe, "periodSeconds": 5},
+        "livenessProbe": {**probe, "failureThreshold": 6},
+        "resources": sync.resources.to_k8s(),
+        "volumeMounts": [{"name": STATE_TEMPLATE, "mountPath": STATE_DIR}, *mounts],
+    }
+    if legacy_claim:
+        claim = {"persistentVolumeClaim": {"claimName": state_claim_name(job)}}
+        volumes = [{"name": STATE_TEMPLATE, **claim}, *volumes]
+    template: dict[str, Any] = {
+        "metadata": {"labels": labels(job, "synchronizer")},
+        "spec": {
+            "containers": [container],
+            "enableServiceLinks": False,
+            "automountServiceAccountToken": False,
+            # The image runs as uid 10001 (Dockerfile); fsGroup makes the state volume writable
+            # for it on storage classes that mount volumes root-owned.
+            "securityContext": {"runAsNonRoot": True, "fsGroup": IMAGE_UID},
+            "volumes": volumes,
+        },
+    }
+    if tls_revision:
+        template["metadata"]["annotations"] = {ANNOTATION_TLS_REVISION: tls_revision}
+    sts_spec: dict[str, Any] = {
+        "replicas": 0 if spec.suspend else sync.shards,
+        "serviceName": shards_service_name(job),
+        "podManagementPolicy": "Parallel",  # shards are independent: start them together
+        "updateStrategy": {"type": "RollingUpdate"},
+        "selector": {"matchLabels": _sync_selector(job)},
+        "template": template,
+    }
+    if not legacy_claim:
+        sts_spec["volumeClaimTemplates"] = [
+            {
+                "metadata": {"name": STATE_TEMPLATE, "labels": labels(job, "synchronizer")},
+                "spec": _claim_spec(job),
+            }
+        ]
+        sts_spec["persistentVolumeClaimRetentionPolicy"] = {
+            "whenDeleted": "Delete",
+            "whenScaled": "Retain",
+        }
+    meta = _metadata(job, synchronizer_name(job), "synchronizer", job.namespace)
+    meta["annotations"] = {ANNOTATION_SPEC_HASH: spec_hash(sts_spec)}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": meta,
+        "spec": sts_spec,
+    }

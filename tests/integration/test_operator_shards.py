@@ -1,0 +1,288 @@
+"""Synchronizer shards on a real control plane (issue 15): StatefulSet, Services, claims, CRD.
+
+python tests/integration/k8senv.py build          # once per machine
+.venv/bin/pytest tests/integration/test_operator_shards.py
+
+- a job with synchronizer.shards 2 gets a StatefulSet of 2 pods (kwok runs them), a headless
+  Service, one claim per shard; learners get both shards' URLs in order, and both sides the
+  job's update encoding; the job status merges the shards' answers; deleting the job leaves
+  nothing, claims included;
+- the apiserver refuses a change of shards or updateEncoding on an existing job (`kubectl
+  apply`), and bad values (shards 0, encoding int3, one syncUrl for 2 shards), each with its
+  message;
+- a job an older operator made (a Deployment and claim `<job>-synchronizer-state`) is moved
+  to a StatefulSet that mounts the same claim.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import k8senv
+import kubernetes
+import operator_helpers as h
+import pytest
+from kubernetes.client.exceptions import ApiException
+from operator_helpers import cl_fixture, crd_fixture, operator_fixture  # noqa: F401  (fixtures)
+
+from ddiloco.operator import api
+
+pytestmark = pytest.mark.integration
+POD_INDEX = "apps.kubernetes.io/pod-index"
+SYNC_PODS = "ddiloco.dev/job={job},app.kubernetes.io/component=synchronizer"
+
+
+def gone(call: Any) -> bool:
+    try:
+        call()
+    except ApiException as e:
+        return e.status == 404
+    return False
+
+
+def env_of(container: Any) -> dict[str, Any]:
+    return {e.name: e.value if e.value_from is None else e.value_from for e in container.env}
+
+
+def test_two_shards_are_a_statefulset_with_a_headless_service_and_a_claim_each(
+    cl: h.Clusters, operator: h.Operator
+) -> None:
+    body = h.job_manifest("shd", [{"name": "a", "replicas": 2}], updateEncoding="int4")
+    body["spec"]["synchronizer"].update(shards=2, tls={"enabled": False})
+    job = h.create_job(cl, body)  # and a volume for each shard's claim
+    ready = h.wait_condition(cl, job, "Ready", timeout=60)
+    sync = f"{job}-synchronizer"
+
+    sts = cl.apps().read_namespaced_stateful_set(sync, cl.ns)
+    assert sts.spec.replicas == 2 and sts.spec.service_name == f"{sync}-shards"
+    assert sts.spec.persistent_volume_claim_retention_policy.when_deleted == "Delete"
+    env = env_of(sts.spec.template.spec.containers[0])
+    assert (env["DDILOCO_SHARDS"], env["DDILOCO_UPDATE_ENCODINGS"]) == ("2", "int4")
+    assert env["DDILOCO_SHARD"].field_ref.field_path == f"metadata.labels['{POD_INDEX}']"
+    pods = (
+        cl.core()
+        .list_namespaced_pod(
+            cl.ns, label_selector=f"ddiloco.dev/job={job},app.kubernetes.io/component=synchronizer"
+        )
+        .items
+    )
+    # the label DDILOCO_SHARD comes from, as the StatefulSet controller set it
+    assert sorted((p.metadata.name, p.metadata.labels[POD_INDEX]) for p in pods) == [
+        (f"{sync}-0", "0"),
+        (f"{sync}-1", "1"),
+    ]
+    assert all(p.status.phase == "Running" for p in pods)
+    headless = cl.core().read_namespaced_service(f"{sync}-shards", cl.ns)
+    assert headless.spec.cluster_ip == "None"
+    assert not headless.spec.publish_not_ready_addresses
+    service = cl.core().read_namespaced_service(sync, cl.ns)
+    assert service.spec.selector[POD_INDEX] == "0"  # the ClusterIP Service: shard 0 only
+    for i in range(2):
+        claim = cl.core().read_namespaced_persistent_volume_claim(f"state-{sync}-{i}", cl.ns)
+        assert claim.status.phase == "Bound"
+        assert claim.metadata.labels["ddiloco.dev/job-uid"] == cl.job(job)["metadata"]["uid"]
+        # whenDeleted: Delete makes the StatefulSet the claim's owner
+        assert [r.kind for r in claim.metadata.owner_references or []] == ["StatefulSet"]
+
+    urls = [f"http://{sync}-{i}.{sync}-shards.{cl.ns}.svc:8470" for i in range(2)]
+    for pod in cl.pods("home", job):
+        learner_env = env_of(pod.spec.containers[0])
+        assert learner_env["DDILOCO_SYNC_URL"] == ",".join(urls)  # in shard order
+        assert learner_env["DDILOCO_UPDATE_ENCODING"] == "int4"
+
+    # the status merges both shards' answers (the stub: shard i owns fragment i at version
+    # i + 1, synchronizer/shards.merge_statuses adds them up)
+    status = ready["status"]
+    assert status["globalVersion"] == 1 + 2, status
+    assert status["synchronizer"]["shards"] == 2
+    assert status["synchronizer"]["availableShards"] == 2
+    assert status["synchronizer"]["endpoint"] == ",".join(urls)
+
+    cl.custom().delete_namespaced_custom_object(h.GROUP, h.VERSION, cl.ns, h.PLURAL, job)
+    k8senv.wait_until("the job to go", lambda: gone(lambda: cl.job(job)), timeout=30)
+    assert gone(lambda: cl.apps().read_namespaced_stateful_set(sync, cl.ns))
+    assert gone(lambda: cl.core().read_namespaced_service(f"{sync}-shards", cl.ns))
+    k8senv.wait_until(
+        "both claims to go",
+        lambda: (
+            not [
+                c
+                for c in cl.core().list_namespaced_persistent_volume_claim(cl.ns).items
+                if c.metadata.name.startswith(f"state-{sync}-")
+            ]
+        ),
+        timeout=30,
+    )
+    assert cl.core().list_namespaced_pod(cl.ns, label_selector=f"ddiloco.dev/job={job}").items == []
+
+
+def apply(cl: h.Clusters, body: dict[str, Any]) -> tuple[int, str]:
+    out = cl.kubectl("apply", "-f", "-", input=json.dumps(body), check=False)
+    return out.returncode, out.stderr
+
+
+def test_changing_shards_or_the_encoding_is_refused_by_the_apiserver(cl: h.Clusters) -> None:
+    body = h.job_manifest("fixed", [{"name": "a", "replicas": 1}])  # shards unset: 1
+    rc, err = apply(cl, body)
+    assert rc == 0, err
+    two = json.loads(json.dumps(body))
+    two["spec"]["synchronizer"]["shards"] = 2
+    rc, err = apply(cl, two)
+    assert rc != 0 and api.SHARDS_IMMUTABLE_MESSAGE in err, err
+    int4 = json.loads(json.dumps(body))
+    int4["spec"]["updateEncoding"] = "int4"
+    rc, err = apply(cl, int4)
+    assert rc != 0 and api.ENCODING_IMMUTABLE_MESSAGE in err, err
+    # the same values are fine on a new job, and an unrelated change still is on this one
+    assert cl.job("fixed")["spec"]["synchronizer"]["shards"] == 1
+    other = json.loads(json.dumps(body))
+    other["spec"]["learnerGroups"][0]["replicas"] = 2
+    rc, err = apply(cl, other)
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"synchronizer": {"shards": 0}}, "spec.synchronizer.shards: Invalid value: 0"),
+        ({"synchronizer": {"shards": api.MAX_SHARDS + 1}}, "spec.synchronizer.shards"),
+        ({"updateEncoding": "int3"}, 'spec.updateEncoding: Unsupported value: "int3"'),
+        (
+            {
+                "synchronizer": {"shards": 2},
+                "learnerGroups": [
+                    {
+                        "name": "r",
+                        "cluster": {"kubeconfigSecret": {"name": "r-kubeconfig"}},
+                        "syncUrl": "https://one.example:8470",
+                    }
+                ],
+            },
+            api.SYNC_URLS_MESSAGE,
+        ),
+    ],
+    ids=["shards-0", "shards-too-many", "encoding-int3", "one-url-two-shards"],
+)
+def test_bad_values_are_refused_by_the_crd(
+    cl: h.Clusters, change: dict[str, Any], message: str
+) -> None:
+    body = h.job_manifest("bad", [{"name": "a", "replicas": 1}], **change)
+    with pytest.raises(ApiException) as e:
+        cl.custom().create_namespaced_custom_object(h.GROUP, h.VERSION, cl.ns, h.PLURAL, body)
+    assert e.value.status == 422
+    assert message in json.loads(e.value.body)["message"]
+
+
+def _old_operators_objects(cl: h.Clusters, job: str, uid: str) -> str:
+    """What an operator before shards made: claim `<job>-synchronizer-state` and a Deployment
+    mounting it (labels and owner as builders.py gave them then). Returns the claim's uid."""
+    labels = {
+        "app.kubernetes.io/name": "ddiloco",
+        "app.kubernetes.io/instance": job,
+        "app.kubernetes.io/component": "synchronizer",
+        "app.kubernetes.io/managed-by": "ddiloco-operator",
+        "ddiloco.dev/job": job,
+        "ddiloco.dev/job-uid": uid,
+    }
+    owner = {
+        "apiVersion": f"{h.GROUP}/{h.VERSION}",
+        "kind": "DecoupledDiLoCoJob",
+        "name": job,
+        "uid": uid,
+        "controller": True,
+    }
+    meta = {"labels": labels, "ownerReferences": [owner]}
+    claim = cl.core().create_namespaced_persistent_volume_claim(
+        cl.ns,
+        {
+            "metadata": {"name": f"{job}-synchronizer-state", **meta},
+            "spec": {
+                "accessModes": ["ReadWriteOnce"],
+                "resources": {"requests": {"storage": "1Gi"}},
+                "storageClassName": "",
+            },
+        },
+    )
+    selector = {"ddiloco.dev/job": job, "app.kubernetes.io/component": "synchronizer"}
+    cl.apps().create_namespaced_deployment(
+        cl.ns,
+        {
+            "metadata": {"name": f"{job}-synchronizer", **meta},
+            "spec": {
+                "replicas": 1,
+                "strategy": {"type": "Recreate"},
+                "selector": {"matchLabels": selector},
+                "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {
+                        "containers": [
+                            {"name": "synchronizer", "image": "ddiloco:old", "command": ["x"]}
+                        ],
+                        "volumes": [
+                            {
+                                "name": "state",
+                                "persistentVolumeClaim": {"claimName": f"{job}-synchronizer-state"},
+                            }
+                        ],
+                    },
+                },
+            },
+        },
+    )
+    return str(claim.metadata.uid)
+
+
+def test_an_older_operators_deployment_becomes_a_statefulset_on_the_same_claim(
+    k8s: Any, cl: h.Clusters, tmp_path: Any
+) -> None:
+    body = h.job_manifest("upg", [{"name": "a", "replicas": 1}])
+    body["spec"]["synchronizer"]["tls"] = {"enabled": False}
+    job = h.create_job(cl, body, volume=False)
+    cl.pvs.append(h.state_volume(cl, job, claim=f"{job}-synchronizer-state"))  # type: ignore[attr-defined]
+    claim_uid = _old_operators_objects(cl, job, cl.job(job)["metadata"]["uid"])
+    sync = f"{job}-synchronizer"
+    k8senv.wait_until(
+        "the old synchronizer pod",
+        lambda: [
+            p
+            for p in cl.core()
+            .list_namespaced_pod(cl.ns, label_selector=f"ddiloco.dev/job={job}")
+            .items
+            if p.status.phase == "Running"
+        ],
+        timeout=30,
+    )
+
+    op = h.Operator(k8s.home.kubeconfig, cl.ns, tmp_path)
+    op.start()
+    try:
+        h.wait_condition(cl, job, "SynchronizerReady", timeout=60)
+        assert gone(lambda: cl.apps().read_namespaced_deployment(sync, cl.ns))
+        sts = cl.apps().read_namespaced_stateful_set(sync, cl.ns)
+        assert not sts.spec.volume_claim_templates
+        (state,) = [v for v in sts.spec.template.spec.volumes if v.name == "state"]
+        assert state.persistent_volume_claim.claim_name == f"{job}-synchronizer-state"
+        claim = cl.core().read_namespaced_persistent_volume_claim(
+            f"{job}-synchronizer-state", cl.ns
+        )
+        assert claim.metadata.uid == claim_uid and claim.status.phase == "Bound"  # same state
+        (pod,) = (
+            cl.core().list_namespaced_pod(cl.ns, label_selector=SYNC_PODS.format(job=job)).items
+        )
+        assert pod.metadata.name == f"{sync}-0" and pod.status.phase == "Running"
+        events = kubernetes.client.CoreV1Api(cl.api["home"]).list_namespaced_event(
+            cl.ns, field_selector=f"involvedObject.name={job}"
+        )
+        assert "SynchronizerUpgrade" in {e.reason for e in events.items}
+        time.sleep(3 * float(h.RESYNC_S))  # settled: no second replacement
+        assert cl.apps().read_namespaced_stateful_set(sync, cl.ns).metadata.uid == sts.metadata.uid
+        h.delete_jobs(cl, op)
+        assert gone(
+            lambda: cl.core().read_namespaced_persistent_volume_claim(
+                f"{job}-synchronizer-state", cl.ns
+            )
+        )
+    finally:
+        op.stop()
