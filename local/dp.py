@@ -20,6 +20,7 @@ Surviving ranks stay warm; only a replaced slot starts a new process. A SIGSTOPp
 stalls the all-reduce, and so everyone, until it is resumed, as in real synchronous training.
 Member 0 writes the checkpoint every `--ckpt-every` steps; work after it is lost on a
 failure and redone, which the step log marks with `{"event": "start", "resume_step": s}`.
+With `--max-steps N` the group stops at step N: member 0 checkpoints it, every rank exits 0.
 
 Step records are the learner's (`t`, `step`, `dt`, `loss`) plus `comm` (seconds inside the
 all-reduce, waiting included) and `bytes` (what a ring all-reduce moves for this rank).
@@ -60,6 +61,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ckpt", type=Path, required=True, help="the group's checkpoint file")
     ap.add_argument("--ckpt-every", type=int, default=10, help="steps between checkpoints")
     ap.add_argument("--timeout", type=float, default=900.0, help="gloo collective timeout, s")
+    ap.add_argument(
+        "--max-steps", type=int, default=0, help="stop at this group step (0: at SIGTERM only)"
+    )
     # --- task and optimizer (the learner's) ---
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--data")
@@ -217,6 +221,17 @@ class Rank:
         if self.rank == 0 and self.step % self.args.ckpt_every == 0:
             save_checkpoint(self.args.ckpt, self.model, self.opt, self.step, self.tokens)
 
+    def spent(self) -> bool:
+        """Whether the group reached `--max-steps` (every rank of a group at the same step)."""
+        return bool(self.args.max_steps) and self.step >= self.args.max_steps
+
+    def finish(self) -> None:
+        """The step budget is spent: member 0 checkpoints the last step (the model the
+        launcher evaluates), then every rank stops and exits 0."""
+        if self.rank == 0 and self.step % self.args.ckpt_every:
+            save_checkpoint(self.args.ckpt, self.model, self.opt, self.step, self.tokens)
+        self.stopping = True
+
     def run(self) -> None:
         while not self.stopping:
             g = self.wait_generation()
@@ -224,8 +239,10 @@ class Rank:
                 break
             try:
                 self.join(g)
-                while not self.stopping and not self.newer_generation():
+                while not self.stopping and not self.newer_generation() and not self.spent():
                     self.train_step()
+                if self.spent():
+                    self.finish()
             except (RuntimeError, ValueError) as e:  # gloo: a peer went away
                 log.warning("Group of generation %d failed: %s", self.gen, str(e)[:200])
                 self.opt.zero_grad(set_to_none=True)

@@ -58,6 +58,11 @@ class DPConfig:
     """Sequences per rank and step, as per learner step."""
     inner_lr: float = 3e-3
     max_seconds: float = 60.0
+    """Wall-clock budget; with `max_steps`, the cap (the run ends at whichever comes first)."""
+    max_steps: int = 0
+    """Group steps, every slot's step budget as `LocalConfig.max_steps` (each rank draws
+    `batch_size` sequences per step, so M ranks x N steps is the tokens of M learners x N
+    inner steps); the last step is checkpointed and evaluated. 0: none."""
     chaos: str = "none"
     schedule: Schedule | None = None
     ckpt_every: int = 10
@@ -72,6 +77,8 @@ class DPConfig:
             raise ValueError(f"learners must be >= 1, got {self.learners}")
         if self.max_seconds <= 0:
             raise ValueError(f"max_seconds must be > 0, got {self.max_seconds}")
+        if self.max_steps < 0:
+            raise ValueError(f"max_steps must be >= 0, got {self.max_steps}")
         if self.ckpt_every < 1:
             raise ValueError(f"ckpt_every must be >= 1, got {self.ckpt_every}")
 
@@ -164,6 +171,8 @@ class DPRun:
             *["--slow-factor", str(self.schedule.slow_factors.get(lid, 1.0))],
             *["--log-path", str(self.out / "learners" / f"{lid}.jsonl")],
         ]
+        if c.max_steps:
+            argv += ["--max-steps", str(c.max_steps)]
         if c.data:
             argv += ["--data", c.data]
         return [sys.executable, "-P", "-m", "ddiloco.local.dp", *argv]
@@ -195,7 +204,7 @@ class DPRun:
     def _publish(self) -> None:
         from ddiloco.local.dp import write_generation
 
-        up = [s for s in self.members if s not in self.down]
+        up = [s for s in self.members if s not in self.down and not self.ranks[s].finished]
         self.gen += 1
         write_generation(self.gen_file, self.gen, self._store(), up)
         log.info("Generation %d: members %s", self.gen, up)
@@ -265,10 +274,24 @@ class DPRun:
     def _check_ranks(self, now: float) -> None:
         for slot in self.members:
             child = self.ranks[slot]
-            if slot in self.down or child.alive():
+            if slot in self.down or child.finished or child.alive():
+                continue
+            if child.exit_code() == 0 and self._reached_budget(child):
+                child.finished = True
                 continue
             log.warning("Rank %s exited with %s; replacing it", child.name, child.exit_code())
             self._fail(slot, now, 1.0, kill=False)
+
+    def _reached_budget(self, child: Child) -> bool:
+        """Whether a rank that exited 0 stopped at the step budget (its last stop record)."""
+        if not self.cfg.max_steps:
+            return False
+        stops = [r for r in read_jsonl(self.learner_log(child.name)) if r.get("event") == "stop"]
+        return bool(stops) and int(stops[-1].get("step", 0)) >= self.cfg.max_steps
+
+    def spent(self) -> bool:
+        """With `max_steps`: every member rank stopped at the budget."""
+        return bool(self.cfg.max_steps) and all(self.ranks[s].finished for s in self.members)
 
     def _first_step_time(self) -> float | None:
         times = [
@@ -295,7 +318,7 @@ class DPRun:
                     raise RuntimeError(f"no rank took a step within 300 s; see {self.out}")
                 self.t0 = self._first_step_time() or 0.0
                 time.sleep(0.05)
-            while (now := self.elapsed()) < self.cfg.max_seconds:
+            while (now := self.elapsed()) < self.cfg.max_seconds and not self.spent():
                 self._apply_chaos(now)
                 self._check_ranks(now)
                 time.sleep(0.05)
