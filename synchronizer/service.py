@@ -102,7 +102,9 @@ class Synchronizer:
         )
         self.layout: Layout | None = self.store.load_layout()
         shards.check_state_dir(s)  # a state dir is one shard's, of one S: never another's
-        self.owned: list[int] = shards.owned(self.layout, s)
+        self.owners: list[int] = shards.owners(self.layout, s)
+        """The owner shard of each fragment ([] before init), computed once per layout."""
+        self.owned: list[int] = [p for p, o in enumerate(self.owners) if o == s.shard]
         """The fragments this shard owns ([] before init; all of them with one shard)."""
         self.model: ModelSpec | None = self.store.load_model()
         """What the job trains, from the init upload (None: it said nothing, or no init)."""
@@ -260,7 +262,8 @@ class Synchronizer:
                 return InitResponse(
                     created=False, layout_digest=self.layout.digest(), versions=self.versions()
                 )
-            owned = shards.owned(layout, self.settings)
+            owners = shards.owners(layout, self.settings)
+            owned = [p for p, o in enumerate(owners) if o == self.settings.shard]
             fragments = shards.initial_owned(layout, owned, payload, header)
             for p in owned:
                 self.store.save_fragment(p, fragments[p])
@@ -270,7 +273,7 @@ class Synchronizer:
             self.store.save_layout(layout)  # written last: its presence means "initialized"
             self.layout = layout
             self.model = model
-            self.owned = owned
+            self.owners, self.owned = owners, owned
             self._adopt(fragments)
             log.info(
                 "Initialized global model fragments=%d digest=%s", len(fragments), layout.digest()
@@ -299,8 +302,8 @@ class Synchronizer:
     def check_owner(self, p: int) -> None:
         """Refuse (421, naming the owner) a fragment another shard owns; pure and lock-free,
         so the update route calls it before reading the body."""
-        owner = shards.owner_elsewhere(self.layout, self.settings, p)
-        if owner is not None:
+        owner = self.owners[p] if 0 <= p < len(self.owners) else self.settings.shard
+        if owner != self.settings.shard:
             raise SyncError(
                 Refusal.WRONG_SHARD,
                 f"fragment {p} is owned by shard {owner} of {self.settings.shards}, not by "

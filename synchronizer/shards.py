@@ -53,21 +53,9 @@ SHARD_FILE = "shard.json"
 
 
 # ---- the synchronizer's side -------------------------------------------------------
-def owned(layout: Layout | None, settings: SyncSettings) -> list[int]:
-    """The fragments this shard owns, ascending; [] before init."""
-    if layout is None:
-        return []
-    owners = shard_map(layout, settings.shards)
-    return [p for p, s in enumerate(owners) if s == settings.shard]
-
-
-def owner_elsewhere(layout: Layout | None, settings: SyncSettings, p: int) -> int | None:
-    """The owner of fragment p if it is another shard; None if it is ours, or if there is
-    no layout yet or no such fragment (those are refused for what they are)."""
-    if settings.shards == 1 or layout is None or not 0 <= p < len(layout.fragments):
-        return None
-    owner = shard_map(layout, settings.shards)[p]
-    return owner if owner != settings.shard else None
+def owners(layout: Layout | None, settings: SyncSettings) -> list[int]:
+    """The owner shard of each fragment (`protocol.shard_map`); [] before init."""
+    return [] if layout is None else shard_map(layout, settings.shards)
 
 
 def check_state_dir(settings: SyncSettings) -> None:
@@ -342,7 +330,7 @@ __all__ = [
     "check_state_dir",
     "merge_learners",
     "merge_statuses",
-    "owned",
+    "owners",
     "shard_map",
     "split_urls",
 ]
