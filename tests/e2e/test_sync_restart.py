@@ -88,6 +88,17 @@ def test_synchronizer_killed_and_restarted_resumes_exactly(
         assert "Resumed state" in (tmp_path / "sync.log").read_text()
         target = sum(durable) + 8
         wait_for(lambda: client.status().global_version >= target, 120, "merges after the restart")
+        # the backlog held through the outage can make those merges before any learner's next
+        # fetch; wait (bounded) until a learner has adopted one of them
+        wait_for(
+            lambda: any(
+                rec["version"] > max(durable)
+                for c in learners
+                for rec in adopted(tmp_path / f"{c.name}.jsonl")
+            ),
+            120,
+            "a learner adopting a post-restart merge",
+        )
         assert all(c.alive() and len(c.starts) == 1 for c in learners)  # never restarted
     except SyncUnavailable as e:
         raise AssertionError(
