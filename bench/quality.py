@@ -71,6 +71,8 @@ class Arm:
     """K = M (synchronous DiLoCo); else K = 1."""
     grace: bool = True
     merge: str = "rda"
+    merge_scale: str = "contributors"
+    """SyncSettings.merge_scale; `live`: each merge averaged over the live set's tokens."""
     chaos: str = "none"
     """A key of CHAOS."""
 
@@ -90,6 +92,9 @@ ARMS: dict[str, Arm] = {
     "decoupled_grace_chaos": Arm("diloco", chaos="kill+pause"),
     "sync_diloco_pause": Arm("diloco", quorum_all=True, chaos="pause"),
     "decoupled_grace_pause": Arm("diloco", chaos="pause"),
+    "decoupled_grace_live": Arm("diloco", merge_scale="live"),
+    "decoupled_grace_live_pause": Arm("diloco", merge_scale="live", chaos="pause"),
+    "decoupled_grace_live_chaos": Arm("diloco", merge_scale="live", chaos="kill+pause"),
 }
 DEFAULT_ARMS = ("sync_diloco", "decoupled_grace", "decoupled_grace_chaos", "dp")
 COMPARISONS: list[tuple[str, str, str]] = [
@@ -101,6 +106,10 @@ COMPARISONS: list[tuple[str, str, str]] = [
     ("decoupled_grace_chaos", "decoupled_grace", "kill+pause vs none, K=1+grace"),
     ("decoupled_k1", "decoupled_grace", "no grace vs grace, K=1"),
     ("decoupled_grace_mean", "decoupled_grace", "weighted mean vs RDA, K=1+grace"),
+    ("decoupled_grace_live", "decoupled_grace", "merge scale live vs contributors, K=1+grace"),
+    ("decoupled_grace_live", "sync_diloco", "K=1+grace, live scale vs K=M, no chaos"),
+    ("decoupled_grace_live_pause", "sync_diloco_pause", "K=1+grace live vs K=M, same pause"),
+    ("decoupled_grace_live_chaos", "sync_diloco", "chaos cost, live scale: kill+pause vs K=M"),
 ]
 """(arm, reference, what it measures): reported wherever both arms have runs."""
 SETTINGS = (
@@ -195,6 +204,7 @@ def build_config(arm: str, seed: int, args: argparse.Namespace, out: Path) -> An
         quorum=args.learners if spec.quorum_all else 1,
         grace=spec.grace,
         merge=spec.merge,
+        merge_scale=spec.merge_scale,
         h=args.h,
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
@@ -222,6 +232,9 @@ def run_one(arm: str, seed: int, args: argparse.Namespace, out: Path) -> dict[st
         report = run.run()
         if ARMS[arm].merge not in report["merge_rules"]:
             raise RuntimeError(f"{arm}: merged by {report['merge_rules']}, not {ARMS[arm].merge}")
+        scaled = report["mean_merge_scale"] < 1.0
+        if scaled != (ARMS[arm].merge_scale == "live" and args.learners > 1):
+            raise RuntimeError(f"{arm}: mean merge scale {report['mean_merge_scale']}")
         hist = run.evaluator.history
         fresh = bool(hist) and hist[-1][2] == run.status.global_version
         merged = report["tokens_merged"]
@@ -244,6 +257,8 @@ def run_one(arm: str, seed: int, args: argparse.Namespace, out: Path) -> dict[st
         "tokens_merged": merged,
         "merged_work_ratio": report["merged_work_ratio"],
         "goodput": report["goodput"],
+        "mean_contributors": report.get("mean_contributors"),
+        "mean_merge_scale": report.get("mean_merge_scale", 1.0),
         "wall_seconds": report["wall_seconds"],
         "chaos_events_applied": len(report["chaos_applied"]),
         "window_losses": [round(x, 5) for x in losses],
@@ -279,6 +294,7 @@ def summarize(results: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
             "tokens": rs[0]["tokens"],
             "merged_work_ratio": statistics.fmean(r["merged_work_ratio"] for r in rs),
             "goodput": statistics.fmean(r["goodput"] for r in rs),
+            "merge_scale": statistics.fmean(r.get("mean_merge_scale", 1.0) for r in rs),
             "wall_seconds": statistics.fmean(r["wall_seconds"] for r in rs),
             "chaos_events": statistics.fmean(r["chaos_events_applied"] for r in rs),
         }
@@ -320,15 +336,15 @@ def summarize(results: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
 def tables(summary: dict[str, Any]) -> str:
     lines = [
         "| arm | seeds | eval loss (mean) | sd over seeds | eval-set SE | tokens | merged work "
-        "| goodput | chaos events | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| goodput | merge scale | chaos events | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm, a in summary["arms"].items():
         sd = "-" if a["eval_loss_sd"] is None else f"{a['eval_loss_sd']:.4f}"
         lines.append(
             f"| {arm} | {len(a['seeds'])} | {a['eval_loss_mean']:.4f} | {sd} "
             f"| {a['eval_se_mean']:.4f} | {a['tokens']:,} | {a['merged_work_ratio']:.3f} "
-            f"| {a['goodput']:.3f} | {a['chaos_events']:.1f} | {a['wall_seconds']:.0f} |"
+            f"| {a['goodput']:.3f} | {a['merge_scale']:.3f} | {a['chaos_events']:.1f} | {a['wall_seconds']:.0f} |"
         )
     lines += [
         "",

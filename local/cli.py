@@ -55,6 +55,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--merge", choices=["rda", "mean"], default="rda", help="non-embedding merge (default rda)"
     )
     ap.add_argument(
+        "--merge-scale",
+        choices=["contributors", "live"],
+        default="contributors",
+        help="average each merge over its contributors (default) or over the whole live set",
+    )
+    ap.add_argument(
         "-H", type=int, default=24, dest="h", help="inner steps between hand-overs of a fragment"
     )
     ap.add_argument(
@@ -289,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             quorum=args.quorum,
             grace=not args.no_grace,
             merge=args.merge,
+            merge_scale=args.merge_scale,
             model=args.model,
             model_entry=args.model_entry,
             data=args.data,

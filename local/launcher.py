@@ -56,6 +56,8 @@ class LocalConfig:
     grace: bool = True
     """Adaptive grace window after the quorum."""
     merge: str = "rda"
+    merge_scale: str = "contributors"
+    """SyncSettings.merge_scale: `live` averages each merge over the whole live set."""
     """rda or mean for non-embedding fragments."""
     model: str = "tiny"
     """A preset (tiny, small, base, gpt2) or hf:PATH (a local Hugging Face config)."""
@@ -258,6 +260,7 @@ class LocalRun:
             DDILOCO_OUTER_MOMENTUM=str(c.outer_momentum),
             DDILOCO_COUNTER_CAP_STEPS=str(4 * c.h),
             DDILOCO_UPDATE_ENCODINGS=c.update_encoding,
+            DDILOCO_MERGE_SCALE=c.merge_scale,
         )
         name = "synchronizer" if c.sync_shards == 1 else f"synchronizer-{shard}"
         return Child(name, argv, env, self.out / "logs" / f"{name}.log")

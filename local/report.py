@@ -171,6 +171,7 @@ def build_report(run: LocalRun) -> dict[str, Any]:
         "wall_seconds": round(wall, 3),
         "sync_seconds_mean": status.xi.get("sync") or 0.0,
         "mean_contributors": round(status.mean_contributors, 3),
+        "mean_merge_scale": round(status.mean_merge_scale, 3),
         "contributions_rejected": status.contributions_rejected,
         # the rules the synchronizer says its fragments merge by, not the flag that asked
         "merge_rules": sorted({f.merge for f in status.fragments}),

@@ -36,6 +36,10 @@ class LearnerRecord:
     every token, so / P is the slot's merged tokens). Its heartbeats lag its updates: the
     tokens it computed are at least these (`tokens_computed`)."""
     loss: float | None = None
+    period_tokens: int = 0
+    """The (capped) tokens of the slot's last accepted update: what it hands over per period,
+    the live set's share in `merge_scale = live` (kept in ledger.json, so a restarted
+    synchronizer scales its first merges as the last ones)."""
     data_position: int = 0
     """The highest data position the slot reported or reserved at join (windows of its data
     stream, learner/corpus.py); a replacement resumes there."""

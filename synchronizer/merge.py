@@ -10,6 +10,7 @@ which, per contribution m with progress delta_m, computes
     Delta_m = -delta_m                                   # outer gradient
     w_m     = contribution_weight(tokens, steps)         # tokens^2 / steps
     Delta   = rda(Delta, w)  or  weighted_mean(Delta, w) # embedding fragments: always the mean
+    Delta  *= min(1, tokens / live_tokens)               # merge_scale = live only
     OuterNesterov(lr, momentum).step(Theta_p, b_p, Delta)
 
 into new tensors (the inputs stay as they were), and refuses (raises `NonFiniteMerge`) a
@@ -243,6 +244,8 @@ class MergeOutcome:
     """Sum over contributors of (current version - base version)."""
     included: tuple[int, ...] = ()
     """Indices (into the contributions given) of those merged: the ones that weighed."""
+    scale: float = 1.0
+    """The factor the merged progress was multiplied by (`merge_scale = live`; else 1)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -254,6 +257,7 @@ class MergePolicy:
     granularity: Literal["tensor", "fragment"] = "tensor"
     weighting: Weighting = "tokens2_per_step"
     counter_cap_steps: int = 96
+    scale: Literal["contributors", "live"] = "contributors"
     outer: OuterNesterov = OuterNesterov()
 
     @classmethod
@@ -263,6 +267,7 @@ class MergePolicy:
             granularity=s.rda_granularity,
             weighting=s.weighting,
             counter_cap_steps=s.counter_cap_steps,
+            scale=s.merge_scale,
             outer=OuterNesterov(lr=s.outer_lr, momentum=s.outer_momentum, nesterov=s.nesterov),
         )
 
@@ -276,11 +281,17 @@ class MergePolicy:
         momentum: Tensors,
         version: int,
         contributions: Sequence[Contribution],
+        live_tokens: float | None = None,
     ) -> MergeOutcome | None:
         """The fragment after merging `contributions` (inputs untouched), or None when no
         contribution weighs anything. Raises `NonFiniteMerge` rather than return a result
-        that is not finite everywhere."""
+        that is not finite everywhere.
+
+        `live_tokens`: the (capped) tokens the whole live set hands over per period, used
+        when `scale == "live"`: the merged progress is multiplied by min(1, the merged
+        contributions' capped tokens / live_tokens). None or 0: no scaling."""
         deltas, weights, tokens, staleness, included = [], [], 0, 0, []
+        capped_tokens = 0
         for i, c in enumerate(contributions):
             tok, steps = cap_counters(c.tokens, c.steps, self.counter_cap_steps)
             w = contribution_weight(tok, steps, self.weighting)
@@ -294,17 +305,24 @@ class MergePolicy:
             deltas.append({k: v.float() for k, v in c.delta.items()})
             weights.append(w)
             tokens += c.tokens
+            capped_tokens += tok
             staleness += version - c.base_version
             included.append(i)
         if not deltas:
             return None
         rule = self.rule_for(spec)
         progress = merge_fragment(deltas, weights, rule, self.granularity)
+        scale = 1.0
+        if self.scale == "live" and live_tokens:
+            scale = min(1.0, capped_tokens / live_tokens)
+            if scale < 1.0:
+                for v in progress.values():
+                    v.mul_(scale)
         new_params, new_momentum = self.outer.step_into(params, momentum, progress)
         POOL.give(progress.values())
         if not all(map(finite, (*new_params.values(), *new_momentum.values()))):
             POOL.give([*new_params.values(), *new_momentum.values()])
             raise NonFiniteMerge(f"merging fragment {spec.index} would make it non-finite")
         return MergeOutcome(
-            new_params, new_momentum, rule, len(deltas), tokens, staleness, tuple(included)
+            new_params, new_momentum, rule, len(deltas), tokens, staleness, tuple(included), scale
         )

@@ -300,6 +300,9 @@ class Status(_Msg):
     """Merges refused because their result was not finite (the fragment kept its version)."""
     mean_contributors: float
     mean_staleness: float
+    mean_merge_scale: float = 1.0
+    """The mean factor merges scaled their progress by (`merge_scale = live`: below 1 when
+    a merge had fewer than the whole live set's tokens; 1 with `contributors`)."""
     bytes_up: int
     bytes_down: int
     goodput: float | None

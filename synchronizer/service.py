@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import statistics
 import threading
 import time
 from collections import Counter
@@ -40,7 +41,7 @@ from ddiloco.synchronizer.buffers import POOL
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
 from ddiloco.synchronizer.ledger import LearnerRecord
-from ddiloco.synchronizer.merge import Contribution, MergePolicy, NonFiniteMerge
+from ddiloco.synchronizer.merge import Contribution, MergePolicy, NonFiniteMerge, cap_counters
 from ddiloco.synchronizer.metrics import BROADCAST_ENCODINGS, SyncMetrics, encoding_of
 from ddiloco.synchronizer.protocol import (
     MAX_DATA_POSITION,
@@ -122,6 +123,8 @@ class Synchronizer:
             "bytes_up": 0,
             "bytes_down": 0,
             "merged_contributors": 0,
+            "merge_scale_sum": 0.0,
+            "merges_scaled": 0,
             "staleness_sum": 0,
             "merges_refused": 0,
         }
@@ -383,6 +386,10 @@ class Synchronizer:
             else:
                 pending.absorb(meta, delta)
             self.rounds.add(p, meta.learner_id, pending, opens=opens)
+            if (rec := self.learners.get(meta.learner_id)) is not None:
+                rec.period_tokens = cap_counters(
+                    meta.tokens, meta.steps, self.policy.counter_cap_steps
+                )[0]
 
     def reject(self, kind: Refusal | str = Refusal.INVALID) -> None:
         with self.lock:
@@ -432,6 +439,20 @@ class Synchronizer:
         with self.lock:
             return self.rounds.due()
 
+    def _live_period_tokens(self, taken: dict[str, Contribution]) -> float:
+        """The tokens the live set (and this merge's contributors) hands over per period,
+        for `merge_scale = live`: each one's last update, a live learner not yet heard from
+        counted at the mean of the others (the caller holds the lock)."""
+        ids = self.rounds.live() | set(taken)
+        known = [
+            self.learners[i].period_tokens
+            for i in ids
+            if i in self.learners and self.learners[i].period_tokens > 0
+        ]
+        if not known:
+            return 0.0
+        return statistics.fmean(known) * len(ids)
+
     def merge(self, p: int) -> int | None:
         """Merge the open round of fragment p; returns the new version (None if nothing)."""
         t0 = self.clock()
@@ -440,6 +461,7 @@ class Synchronizer:
         with self.frag_locks[p]:
             with self.lock:
                 round_ = self.rounds.take_round(p)
+                live_tokens = self._live_period_tokens(round_.contributions)
             taken = round_.contributions
             if not taken:
                 return None
@@ -452,6 +474,7 @@ class Synchronizer:
                     fs.momentum,
                     fs.version,
                     list(taken.values()),
+                    live_tokens,
                 )
             except NonFiniteMerge as e:
                 with self.lock:
@@ -500,6 +523,8 @@ class Synchronizer:
                 if outcome is not None:
                     self.totals["merged_contributors"] += outcome.contributors
                     self.totals["staleness_sum"] += outcome.staleness
+                    self.totals["merge_scale_sum"] += outcome.scale
+                    self.totals["merges_scaled"] += 1
                 self.rounds.observe_sync(self.clock() - t0)
         self._save_ledger()
         self.on_change()
@@ -515,6 +540,12 @@ class Synchronizer:
         return fs.version if outcome is not None else None
 
     # ---- status ------------------------------------------------------------------
+    def _mean_merge_scale(self) -> float:
+        """Over the merges this process and its restored ledger counted (a ledger from before
+        the setting existed has no sum: its merges read 1)."""
+        counted = self.totals["merges_scaled"]
+        return self.totals["merge_scale_sum"] / counted if counted else 1.0
+
     def status(self) -> Status:
         with self.lock:
             now, live = self.clock(), self.rounds.live()
@@ -554,6 +585,7 @@ class Synchronizer:
                 merges_refused=int(self.totals["merges_refused"]),
                 mean_contributors=contributions / merges if merges else 0.0,
                 mean_staleness=self.totals["staleness_sum"] / merged if merged else 0.0,
+                mean_merge_scale=self._mean_merge_scale(),
                 bytes_up=int(self.totals["bytes_up"]),
                 bytes_down=int(self.totals["bytes_down"]),
                 goodput=ledger.goodput(self.learners),

@@ -221,6 +221,7 @@ def merge_statuses(statuses: Sequence[Status]) -> Status:
     uptime = sum(r.uptime_seconds for r in learners)
     computed = sum(r.tokens_computed for r in learners)
     staleness_w = sum(s.mean_staleness * s.contributions_merged for s in statuses)
+    scale_w = sum(s.mean_merge_scale * s.merges for s in statuses)
     return Status(
         initialized=all(s.initialized for s in statuses),
         global_version=sum(f.version for f in fragments),
@@ -232,6 +233,7 @@ def merge_statuses(statuses: Sequence[Status]) -> Status:
         merges_refused=sum(s.merges_refused for s in statuses),
         mean_contributors=contributions / merges if merges else 0.0,
         mean_staleness=staleness_w / contributions if contributions else 0.0,
+        mean_merge_scale=scale_w / merges if merges else 1.0,
         bytes_up=sum(s.bytes_up for s in statuses),
         bytes_down=sum(s.bytes_down for s in statuses),
         goodput=compute / uptime if uptime > 0 else None,
