@@ -16,12 +16,12 @@ block tokens; a run that did not (it hit the wall cap `--cap-seconds`) is marked
 of the comparisons. Under kill chaos the tokens are those *computed*: work lost with a killed
 learner counts against the arm (the cost of chaos); merged work is in the table.
 
-Chaos is in seconds: local/chaos.py's events carry `at` and `delay` in seconds, and the
-launcher applies them by wall time, so a schedule in steps is not possible without changing
-it. The harness draws the schedule over `--chaos-seconds` (long enough to cover any run; the
-periodic parts keep their rate, events after the run's end are not applied) and records how
-many events each run received. The rates are bench/goodput.py's kill + pause (a kill every
-~25 s, a 1-4 s freeze every ~18 s); `_pause` arms get the pauses alone.
+Chaos is in steps (local/chaos.py `make_schedule(..., steps=N)`): an event fires once its
+target learner has trained `at_step` inner steps, so every arm of a seed meets each kill and
+pause at the same point of its work, whatever its step times; the delays (a replacement's
+start, a freeze) stay in seconds. Rates: a kill every ~120 steps, a 1-4 s freeze every ~90
+steps (jittered +-30%, from step 24); `_pause` arms get the pauses alone. Each run records
+how many events it received.
 
 Pairing: `seed` is the model init (`torch.manual_seed(seed)` before the model is built, the
 same in learners, ranks and evaluators), each slot's data order (windows drawn with
@@ -79,10 +79,10 @@ class Arm:
 
 CHAOS: dict[str, tuple[str, dict[str, float] | None]] = {
     "none": ("none", None),
-    "kill+pause": ("kill+pause", {"kill": 25.0, "pause": 18.0}),
-    "pause": ("pause", {"pause": 18.0}),
+    "kill+pause": ("kill+pause", {"kill": 120.0, "pause": 90.0}),
+    "pause": ("pause", {"pause": 90.0}),
 }
-"""Chaos name -> (local/chaos.py kind, rates); the rates are bench/goodput.py's."""
+"""Chaos name -> (local/chaos.py kind, mean inner steps between events per part)."""
 ARMS: dict[str, Arm] = {
     "dp": Arm("dp"),
     "sync_diloco": Arm("diloco", quorum_all=True),
@@ -122,7 +122,6 @@ SETTINGS = (
     "outer_lr",
     "outer_momentum",
     "eval_windows",
-    "chaos_seconds",
 )
 """The arguments every run of one `--out` must share (stored in <out>/settings.json)."""
 
@@ -182,9 +181,7 @@ def build_config(arm: str, seed: int, args: argparse.Namespace, out: Path) -> An
 
     spec = ARMS[arm]
     kind, every = CHAOS[spec.chaos]
-    schedule = make_schedule(
-        kind, learners=args.learners, seconds=args.chaos_seconds, seed=seed, every=every
-    )
+    schedule = make_schedule(kind, learners=args.learners, steps=args.steps, seed=seed, every=every)
     common: dict[str, Any] = {
         "learners": args.learners,
         "model": args.model,
@@ -385,7 +382,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--outer-momentum", type=float, default=0.0, help="DiLoCo arms: mu")
     ap.add_argument("--eval-windows", type=int, default=4096, help="final eval windows")
     ap.add_argument("--eval-every", type=float, default=30.0, help="in-run eval period, s")
-    ap.add_argument("--chaos-seconds", type=float, default=900.0, help="schedule horizon")
     ap.add_argument("--cap-seconds", type=float, default=900.0, help="wall cap per run")
     ap.add_argument("--part", type=parse_part, help="i/k: the i-th of k chunks of the runs")
     ap.add_argument("--report", action="store_true", help="no runs: tables of what is in --out")
@@ -406,8 +402,8 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error(
             f"--eval-windows must be >= 2 (a standard error needs two), got {args.eval_windows}"
         )
-    if min(args.cap_seconds, args.chaos_seconds) <= 0:
-        ap.error("--cap-seconds and --chaos-seconds must be > 0")
+    if args.cap_seconds <= 0:
+        ap.error("--cap-seconds must be > 0")
 
 
 def main(argv: list[str] | None = None) -> int:

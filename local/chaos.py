@@ -3,6 +3,14 @@
     schedule = make_schedule("kill+pause", learners=4, seconds=60, seed=1)
     for event in schedule.events: ...   # ChaosEvent(at=7.3, action="kill", target="learner-1", ...)
     Schedule.from_json(schedule.to_json()) == schedule
+    make_schedule("kill+pause", learners=4, steps=360, seed=1)   # in steps: ChaosEvent(at_step=97, ...)
+    for event in pop_due(schedule, now, steps_of): ...            # what a runner applies now
+
+In seconds, an event fires `at` seconds into the run. In steps (`steps=N`), it fires once its
+target learner has trained `at_step` inner steps (its slot's, over every incarnation), so
+the arms of a study meet each event at the same point of their work whatever their step
+times; delays stay in seconds (a freeze or a replacement's start is wall time). A schedule
+in steps has learner events only (kill, pause, partition; slow and straggler are factors).
 
 Actions (the chaos scenarios of bench/RESULTS.md, 1-6):
 
@@ -26,7 +34,9 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Final, Literal
 
 Action = Literal["kill", "pause", "partition", "kill_sync", "add", "remove"]
@@ -58,6 +68,9 @@ class ChaosEvent:
     delay: float
     """Seconds until the process is restarted (kill), resumed (pause) or reconnected
     (partition); 0 for add and remove."""
+    at_step: int | None = None
+    """When set: fire once the target learner has trained this many inner steps, not at
+    `at` (0). A schedule in steps."""
 
 
 @dataclass
@@ -87,6 +100,10 @@ class Schedule:
             absent=list(raw.get("absent", [])),
         )
 
+    @property
+    def in_steps(self) -> bool:
+        return any(e.at_step is not None for e in self.events)
+
     def window(self, action: str, target: str, at: float) -> bool:
         """Whether `target` is inside an event of `action` at time `at` (e.g. partitioned)."""
         return any(
@@ -106,12 +123,19 @@ def long_tailed_delay(rng: random.Random, median: float, cap: float) -> float:
 
 
 def _periodic(
-    part: str, rng: random.Random, ids: list[str], seconds: float, every: float, start: float
+    part: str,
+    rng: random.Random,
+    ids: list[str],
+    span: float,
+    every: float,
+    start: float,
+    steps: bool = False,
 ) -> list[ChaosEvent]:
-    """One event every ~`every` s (jittered +-30%) on a random learner, from `start`."""
+    """One event every ~`every` s (jittered +-30%) on a random learner, from `start`; with
+    `steps` the axis is inner steps (the same draws, `at_step` rounded)."""
     events = []
     t = start + rng.uniform(0, every / 2)
-    while t < seconds - 2.0:
+    while t < span - 2.0:
         target = rng.choice(ids)
         if part == "kill":
             delay = long_tailed_delay(rng, median=2.0, cap=10.0)
@@ -119,22 +143,29 @@ def _periodic(
             delay = round(rng.uniform(1.0, 4.0), 3)
         else:  # partition
             delay = round(rng.uniform(3.0, 8.0), 3)
-        events.append(ChaosEvent(at=round(t, 3), action=part, target=target, delay=delay))  # type: ignore[arg-type]
+        if steps:
+            events.append(ChaosEvent(0.0, part, target, delay, at_step=round(t)))  # type: ignore[arg-type]
+        else:
+            events.append(ChaosEvent(at=round(t, 3), action=part, target=target, delay=delay))  # type: ignore[arg-type]
         t += every * rng.uniform(0.7, 1.3)
     return events
 
 
 DEFAULT_EVERY: Final[dict[str, float]] = {"kill": 12.0, "pause": 8.0, "partition": 15.0}
+DEFAULT_EVERY_STEPS: Final[dict[str, float]] = {"kill": 120.0, "pause": 80.0, "partition": 150.0}
+"""In steps: a tiny learner trains ~10 steps per second on this machine's 2 cores."""
+STEP_PARTS: Final[tuple[str, ...]] = ("kill", "pause", "partition", "slow", "straggler")
 
 
 def make_schedule(
     kind: str,
     *,
     learners: int,
-    seconds: float,
+    seconds: float | None = None,
     seed: int = 0,
     every: float | dict[str, float] | None = None,
-    start: float = 5.0,
+    start: float | None = None,
+    steps: int | None = None,
 ) -> Schedule:
     """The schedule of one chaos kind (or a `+` combination) over `seconds` with `learners`.
 
@@ -144,27 +175,43 @@ def make_schedule(
     learners (rounded down, at least one) twice as slow. straggler: one random learner
     1.2-2x slower. scavenge: the upper half of the slots (at least one) absent at the start,
     added at 35% of the run and removed at 75%. sync: the synchronizer killed once, at 40% of
-    the run, back after 2 s. `every` may be a number (all periodic parts) or a dict per part.
+    the run, back after 2 s. `every` may be a number (all periodic parts) or a dict per part;
+    `start` defaults to 5 s.
+
+    `steps` instead of `seconds`: the same draws on an axis of inner steps (`every` and
+    `start` in steps, defaults DEFAULT_EVERY_STEPS and 24), learner parts only (STEP_PARTS).
     """
     if learners < 1:
         raise ValueError(f"learners must be >= 1, got {learners}")
-    if seconds <= 0:
-        raise ValueError(f"seconds must be > 0, got {seconds}")
+    if (seconds is None) == (steps is None):
+        raise ValueError("a schedule spans either seconds or steps")
+    span = float(seconds if seconds is not None else steps)  # type: ignore[arg-type]
+    if span <= 0:
+        raise ValueError(f"{'seconds' if steps is None else 'steps'} must be > 0, got {span:g}")
     parts = [] if kind == "none" else kind.split("+")
     unknown = [p for p in parts if p not in PARTS]
     if unknown or len(set(parts)) != len(parts):
         raise ValueError(
             f"chaos must be none or a '+' combination of distinct {', '.join(PARTS)}; got {kind!r}"
         )
+    if steps is not None and (off := [p for p in parts if p not in STEP_PARTS]):
+        raise ValueError(
+            f"chaos part {off[0]!r} has no schedule in steps (only {', '.join(STEP_PARTS)})"
+        )
+    defaults = DEFAULT_EVERY if steps is None else DEFAULT_EVERY_STEPS
+    start = start if start is not None else (5.0 if steps is None else 24.0)
+    seconds = span
     ids = learner_ids(learners)
     sched = Schedule(kind=kind, seed=seed)
     for part in parts:
         # One stream per part, named as before combinations existed: "kill" alone keeps the
         # exact schedule it always had.
         rng = random.Random(f"{part}:{seed}")
-        if part in DEFAULT_EVERY:
+        if part in defaults:
             period = every.get(part) if isinstance(every, dict) else every
-            sched.events += _periodic(part, rng, ids, seconds, period or DEFAULT_EVERY[part], start)
+            sched.events += _periodic(
+                part, rng, ids, span, period or defaults[part], start, steps is not None
+            )
         elif part == "slow":
             n_slow = max(1, learners // 2)
             for lid in ids[learners - n_slow :]:
@@ -179,5 +226,44 @@ def make_schedule(
                 sched.events.append(ChaosEvent(round(0.75 * seconds, 3), "remove", lid, 0.0))
         elif part == "sync":
             sched.events.append(ChaosEvent(round(0.4 * seconds, 3), "kill_sync", SYNCHRONIZER, 2.0))
-    sched.events.sort(key=lambda e: (e.at, e.target, e.action))
+    sched.events.sort(key=lambda e: (e.at_step or 0, e.at, e.target, e.action))
     return sched
+
+
+def pop_due(schedule: Schedule, now: float, steps_of: Callable[[str], int]) -> list[ChaosEvent]:
+    """Take from `schedule` the events due at `now` seconds into the run, in order: a timed
+    one once `at <= now`, one in steps once `steps_of(target) >= at_step`."""
+    due = [
+        e
+        for e in schedule.events
+        if (e.at <= now if e.at_step is None else steps_of(e.target) >= e.at_step)
+    ]
+    if due:
+        taken = set(map(id, due))
+        schedule.events = [e for e in schedule.events if id(e) not in taken]
+    return due
+
+
+class StepCounter:
+    """Inner steps each learner has logged (its JSON-lines records with `dt`, every
+    incarnation: the file is appended to), read incrementally: a call reads only the whole
+    lines appended since the last one."""
+
+    def __init__(self, path_of: Callable[[str], Path]) -> None:
+        self.path_of = path_of
+        self._seen: dict[str, tuple[int, int]] = {}
+
+    def __call__(self, lid: str) -> int:
+        offset, steps = self._seen.get(lid, (0, 0))
+        try:
+            with open(self.path_of(lid), "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return steps
+        whole = chunk.rfind(b"\n") + 1
+        steps += sum(
+            1 for line in chunk[:whole].splitlines() if b'"step"' in line and b'"dt"' in line
+        )
+        self._seen[lid] = (offset + whole, steps)
+        return steps

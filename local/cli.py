@@ -125,6 +125,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "sync (synchronizer SIGKILL + restart); combine with '+', e.g. kill+pause",
     )
     ap.add_argument(
+        "--chaos-unit",
+        choices=["seconds", "steps"],
+        default="seconds",
+        help="draw the chaos in seconds of the run (default) or in inner steps of each learner "
+        "(needs --max-steps; kill, pause, partition, slow, straggler)",
+    )
+    ap.add_argument(
         "--warm-spares",
         type=int,
         default=1,
@@ -305,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             max_seconds=args.max_seconds,
             max_steps=args.max_steps,
             chaos=args.chaos,
+            chaos_unit=args.chaos_unit,
             seed=args.seed,
             h=args.h,
             fragments=args.fragments,

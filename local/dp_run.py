@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddiloco.local.chaos import Schedule, learner_ids, make_schedule
+from ddiloco.local.chaos import Schedule, StepCounter, learner_ids, make_schedule, pop_due
 from ddiloco.local.goodput import busy_seconds, goodput, new_step_spans
 from ddiloco.local.processes import Child, env_with, free_port, terminate_all
 from ddiloco.local.report import read_jsonl
@@ -136,6 +136,7 @@ class DPRun:
         self.schedule = cfg.schedule or make_schedule(
             cfg.chaos, learners=cfg.learners, seconds=cfg.max_seconds, seed=cfg.seed
         )
+        self._steps = StepCounter(self.learner_log)
         self.ids = learner_ids(cfg.learners)
         env = env_with(OMP_NUM_THREADS="1")
         self.ranks = [
@@ -180,6 +181,11 @@ class DPRun:
     def learner_log(self, lid: str) -> Path:
         return self.out / "learners" / f"{lid}.jsonl"
 
+    def steps_done(self, lid: str) -> int:
+        """Group steps the rank's slot trained, every incarnation (a step redone after a
+        restore counts again: a step schedule counts work done, as in `ddiloco local`)."""
+        return self._steps(lid)
+
     def _start(self, child: Child) -> None:
         proc = self.spares.take(child.argv, child.log_path) if self.spares else None
         if proc is not None:
@@ -221,8 +227,7 @@ class DPRun:
             self._publish()  # reform at once without it
 
     def _apply_chaos(self, now: float) -> None:
-        while self.schedule.events and self.schedule.events[0].at <= now:
-            ev = self.schedule.events.pop(0)
+        for ev in pop_due(self.schedule, now, self.steps_done):
             applied = True
             slot = self.ids.index(ev.target) if ev.target in self.ids else -1
             child = self.ranks[slot] if slot >= 0 else None

@@ -63,7 +63,10 @@ def selector(target: str, job: str | None = None) -> str:
 
 
 def plan(schedule: Schedule, job: str | None = None) -> list[PodAction]:
-    """The API actions of a schedule, in time order (pure)."""
+    """The API actions of a schedule, in time order (pure). A schedule in steps is refused:
+    a pod's inner steps are not watched from here."""
+    if schedule.in_steps:
+        raise ValueError("a chaos schedule in steps cannot be applied to pods; draw it in seconds")
     out: list[PodAction] = []
 
     def add(ev: ChaosEvent, verb: Verb, at: float, reason: str = "") -> None:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddiloco.local import scrapes
-from ddiloco.local.chaos import Schedule, learner_ids, make_schedule
+from ddiloco.local.chaos import Schedule, StepCounter, learner_ids, make_schedule, pop_due
 from ddiloco.local.netcut import CutProxies
 from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
 from ddiloco.synchronizer import shards, tls
@@ -75,6 +75,9 @@ class LocalConfig:
     max_steps: int = 0
     """Inner steps per learner slot (0: none)."""
     chaos: str = "none"
+    chaos_unit: str = "seconds"
+    """`steps`: the schedule's events fire at inner steps of their learner (needs
+    `max_steps`, over which it is drawn; learner parts only, local/chaos.py)."""
     seed: int = 0
     h: int = 24
     fragments: int = 4
@@ -134,6 +137,10 @@ class LocalConfig:
             )
         if self.max_seconds <= 0 and self.max_steps <= 0:
             self.max_seconds = 60.0
+        if self.chaos_unit not in ("seconds", "steps"):
+            raise ValueError(f"chaos_unit must be seconds or steps, got {self.chaos_unit!r}")
+        if self.chaos_unit == "steps" and self.max_steps <= 0:
+            raise ValueError("chaos in steps needs a step budget (max_steps)")
         if self.update_encoding not in ("float32", "bfloat16", "int8", "int4"):
             raise ValueError(
                 f"update_encoding must be float32, bfloat16, int8 or int4, got "
@@ -164,9 +171,14 @@ class LocalRun:
         self.url = self.urls[0]
         self.http_version = ""
         """The protocol the launcher's last status call came over (HTTP/2 expected)."""
-        self.schedule = cfg.schedule or make_schedule(
-            cfg.chaos, learners=cfg.learners, seconds=cfg.max_seconds or 120.0, seed=cfg.seed
+        self.schedule = cfg.schedule or (
+            make_schedule(cfg.chaos, learners=cfg.learners, steps=cfg.max_steps, seed=cfg.seed)
+            if cfg.chaos_unit == "steps"
+            else make_schedule(
+                cfg.chaos, learners=cfg.learners, seconds=cfg.max_seconds or 120.0, seed=cfg.seed
+            )
         )
+        self._steps = StepCounter(self.learner_log)
         # A learner the schedule partitions talks to the synchronizer through a relay we can cut.
         self.proxies = {
             e.target: CutProxies(self.ports)
@@ -326,14 +338,8 @@ class LocalRun:
         return self.out / "learners" / f"{lid}.jsonl"
 
     def steps_done(self, lid: str) -> int:
-        path = self.learner_log(lid)
-        if not path.exists():
-            return 0
-        steps = 0
-        for line in path.read_text().splitlines():
-            if '"step"' in line and '"dt"' in line:
-                steps += 1
-        return steps
+        """Inner steps the slot trained, every incarnation (its log, read incrementally)."""
+        return self._steps(lid)
 
     def _start_learner(self, child: Child) -> None:
         argv = list(child.argv)
@@ -379,8 +385,7 @@ class LocalRun:
     def _apply_chaos(self, now: float) -> None:
         by_name = {c.name: c for c in [*self.syncs, *self.learners]}
         by_name.setdefault("synchronizer", self.syncs[self.cfg.seed % len(self.syncs)])
-        while self.schedule.events and self.schedule.events[0].at <= now:
-            ev = self.schedule.events.pop(0)
+        for ev in pop_due(self.schedule, now, self.steps_done):
             child = by_name[ev.target]
             hot = False  # handed to a hot spare at once (spare_takeover immediate)
             if ev.action == "add":

@@ -140,3 +140,65 @@ def test_kubernetes_plan_maps_every_action() -> None:
     assert selector("learner-3", "j") == "ddiloco.dev/learner-id=learner-3,ddiloco.dev/job=j"
     assert selector(SYNCHRONIZER) == "app.kubernetes.io/component=synchronizer"
     assert plan(s, job="j") == actions
+
+
+# ---- schedules in steps -------------------------------------------------------------------
+def test_a_schedule_in_steps_fires_on_its_targets_steps() -> None:
+    from ddiloco.local.chaos import pop_due
+
+    s = make_schedule("kill+pause", learners=4, steps=360, seed=3)
+    assert s.in_steps and s.events
+    assert all(e.at_step is not None and 24 <= e.at_step < 358 and e.at == 0 for e in s.events)
+    assert [e.at_step for e in s.events] == sorted(e.at_step for e in s.events)  # type: ignore[type-var]
+    assert Schedule.from_json(s.to_json()) == s
+    assert make_schedule("kill+pause", learners=4, steps=360, seed=3) == s
+    first = s.events[0]
+    steps = dict.fromkeys(learner_ids(4), 0)
+    assert pop_due(s, 1e9, steps.__getitem__) == []  # wall time does not fire them
+    steps[first.target] = first.at_step - 1  # type: ignore[operator]
+    assert first not in pop_due(s, 0.0, steps.__getitem__)
+    steps[first.target] += 1
+    due = pop_due(s, 0.0, steps.__getitem__)
+    assert first in due and first not in s.events
+    assert all(steps[e.target] >= e.at_step for e in due)  # type: ignore[operator]
+
+
+def test_pop_due_keeps_timed_events_in_time() -> None:
+    from ddiloco.local.chaos import pop_due
+
+    s = make_schedule("kill", learners=2, seconds=60, seed=1)
+    n = len(s.events)
+    cut = s.events[1].at
+    due = pop_due(s, cut, lambda _: 0)
+    assert len(due) == 2 and all(e.at <= cut for e in due)
+    assert len(s.events) == n - 2 and all(e.at > cut for e in s.events)
+
+
+def test_steps_refuse_what_has_no_step_axis() -> None:
+    for kind in ("sync", "scavenge", "kill+sync"):
+        with pytest.raises(ValueError, match="no schedule in steps"):
+            make_schedule(kind, learners=2, steps=100)
+    with pytest.raises(ValueError, match="either seconds or steps"):
+        make_schedule("kill", learners=2, seconds=10, steps=10)
+    with pytest.raises(ValueError, match="either seconds or steps"):
+        make_schedule("kill", learners=2)
+    from ddiloco.local.k8s_chaos import plan
+
+    with pytest.raises(ValueError, match="in steps"):
+        plan(make_schedule("kill", learners=2, steps=400))
+
+
+def test_the_step_counter_reads_only_whole_appended_lines(tmp_path) -> None:
+    from ddiloco.local.chaos import StepCounter
+
+    count = StepCounter(lambda lid: tmp_path / f"{lid}.jsonl")
+    assert count("a") == 0  # no log yet
+    log = tmp_path / "a.jsonl"
+    log.write_text('{"step": 1, "dt": 0.1}\n{"event": "adopt"}\n{"step": 2, "dt": 0.1}\n')
+    assert count("a") == 2
+    with log.open("a") as f:
+        f.write('{"step": 3, "dt": 0.1}\n{"step": 4, "d')  # the last line still being written
+    assert count("a") == 3
+    with log.open("a") as f:
+        f.write('t": 0.1}\n')
+    assert count("a") == 4 and count("a") == 4
