@@ -95,6 +95,7 @@ ARMS: dict[str, Arm] = {
     "decoupled_grace_live": Arm("diloco", merge_scale="live"),
     "decoupled_grace_live_pause": Arm("diloco", merge_scale="live", chaos="pause"),
     "decoupled_grace_live_chaos": Arm("diloco", merge_scale="live", chaos="kill+pause"),
+    "decoupled_grace_live_mean": Arm("diloco", merge="mean", merge_scale="live"),
 }
 DEFAULT_ARMS = ("sync_diloco", "decoupled_grace", "decoupled_grace_chaos", "dp")
 COMPARISONS: list[tuple[str, str, str]] = [
@@ -110,6 +111,8 @@ COMPARISONS: list[tuple[str, str, str]] = [
     ("decoupled_grace_live", "sync_diloco", "K=1+grace, live scale vs K=M, no chaos"),
     ("decoupled_grace_live_pause", "sync_diloco_pause", "K=1+grace live vs K=M, same pause"),
     ("decoupled_grace_live_chaos", "sync_diloco", "chaos cost, live scale: kill+pause vs K=M"),
+    ("decoupled_grace_live_mean", "decoupled_grace_live", "weighted mean vs RDA, live scale"),
+    ("decoupled_grace_live", "dp", "decoupled (live scale) vs data-parallel, no chaos"),
 ]
 """(arm, reference, what it measures): reported wherever both arms have runs."""
 SETTINGS = (
