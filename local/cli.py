@@ -57,8 +57,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--merge-scale",
         choices=["contributors", "live"],
-        default="contributors",
-        help="average each merge over its contributors (default) or over the whole live set",
+        default="live",
+        help="average each merge over the whole live set's tokens (default) or over its "
+        "contributors only (the paper's rule)",
     )
     ap.add_argument(
         "-H", type=int, default=24, dest="h", help="inner steps between hand-overs of a fragment"

@@ -56,8 +56,9 @@ class LocalConfig:
     grace: bool = True
     """Adaptive grace window after the quorum."""
     merge: str = "rda"
-    merge_scale: str = "contributors"
-    """SyncSettings.merge_scale: `live` averages each merge over the whole live set."""
+    merge_scale: str = "live"
+    """SyncSettings.merge_scale: `live` averages each merge over the whole live set;
+    `contributors` over those in the merge."""
     """rda or mean for non-embedding fragments."""
     model: str = "tiny"
     """A preset (tiny, small, base, gpt2) or hf:PATH (a local Hugging Face config)."""

@@ -229,6 +229,9 @@ class Synchronizer(_Model):
     """Upper bound of the grace window, in inner steps."""
     merge: Literal["rda", "mean"] = "rda"
     """How contributions are combined: radial-directional averaging or a plain mean."""
+    merge_scale: Literal["live", "contributors"] = "live"
+    """What a merge is averaged over: the whole live set's tokens per period (`live`: K = 1
+    moves like averaging) or only the contributions present (`contributors`)."""
     outer_learning_rate: float = Field(0.7, gt=0)
     """eta: outer (Nesterov) learning rate."""
     outer_momentum: float = Field(0.9, ge=0, lt=1)

@@ -127,6 +127,7 @@ def build_synchronizer_statefulset(
                 "DDILOCO_GRACE_GAMMA": sync.grace_gamma,
                 "DDILOCO_GRACE_CAP_STEPS": sync.grace_cap_steps,
                 "DDILOCO_MERGE": sync.merge,
+                "DDILOCO_MERGE_SCALE": sync.merge_scale,
                 "DDILOCO_OUTER_LR": sync.outer_learning_rate,
                 "DDILOCO_OUTER_MOMENTUM": sync.outer_momentum,
                 "DDILOCO_MAX_STALENESS": sync.max_staleness,

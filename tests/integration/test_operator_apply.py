@@ -52,6 +52,7 @@ def test_three_cluster_example_becomes_ready(cl: h.Clusters, operator: h.Operato
     assert container.command == ["ddiloco", "synchronizer"]
     env = {e.name: e for e in container.env}
     assert env["DDILOCO_QUORUM"].value == "2" and env["DDILOCO_MERGE"].value == "rda"
+    assert env["DDILOCO_MERGE_SCALE"].value == "live"
     # the token as a mounted file (it rotates without a restart); TLS: test_operator_tls.py
     assert env["DDILOCO_TOKEN_FILE"].value == "/var/run/ddiloco/token/token"
     assert "DDILOCO_TOKEN" not in env

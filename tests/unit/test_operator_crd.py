@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from ddiloco.operator import api, crd
+from ddiloco.synchronizer.config import SyncSettings
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"
 
@@ -110,6 +111,9 @@ def test_defaults_in_schema_match_the_models() -> None:
     sync = props["synchronizer"]["properties"]
     assert sync["quorum"]["default"] == api.Synchronizer().quorum
     assert sync["merge"]["default"] == "rda"
+    # the product's default is the synchronizer's (the quality study's winner)
+    assert sync["mergeScale"]["default"] == SyncSettings.model_fields["merge_scale"].default
+    assert sync["mergeScale"]["enum"] == ["live", "contributors"]
     assert (
         props["failurePolicy"]["properties"]["maxReplacementsPerSlot"]["default"]
         == api.FailurePolicy().max_replacements_per_slot

@@ -46,6 +46,7 @@ def make(tmp_path: Path, clock: Clock, **kw: object) -> Synchronizer:
         "outer_lr": 1.0,
         "outer_momentum": 0.0,
         "max_update_ratio": 10.0,  # the toy deltas below move each weight by up to 3
+        "merge_scale": "contributors",  # the arithmetic below; `live`: test_merge_scale.py
     }
     return Synchronizer(SyncSettings(**(base | kw)), clock=clock)  # type: ignore[arg-type]
 
