@@ -117,7 +117,7 @@ class DecoupledDiLoCo:
         self.counted = {f"{k}_{u}": [0] * n for k in kinds for u in ("steps", "tokens")}
         """Since join, per fragment: steps and tokens computed, handed over, and dropped by
         an `overwrite` adoption (reset without being sent); see `ledger()`."""
-        self.counts = {"handovers": 0, "adopted": 0, "refused": 0}
+        self.counts = {"handovers": 0, "adopted": 0, "refused": 0, "deferred": 0}
         self.left_at_close: dict[int, dict[str, int]] = {}
         self.in_flight: set[int] = set()
         self.step = 0
@@ -294,6 +294,15 @@ class DecoupledDiLoCo:
                 for p in self.streamer.requested - self.in_flight
                 if self.c_steps[p] >= self.min_request_steps
             }
+            if self.cfg.update_encoding not in wire.FLOAT_ENCODINGS:
+                # a quantized update is encoded at its hand-over (its error feedback is the
+                # anchor) so the outbox cannot sum it: while one of p's is still queued
+                # unsent (an outage), the work stays in the parameters and goes out with the
+                # next hand-over instead; the outbox holds at most p's in-flight update and
+                # one queued (a float one behind an outage is summed in the outbox)
+                waiting = {p for p in due if self.streamer.outbox.waiting(p)}
+                self.counts["deferred"] += len(waiting)
+                due -= waiting
         newest = list(self.base_version)
         for p, version, tensors in self.streamer.arrivals():
             arrived_at = self.streamer.arrival_steps.pop((p, version), self.step - 1)

@@ -11,8 +11,10 @@ dropped. Updates of a fragment that queue up behind an outage are summed into on
 float32, so no rounding is lost); one that was attempted is frozen and re-sent byte for
 byte, so the synchronizer's (incarnation, learner_step) high-water mark recognises it.
 A quantized update (int8 / int4, synchronizer/wire.py) comes encoded (`put(..., payload=)`):
-the learner's error feedback is built on exactly those bytes, so it is never summed (it
-goes out as its own upload, and the synchronizer merges each).
+the learner's error feedback is built on exactly those bytes, so it is never summed; the
+learner defers a fragment's quantized hand-over while one of its updates is `waiting` (queued,
+never attempted), so behind an outage the work stays in its parameters and the outbox holds
+at most two of a fragment's updates (learner/diloco.py).
 """
 
 from __future__ import annotations
@@ -157,6 +159,11 @@ class Outbox:
             c[f"{outcome}_steps"] += entry.meta.steps
             c[f"{outcome}_tokens"] += entry.meta.tokens
             self.cond.notify_all()
+
+    def waiting(self, p: int) -> bool:
+        """Whether an update of fragment p is queued and was never attempted."""
+        with self.cond:
+            return any(e.meta.fragment == p and e.attempts == 0 for e in self.entries)
 
     def queued(self) -> list[UpdateMeta]:
         """Metadata of the entries waiting (the head first, possibly in flight)."""

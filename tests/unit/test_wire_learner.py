@@ -26,7 +26,9 @@ from ddiloco.learner.diloco import DecoupledDiLoCo
 SyncServer = Any  # tests/conftest.py's, served over h2c on loopback
 
 
-def learner(server: SyncServer, encoding: str) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+def learner(
+    server: SyncServer, encoding: str, **kw: Any
+) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
     model = nn.Sequential(nn.Linear(64, 8, bias=False))
     with torch.no_grad():
         model[0].weight.zero_()
@@ -39,6 +41,7 @@ def learner(server: SyncServer, encoding: str) -> tuple[nn.Module, torch.optim.O
         update_encoding=encoding,  # type: ignore[arg-type]
         update_block=32,
         poll_s=0.2,
+        **kw,
     )
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     return model, opt, DecoupledDiLoCo(model, opt, cfg, tokens_per_step=10)
@@ -101,3 +104,40 @@ def test_a_learner_refused_its_encoding_stops_at_join(
     _, _, diloco = learner(server, "int4")
     with pytest.raises(UsageError, match=r"accepts update encodings bfloat16.*is int4"), diloco:
         pass
+
+
+def test_quantized_hand_overs_behind_an_outage_stay_bounded_and_lose_nothing(
+    make_sync_server: Callable[..., SyncServer],
+) -> None:
+    """The synchronizer goes away: a quantized update cannot be summed in the outbox, so the
+    learner defers the fragment's hand-overs while one is queued unsent. The outbox holds at
+    most two (the one retried, one queued), and every step computed is in what was accepted,
+    what is queued, or what the parameters still hold for the next hand-over."""
+    from tests.conftest import stop_sync_server
+
+    server = make_sync_server(
+        quorum=1, grace=False, max_update_ratio=100.0, update_encodings=["int8"]
+    )
+    model, opt, diloco = learner(server, "int8", drain_s=0.5)  # the close cannot deliver
+    w = model[0].weight
+    g = torch.Generator().manual_seed(5)
+
+    def step() -> None:
+        w.grad = torch.randn(w.shape, generator=g) * 0.1
+        opt.step()
+
+    with diloco:
+        for _ in range(2):
+            step()
+        wait_version(server, 1)
+        stop_sync_server(server)
+        for _ in range(40):  # 20 hand-overs due at H = 2
+            step()
+            assert diloco.streamer.outbox.depth() <= 2
+            time.sleep(0.01)
+        assert diloco.stats()["deferred"] > 0
+        (row,) = diloco.streamer.ledger().values()
+        # put = accepted + queued; what is not put is still in the parameters (c_steps)
+        assert row["put_steps"] == row["accepted_steps"] + row["queued_steps"]
+        assert row["put_steps"] + diloco.c_steps[0] == diloco.step
+        assert diloco.c_steps[0] > 2  # deferred work, carried by the next hand-over
