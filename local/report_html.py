@@ -164,6 +164,7 @@ def render(report: dict[str, Any], *, title: str = "ddiloco local report") -> st
             "mean contributors per merge",
             f"{report.get('mean_contributors', 0.0):.2f}",
         ),
+        _stat("merge-scale", "mean merge scale", f"{report.get('mean_merge_scale', 1.0):.3f}"),
         _stat("chaos", "chaos events", str(len(events))),
         _stat("restarts", "learner restarts", str(report.get("learner_restarts", 0))),
         _stat("uptime", "system uptime", f"{report.get('system_uptime', 0.0):.3f}"),
@@ -224,9 +225,14 @@ def render(report: dict[str, Any], *, title: str = "ddiloco local report") -> st
     ]  # fmt: skip
     config_line = (
         f"M={c.get('learners')} K={c.get('quorum')} H={c.get('H')} P={c.get('P')} "
-        f"grace={c.get('grace')} merge={c.get('merge')} chaos={c.get('chaos')} "
-        f"model={c.get('model_entry') or c.get('model')}"
+        f"grace={c.get('grace')} merge={c.get('merge')} scale={c.get('merge_scale', '-')} "
+        f"S={report.get('sync_shards', 1)} updates={c.get('update_encoding', '-')} "
+        f"chaos={c.get('chaos')} model={c.get('model_entry') or c.get('model')}"
     )
+    fragment_rows = [
+        (f.get("index"), f.get("shard", 0), f.get("merge", ""), f.get("version", 0))
+        for f in report.get("fragments") or []
+    ]
     sections = [
         f"<h1>{esc(title)}</h1>",
         f'<div class="sub">{esc(config_line)}</div>',
@@ -272,6 +278,12 @@ def render(report: dict[str, Any], *, title: str = "ddiloco local report") -> st
         ),
         line_chart(bandwidth, x_max=wall, y_label="MiB, cumulative"),
         line_chart(per_token, x_max=wall, y_label="bytes per token"),
+        "</section>",
+        f'<section id="fragments"><h2>Synchronizer: {report.get("sync_shards", 1)} shard(s), '
+        f"{report.get('sync_restarts', 0)} restart(s)</h2>",
+        _table(["fragment", "shard", "merge", "final version"], fragment_rows, "fragment-table")
+        if fragment_rows
+        else '<p class="none">not recorded in this run</p>',
         "</section>",
         '<section id="chaos"><h2>Chaos events</h2>',
         _table(["at s", "action", "target", "back after s", "hot spare"], event_rows, "events")

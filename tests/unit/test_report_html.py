@@ -113,6 +113,10 @@ def report_dict() -> dict:
         "learner_restarts": 1,
         "wall_seconds": 10.0,
         "mean_contributors": 1.0,
+        "mean_merge_scale": 0.5,
+        "sync_shards": 2,
+        "fragments": [{"index": 0, "shard": 1, "version": 7, "merge": "rda"},
+                      {"index": 1, "shard": 0, "version": 5, "merge": "mean"}],
         "system_uptime": 1.0,
         "eval_history": [[5.0, 4.5, 1], [10.0, 4.25, 2]],
         "chaos_applied": [{"at": 4.0, "action": "kill", "target": "learner-0", "applied_at": 4.0}],
@@ -131,9 +135,13 @@ def test_render_escapes_and_survives_a_report_without_series() -> None:
     assert "<i>l0</i>" not in page and "&lt;i&gt;l0&lt;/i&gt;" in page
     assert "/tmp/&lt;x&gt;.txt" in page
     assert "killed at 4.0 s" in page and "incarnation 2 started at 6.0 s" in page
+    # the shards: how many, and each fragment's owner, rule and final version
+    assert "2 shard(s)" in page and "S=2" in page and "0.500" in page
+    assert "<td>0</td><td>1</td><td>rda</td><td>7</td>" in page
     del r["timeseries"], r["learners"][0]["merged_at"], r["learners"][0]["train_loss"]
-    older = render(r)  # a report.json written before the series existed
-    assert older.count("not recorded in this run") == 3
+    del r["fragments"]
+    older = render(r)  # a report.json written before the series (and the fragments) existed
+    assert older.count("not recorded in this run") == 4
 
 
 def test_ddiloco_local_report_rebuilds_the_page_and_refuses_a_bad_dir(tmp_path: Path) -> None:
