@@ -97,7 +97,8 @@ ARMS: dict[str, Arm] = {
     "decoupled_grace_live_chaos": Arm("diloco", merge_scale="live", chaos="kill+pause"),
     "decoupled_grace_live_mean": Arm("diloco", merge="mean", merge_scale="live"),
 }
-DEFAULT_ARMS = ("sync_diloco", "decoupled_grace", "decoupled_grace_chaos", "dp")
+DEFAULT_ARMS = ("sync_diloco", "decoupled_grace_live", "decoupled_grace_live_chaos", "dp")
+"""The study's winner (merge_scale live, the product default) against its references."""
 COMPARISONS: list[tuple[str, str, str]] = [
     ("decoupled_grace_chaos", "sync_diloco", "chaos cost: K=1+grace, kill+pause vs K=M, none"),
     ("decoupled_grace_pause", "sync_diloco_pause", "K=1+grace vs K=M, same pause chaos"),

@@ -5,6 +5,7 @@
     Schedule.from_json(schedule.to_json()) == schedule
     make_schedule("kill+pause", learners=4, steps=360, seed=1)   # in steps: ChaosEvent(at_step=97, ...)
     for event in pop_due(schedule, now, steps_of): ...            # what a runner applies now
+    applied += inject_due(injector, schedule, now, steps_of)      # ... through a ChaosInjector
 
 In seconds, an event fires `at` seconds into the run. In steps (`steps=N`), it fires once its
 target learner has trained `at_step` inner steps (its slot's, over every incarnation), so
@@ -27,7 +28,8 @@ whole run. Kinds combine with `+` ("kill+pause"); each part draws from its own r
 so adding a part never moves the events of another. The same kind, learners, seconds and
 seed give the same schedule on every machine, so an arm and its baselines meet the same
 chaos. `ddiloco local` applies it (local/launcher.py), the data-parallel baselines apply it
-(local/dp_run.py), and local/k8s_chaos.py turns it into pod deletions and evictions.
+(local/dp_run.py), and local/k8s_chaos.py turns it into pod deletions and evictions; all
+three are a `ChaosInjector` (processes, data-parallel ranks, pods).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, Protocol, runtime_checkable
 
 Action = Literal["kill", "pause", "partition", "kill_sync", "add", "remove"]
 ACTIONS: Final[tuple[str, ...]] = ("kill", "pause", "partition", "kill_sync", "add", "remove")
@@ -242,6 +244,38 @@ def pop_due(schedule: Schedule, now: float, steps_of: Callable[[str], int]) -> l
         taken = set(map(id, due))
         schedule.events = [e for e in schedule.events if id(e) not in taken]
     return due
+
+
+@runtime_checkable
+class ChaosInjector(Protocol):
+    """What applies a schedule's events to something real (local/supervisor.py: learner and
+    synchronizer processes, data-parallel ranks; local/k8s_chaos.py: pods)."""
+
+    def inject(self, ev: ChaosEvent, now: float) -> dict[str, Any] | None:
+        """Apply `ev` now (`now`: seconds into the run). Returns the fields its record adds
+        to the event's, or None when the event did not apply (its target is gone, done, or
+        the event means nothing here)."""
+        ...
+
+    def recover(self, now: float) -> None:
+        """Undo what is due by `now`: resume the paused, restart the killed, reconnect the
+        cut off."""
+        ...
+
+
+def inject_due(
+    injector: ChaosInjector, schedule: Schedule, now: float, steps_of: Callable[[str], int]
+) -> list[dict[str, Any]]:
+    """Inject the events of `schedule` due at `now` (pop_due), then recover what is due.
+    Returns one record per applied event: the event's fields, `applied_at` and the
+    injector's own fields."""
+    records = []
+    for ev in pop_due(schedule, now, steps_of):
+        extra = injector.inject(ev, now)
+        if extra is not None:
+            records.append({**asdict(ev), "applied_at": round(now, 3), **extra})
+    injector.recover(now)
+    return records
 
 
 class StepCounter:

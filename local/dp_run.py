@@ -36,11 +36,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddiloco.local.chaos import Schedule, StepCounter, learner_ids, make_schedule, pop_due
+from ddiloco.local.chaos import ChaosEvent, Schedule, learner_ids, make_schedule
 from ddiloco.local.goodput import busy_seconds, goodput, new_step_spans
 from ddiloco.local.processes import Child, env_with, free_port, terminate_all
 from ddiloco.local.report import read_jsonl
 from ddiloco.local.spare import SparePool
+from ddiloco.local.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -124,19 +125,17 @@ class CheckpointEvaluator:
             self.evaluate()
 
 
-class DPRun:
+class DPRun(Supervisor):
     """Owns the rank processes, the generation file and the run's clock."""
 
     def __init__(self, cfg: DPConfig) -> None:
         self.cfg = cfg
-        self.out = Path(cfg.out)
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.gen_file = self.out / "gen.json"
-        self.ckpt = self.out / "ckpt.pt"
-        self.schedule = cfg.schedule or make_schedule(
+        schedule = cfg.schedule or make_schedule(
             cfg.chaos, learners=cfg.learners, seconds=cfg.max_seconds, seed=cfg.seed
         )
-        self._steps = StepCounter(self.learner_log)
+        super().__init__(cfg.out, schedule)  # out, schedule, steps_done, t0, applied, spares
+        self.gen_file = self.out / "gen.json"
+        self.ckpt = self.out / "ckpt.pt"
         self.ids = learner_ids(cfg.learners)
         env = env_with(OMP_NUM_THREADS="1")
         self.ranks = [
@@ -158,8 +157,6 @@ class DPRun:
         self.store: Any = None
         self.store_port = 0
         self.regroup_at: float | None = None
-        self.applied: list[dict[str, Any]] = []
-        self.t0 = self.t_end = 0.0
         self.evaluator: CheckpointEvaluator | None = None
 
     def _argv(self, slot: int, lid: str) -> list[str]:
@@ -170,28 +167,13 @@ class DPRun:
             *["--ckpt-every", str(c.ckpt_every), "--model", c.model, "--seed", str(c.seed)],
             *["--batch-size", str(c.batch_size), "--inner-lr", str(c.inner_lr)],
             *["--slow-factor", str(self.schedule.slow_factors.get(lid, 1.0))],
-            *["--log-path", str(self.out / "learners" / f"{lid}.jsonl")],
+            *["--log-path", str(self.learner_log(lid))],
         ]
         if c.max_steps:
             argv += ["--max-steps", str(c.max_steps)]
         if c.data:
             argv += ["--data", c.data]
         return [sys.executable, "-P", "-m", "ddiloco.local.dp", *argv]
-
-    def learner_log(self, lid: str) -> Path:
-        return self.out / "learners" / f"{lid}.jsonl"
-
-    def steps_done(self, lid: str) -> int:
-        """Group steps the rank's slot trained, every incarnation (a step redone after a
-        restore counts again: a step schedule counts work done, as in `ddiloco local`)."""
-        return self._steps(lid)
-
-    def _start(self, child: Child) -> None:
-        proc = self.spares.take(child.argv, child.log_path) if self.spares else None
-        if proc is not None:
-            child.adopt(proc)
-        else:
-            child.start()
 
     def _store(self) -> int:
         """Host the rendezvous store here, as torchrun's agent does, for the whole run: a
@@ -215,9 +197,6 @@ class DPRun:
         write_generation(self.gen_file, self.gen, self._store(), up)
         log.info("Generation %d: members %s", self.gen, up)
 
-    def elapsed(self) -> float:
-        return time.time() - self.t0 if self.t0 else 0.0
-
     def _fail(self, slot: int, now: float, back_in: float, kill: bool) -> None:
         child = self.ranks[slot]
         if kill:
@@ -226,41 +205,42 @@ class DPRun:
         if self.cfg.elastic:
             self._publish()  # reform at once without it
 
-    def _apply_chaos(self, now: float) -> None:
-        for ev in pop_due(self.schedule, now, self.steps_done):
-            applied = True
-            slot = self.ids.index(ev.target) if ev.target in self.ids else -1
-            child = self.ranks[slot] if slot >= 0 else None
-            if ev.action == "kill_sync" or child is None:
-                applied = False  # no synchronizer in data-parallel training
-            elif ev.action == "add":
-                if self.cfg.elastic and slot not in self.members:
-                    self.members.append(slot)
-                    self.members.sort()
-                    self.joined[slot] = time.time()
-                    self._publish()  # before the start: see below
-                    self._start(child)
-                else:
-                    applied = False  # a fixed-size job cannot use a scavenged slot
-            elif slot not in self.members or slot in self.down:
-                applied = False
-            elif ev.action == "remove":
-                self.members.remove(slot)
-                self.left[slot] = time.time()
-                child.kill()
-                if self.cfg.elastic:
-                    self._publish()
-            elif ev.action == "kill":
-                self._fail(slot, now, ev.delay, kill=True)
-            elif ev.action == "partition":
-                # gloo's full mesh breaks; the rank is replaced when its link is back
-                self._fail(slot, now, ev.delay, kill=True)
-            elif ev.action == "pause":
-                child.pause()
-                child.resume_at = now + ev.delay
-            if applied:
-                self.applied.append({**asdict(ev), "applied_at": round(now, 3)})
-                log.info("Chaos %s %s (%.1fs)", ev.action, ev.target, ev.delay)
+    def inject(self, ev: ChaosEvent, now: float) -> dict[str, Any] | None:
+        """Kill, freeze or cut a rank, or change the membership, with the semantics of a
+        synchronous or an elastic job (the module's docstring); None when it cannot apply."""
+        slot = self.ids.index(ev.target) if ev.target in self.ids else -1
+        child = self.ranks[slot] if slot >= 0 else None
+        if ev.action == "kill_sync" or child is None:
+            return None  # no synchronizer in data-parallel training
+        if ev.action == "add":
+            if not self.cfg.elastic or slot in self.members:
+                return None  # a fixed-size job cannot use a scavenged slot
+            self.members.append(slot)
+            self.members.sort()
+            self.joined[slot] = time.time()
+            self._publish()  # before the start: see recover
+            self.start_child(child)
+        elif slot not in self.members or slot in self.down:
+            return None
+        elif ev.action == "remove":
+            self.members.remove(slot)
+            self.left[slot] = time.time()
+            child.kill()
+            if self.cfg.elastic:
+                self._publish()
+        elif ev.action == "kill":
+            self._fail(slot, now, ev.delay, kill=True)
+        elif ev.action == "partition":
+            # gloo's full mesh breaks; the rank is replaced when its link is back
+            self._fail(slot, now, ev.delay, kill=True)
+        elif ev.action == "pause":
+            child.pause()
+            child.resume_at = now + ev.delay
+        log.info("Chaos %s %s (%.1fs)", ev.action, ev.target, ev.delay)
+        return {}
+
+    def recover(self, now: float) -> None:
+        """Resume the paused ranks; regroup with the replacements that arrived."""
         for child in self.ranks:
             if child.resume_at is not None and now >= child.resume_at:
                 child.resume()
@@ -274,7 +254,7 @@ class DPRun:
             self._publish()
         for slot in back:
             if slot in self.members:
-                self._start(self.ranks[slot])
+                self.start_child(self.ranks[slot])
 
     def _check_ranks(self, now: float) -> None:
         for slot in self.members:
@@ -298,15 +278,6 @@ class DPRun:
         """With `max_steps`: every member rank stopped at the budget."""
         return bool(self.cfg.max_steps) and all(self.ranks[s].finished for s in self.members)
 
-    def _first_step_time(self) -> float | None:
-        times = [
-            r["t"] - r["dt"]
-            for c in self.ranks
-            for r in read_jsonl(self.learner_log(c.name))[:50]
-            if "dt" in r
-        ]
-        return min(times) if times else None
-
     def run(self) -> dict[str, Any]:
         (self.out / "schedule.json").write_text(self.schedule.to_json())
         try:
@@ -318,13 +289,11 @@ class DPRun:
             self.evaluator = CheckpointEvaluator(self.cfg, self.ckpt)
             self.evaluator.thread.start()
             launch = time.time()
-            while not self.t0:
-                if time.time() - launch > 300:
-                    raise RuntimeError(f"no rank took a step within 300 s; see {self.out}")
-                self.t0 = self._first_step_time() or 0.0
-                time.sleep(0.05)
+            self.wait_first_step(
+                self.ranks, launch, f"no rank took a step within 300 s; see {self.out}"
+            )
             while (now := self.elapsed()) < self.cfg.max_seconds and not self.spent():
-                self._apply_chaos(now)
+                self.apply_chaos(now)
                 self._check_ranks(now)
                 time.sleep(0.05)
             self.t_end = time.time()

@@ -3,6 +3,7 @@
     from kubernetes import client
     chaos = PodChaos(api_client, "team-a", job="my-job")
     records = chaos.run(make_schedule("kill+partition", learners=8, seconds=600, seed=1))
+    chaos.inject(event, now); chaos.recover(now)   # or event by event (chaos.ChaosInjector)
 
 Each event maps to Kubernetes API calls on the pods the operator labels
 (`ddiloco.dev/learner-id=<target>`, the synchronizer by `app.kubernetes.io/component`):
@@ -18,7 +19,10 @@ The replacement delay of a kill is not ours to choose on a cluster: the operator
 scheduler decide when the new pod runs. A NetworkPolicy needs a CNI that enforces it (kwok,
 on the test control plane, stores it and enforces nothing). `plan()` is the pure mapping;
 `run()` applies it on the schedule's clock; tests/integration/test_chaos_k8s.py runs it on a
-real apiserver.
+real apiserver. PodChaos is also a `chaos.ChaosInjector`, the interface of the local runs
+(local/supervisor.py): `inject(event, now)` performs the event's first action now and holds
+a partition's heal until `recover(now)` finds it due, so `chaos.inject_due` drives pods as
+it drives processes.
 """
 
 from __future__ import annotations
@@ -62,28 +66,30 @@ def selector(target: str, job: str | None = None) -> str:
     return f"{own},{LABEL_JOB}={job}" if job else own
 
 
+def event_actions(ev: ChaosEvent, job: str | None = None) -> list[PodAction]:
+    """The API actions of one event, at its time (a partition's heal `delay` s after its
+    cut; pure)."""
+
+    def act(verb: Verb, at: float, reason: str = "") -> PodAction:
+        return PodAction(round(at, 3), verb, ev.target, selector(ev.target, job), reason)
+
+    if ev.action in ("kill", "kill_sync"):
+        return [act("delete", ev.at)]
+    if ev.action == "remove":
+        return [act("evict", ev.at)]
+    if ev.action == "partition":
+        return [act("isolate", ev.at), act("heal", ev.at + ev.delay)]
+    if ev.action == "pause":
+        return [act("skip", ev.at, "no Kubernetes API freezes a running container")]
+    return [act("skip", ev.at, "adding a learner is a change of the job's replicas")]  # add
+
+
 def plan(schedule: Schedule, job: str | None = None) -> list[PodAction]:
     """The API actions of a schedule, in time order (pure). A schedule in steps is refused:
     a pod's inner steps are not watched from here."""
     if schedule.in_steps:
         raise ValueError("a chaos schedule in steps cannot be applied to pods; draw it in seconds")
-    out: list[PodAction] = []
-
-    def add(ev: ChaosEvent, verb: Verb, at: float, reason: str = "") -> None:
-        out.append(PodAction(round(at, 3), verb, ev.target, selector(ev.target, job), reason))
-
-    for ev in schedule.events:
-        if ev.action in ("kill", "kill_sync"):
-            add(ev, "delete", ev.at)
-        elif ev.action == "remove":
-            add(ev, "evict", ev.at)
-        elif ev.action == "partition":
-            add(ev, "isolate", ev.at)
-            add(ev, "heal", ev.at + ev.delay)
-        elif ev.action == "pause":
-            add(ev, "skip", ev.at, "no Kubernetes API freezes a running container")
-        else:  # add
-            add(ev, "skip", ev.at, "adding a learner is a change of the job's replicas")
+    out = [action for ev in schedule.events for action in event_actions(ev, job)]
     out.sort(key=lambda a: (a.at, a.verb != "heal"))  # a heal before a new cut at the same time
     return out
 
@@ -115,6 +121,8 @@ class PodChaos:
         self.clock = clock
         self.sleep = sleep
         self.records: list[dict[str, Any]] = []
+        self.heals: list[tuple[float, PodAction]] = []
+        """Partitions to heal, with when (the clock of `inject`'s `now`)."""
 
     def _pods(self, sel: str) -> list[Any]:
         pods = self.core.list_namespaced_pod(self.namespace, label_selector=sel).items
@@ -154,6 +162,24 @@ class PodChaos:
             log.warning("Chaos %s %s refused: %s", action.verb, action.target, rec["error"])
         self.records.append(rec)
         return rec
+
+    def inject(self, ev: ChaosEvent, now: float) -> dict[str, Any] | None:
+        """Perform the event's action now (chaos.ChaosInjector); a partition's heal waits
+        for `recover`. Returns the record's fields (verb, pods or policy), or None when the
+        event is skipped or the API refused it (the record in `records` says why)."""
+        first, *later = event_actions(ev, self.job)
+        rec = self.apply(first)
+        self.heals += [(now + a.at - first.at, a) for a in later]
+        if first.verb == "skip" or "error" in rec:
+            return None
+        return {k: v for k, v in rec.items() if k not in ("at", "target")}
+
+    def recover(self, now: float) -> None:
+        """Heal the partitions due by `now`."""
+        due = [a for at, a in self.heals if at <= now]
+        self.heals = [(at, a) for at, a in self.heals if at > now]
+        for action in due:
+            self.apply(action)
 
     def _deny_all(self, action: PodAction) -> Any:
         c = self.client

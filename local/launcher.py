@@ -30,14 +30,15 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddiloco.local import scrapes
-from ddiloco.local.chaos import Schedule, StepCounter, learner_ids, make_schedule, pop_due
+from ddiloco.local.chaos import ChaosEvent, Schedule, learner_ids, make_schedule
 from ddiloco.local.netcut import CutProxies
 from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
+from ddiloco.local.supervisor import Supervisor
 from ddiloco.synchronizer import shards, tls
 from ddiloco.synchronizer.tls import ClientTLS
 
@@ -153,14 +154,20 @@ class LocalConfig:
             )
 
 
-class LocalRun:
+class LocalRun(Supervisor):
     """Owns the children and the run's clock. Failure of a child is chaos, not an error:
     a learner that exits on its own before its budget is logged and restarted."""
 
     def __init__(self, cfg: LocalConfig, on_tick: Callable[[LocalRun], None] | None = None) -> None:
         self.cfg = cfg
-        self.out = Path(cfg.out)
-        self.out.mkdir(parents=True, exist_ok=True)
+        schedule = cfg.schedule or (
+            make_schedule(cfg.chaos, learners=cfg.learners, steps=cfg.max_steps, seed=cfg.seed)
+            if cfg.chaos_unit == "steps"
+            else make_schedule(
+                cfg.chaos, learners=cfg.learners, seconds=cfg.max_seconds or 120.0, seed=cfg.seed
+            )
+        )
+        super().__init__(cfg.out, schedule)  # out, schedule, steps_done, t0, applied, spares
         self.token = secrets.token_urlsafe(24)
         self.ports = [free_port() for _ in range(cfg.sync_shards)]
         self.port = self.ports[0]
@@ -172,14 +179,6 @@ class LocalRun:
         self.url = self.urls[0]
         self.http_version = ""
         """The protocol the launcher's last status call came over (HTTP/2 expected)."""
-        self.schedule = cfg.schedule or (
-            make_schedule(cfg.chaos, learners=cfg.learners, steps=cfg.max_steps, seed=cfg.seed)
-            if cfg.chaos_unit == "steps"
-            else make_schedule(
-                cfg.chaos, learners=cfg.learners, seconds=cfg.max_seconds or 120.0, seed=cfg.seed
-            )
-        )
-        self._steps = StepCounter(self.learner_log)
         # A learner the schedule partitions talks to the synchronizer through a relay we can cut.
         self.proxies = {
             e.target: CutProxies(self.ports)
@@ -190,13 +189,10 @@ class LocalRun:
         self.added: dict[str, float] = {}
         self.removed: dict[str, float] = {}
         """Scavenging: when an absent slot joined and when a slot left for good (time.time())."""
-        self.spares: Any = None
         self.on_tick = on_tick
         self.t_launch = 0.0
-        self.t0 = 0.0
-        """When training began: the first inner step of any learner. Budgets and goodput count
-        from here; the job's first start-up (imports, data) is the same for every method."""
-        self.t_end = 0.0
+        # t0, when training began (Supervisor): the first inner step of any learner. Budgets and
+        # goodput count from there; the first start-up (imports, data) is the same for every method.
         self.metrics_ports = (
             scrapes.assign_ports(learner_ids(cfg.learners)) if cfg.learner_metrics else {}
         )
@@ -206,7 +202,6 @@ class LocalRun:
         self.learners = [
             self._learner_child(i, lid) for i, lid in enumerate(learner_ids(cfg.learners))
         ]
-        self.applied: list[dict[str, Any]] = []
         self.evaluator: Any = None
         self.status: Any = None
         self.sampler: Any = None
@@ -335,39 +330,13 @@ class LocalRun:
             env["DDILOCO_METRICS_HOST"] = "127.0.0.1"
         return Child(lid, argv, env, self.out / "logs" / f"{lid}.log")
 
-    def learner_log(self, lid: str) -> Path:
-        return self.out / "learners" / f"{lid}.jsonl"
-
-    def steps_done(self, lid: str) -> int:
-        """Inner steps the slot trained, every incarnation (its log, read incrementally)."""
-        return self._steps(lid)
-
     def _start_learner(self, child: Child) -> None:
+        """Start a slot with the steps it has left; a restart may take a warm spare."""
         argv = list(child.argv)
         if self.cfg.max_steps:
             left = max(1, self.cfg.max_steps - self.steps_done(child.name))
             argv += ["--max-steps", str(left)]
-        proc = self.spares.take(argv, child.log_path) if self.spares and child.starts else None
-        if proc is not None:
-            child.adopt(proc)
-        else:
-            child.start(argv)
-
-    def elapsed(self) -> float:
-        return time.time() - self.t0 if self.t0 else 0.0
-
-    def _first_step_time(self) -> float | None:
-        times = []
-        for child in self.learners:
-            path = self.learner_log(child.name)
-            if path.exists():
-                with open(path) as f:
-                    for line in f:
-                        if '"dt"' in line:
-                            rec = json.loads(line)
-                            times.append(rec["t"] - rec["dt"])
-                            break
-        return min(times) if times else None
+        self.start_child(child, argv, spare=bool(child.starts))
 
     def _wait_healthy(self, timeout: float = 60.0) -> None:
         client = self.client(timeout=5.0)
@@ -383,52 +352,60 @@ class LocalRun:
             time.sleep(0.05)
         client.close()
 
-    def _apply_chaos(self, now: float) -> None:
+    def _by_name(self) -> dict[str, Child]:
+        """Chaos targets: every child by name; "synchronizer" is shard seed % S."""
         by_name = {c.name: c for c in [*self.syncs, *self.learners]}
         by_name.setdefault("synchronizer", self.syncs[self.cfg.seed % len(self.syncs)])
-        for ev in pop_due(self.schedule, now, self.steps_done):
-            child = by_name[ev.target]
-            hot = False  # handed to a hot spare at once (spare_takeover immediate)
-            if ev.action == "add":
-                if child.proc is not None:
-                    continue
-                self._start_learner(child)
-                self.added[child.name] = time.time()
-            elif child.finished or not child.alive():
-                continue
-            elif ev.action == "remove":
-                child.stop()
-                child.finished = True
-                self.removed[child.name] = time.time()
-            elif ev.action == "partition":
-                self.proxies[child.name].cut()
-                self.reconnect_at[child.name] = now + ev.delay
-            elif ev.action in ("kill", "kill_sync"):
-                child.kill()
-                child.restart_at = now + ev.delay
-                if (
-                    ev.action == "kill"
-                    and self.cfg.spare_takeover == "immediate"
-                    and self.spares is not None
-                    and self.spares.ready()
-                ):
-                    child.restart_at, hot = now, True  # a hot spare takes the slot over
-            elif ev.action == "pause":
-                child.pause()
-                child.resume_at = now + ev.delay
-            self.applied.append({**asdict(ev), "applied_at": round(now, 3), "hot_spare": hot})
-            log.info(
-                "Chaos %s %s (back in %.1fs%s)",
-                ev.action,
-                ev.target,
-                0.0 if hot else ev.delay,
-                ", a hot spare takes over" if hot else "",
-            )
+        return by_name
+
+    def inject(self, ev: ChaosEvent, now: float) -> dict[str, Any] | None:
+        """Signal a process, cut its relay, start or stop a scavenged slot; the record adds
+        `hot_spare` (a killed learner handed to a warm spare at once)."""
+        child = self._by_name()[ev.target]
+        hot = False  # handed to a hot spare at once (spare_takeover immediate)
+        if ev.action == "add":
+            if child.proc is not None:
+                return None
+            self._start_learner(child)
+            self.added[child.name] = time.time()
+        elif child.finished or not child.alive():
+            return None
+        elif ev.action == "remove":
+            child.stop()
+            child.finished = True
+            self.removed[child.name] = time.time()
+        elif ev.action == "partition":
+            self.proxies[child.name].cut()
+            self.reconnect_at[child.name] = now + ev.delay
+        elif ev.action in ("kill", "kill_sync"):
+            child.kill()
+            child.restart_at = now + ev.delay
+            if (
+                ev.action == "kill"
+                and self.cfg.spare_takeover == "immediate"
+                and self.spares is not None
+                and self.spares.ready()
+            ):
+                child.restart_at, hot = now, True  # a hot spare takes the slot over
+        elif ev.action == "pause":
+            child.pause()
+            child.resume_at = now + ev.delay
+        log.info(
+            "Chaos %s %s (back in %.1fs%s)",
+            ev.action,
+            ev.target,
+            0.0 if hot else ev.delay,
+            ", a hot spare takes over" if hot else "",
+        )
+        return {"hot_spare": hot}
+
+    def recover(self, now: float) -> None:
+        """Reconnect the cut off, resume the paused, restart the killed that are due."""
         for lid, at in list(self.reconnect_at.items()):
             if now >= at:
                 self.proxies[lid].restore()
                 del self.reconnect_at[lid]
-        for child in by_name.values():
+        for child in self._by_name().values():
             if child.resume_at is not None and now >= child.resume_at:
                 child.resume()
             if child.restart_at is not None and now >= child.restart_at:
@@ -436,6 +413,15 @@ class LocalRun:
                     child.start()
                 else:
                     self._start_learner(child)
+
+    def _check_started(self) -> None:
+        """Before the first step: a learner that exited is an error (its log's tail)."""
+        for child in self.learners:
+            if child.exit_code() is not None:
+                tail = child.log_path.read_text(errors="replace").splitlines()[-15:]
+                raise RuntimeError(
+                    f"{child.name} exited before its first step:\n" + "\n".join(tail)
+                )
 
     def _check_learners(self, now: float) -> None:
         for child in self.learners:
@@ -502,26 +488,19 @@ class LocalRun:
                 data_field=c.data_field,
             )
             self.evaluator.start()
-            while not self.t0:
-                if time.time() - self.t_launch > 300:
-                    raise RuntimeError(
-                        f"no learner took a step within 300 s; see {self.out / 'logs'}"
-                    )
-                for child in self.learners:
-                    if child.exit_code() is not None:
-                        tail = child.log_path.read_text(errors="replace").splitlines()[-15:]
-                        raise RuntimeError(
-                            f"{child.name} exited before its first step:\n" + "\n".join(tail)
-                        )
-                self.t0 = self._first_step_time() or 0.0
-                time.sleep(0.05)
+            self.wait_first_step(
+                self.learners,
+                self.t_launch,
+                f"no learner took a step within 300 s; see {self.out / 'logs'}",
+                self._check_started,
+            )
             self.sampler = self._sampler()
             self.sampler.start()
             while True:
                 now = self.elapsed()
                 if self.done(now):
                     break
-                self._apply_chaos(now)
+                self.apply_chaos(now)
                 self._check_learners(now)
                 if self.on_tick:
                     self.on_tick(self)
