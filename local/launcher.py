@@ -30,12 +30,12 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddiloco.local import scrapes
-from ddiloco.local.chaos import ChaosEvent, Schedule, learner_ids, make_schedule
+from ddiloco.local.chaos import ChaosEvent, learner_ids, make_schedule
+from ddiloco.local.config import LocalConfig
 from ddiloco.local.netcut import CutProxies
 from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
 from ddiloco.local.supervisor import Supervisor
@@ -45,113 +45,9 @@ from ddiloco.synchronizer.tls import ClientTLS
 if TYPE_CHECKING:  # client.py imports torch: not before a run starts (`ddiloco local` errors)
     from ddiloco.synchronizer.client import SyncClient
 
+__all__ = ["LocalConfig", "LocalRun"]  # LocalConfig lives in local/config.py
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True)
-class LocalConfig:
-    learners: int = 4
-    """M, learner processes."""
-    quorum: int = 1
-    """K, minimum contributors per merge."""
-    grace: bool = True
-    """Adaptive grace window after the quorum."""
-    merge: str = "rda"
-    merge_scale: str = "live"
-    """SyncSettings.merge_scale: `live` averages each merge over the whole live set;
-    `contributors` over those in the merge."""
-    """rda or mean for non-embedding fragments."""
-    model: str = "tiny"
-    """A preset (tiny, small, base, gpt2) or hf:PATH (a local Hugging Face config)."""
-    model_entry: str | None = None
-    data: str | None = None
-    """Text, JSONL or Parquet files or a folder, or a uint16 .bin (None: stdlib sources)."""
-    tokenizer: str | None = None
-    """A local tokenizer for `data` (None: the model's own, else bytes)."""
-    data_field: str = "text"
-    """The text column of JSONL and Parquet data."""
-    nproc_per_node: int = 1
-    """Ranks per learner (a data-parallel group of processes, gloo on CPU)."""
-    max_seconds: float = 0.0
-    """Training wall-clock budget (0: none; 60 s when no step budget either)."""
-    max_steps: int = 0
-    """Inner steps per learner slot (0: none)."""
-    chaos: str = "none"
-    chaos_unit: str = "seconds"
-    """`steps`: the schedule's events fire at inner steps of their learner (needs
-    `max_steps`, over which it is drawn; learner parts only, local/chaos.py)."""
-    seed: int = 0
-    h: int = 24
-    fragments: int = 4
-    tau: int = 2
-    batch_size: int = 8
-    inner_lr: float = 3e-3
-    outer_lr: float = 1.0
-    """eta. In minute-long runs (a few dozen outer rounds per fragment) outer momentum hurts:
-    the kill + pause bench measured eval loss 1.34x data-parallel's at equal tokens with the
-    lineage's eta 0.7, mu 0.9, 1.12x with mu 0.5, 1.05x with eta 1, mu 0 (bench/RESULTS.md)."""
-    outer_momentum: float = 0.0
-    """mu; the synchronizer's own default (0.9) is the lineage's, for large-batch jobs."""
-    eval_every: float = 5.0
-    """Seconds between evaluations of the global model."""
-    out: Path = field(default_factory=lambda: Path("runs") / time.strftime("local-%Y%m%d-%H%M%S"))
-    schedule: Schedule | None = None
-    """A ready chaos schedule; None derives one from `chaos` and `seed`."""
-    warm_spares: int = 0
-    """Pre-warmed spare learner processes standing by to replace killed ones (local/spare.py);
-    0 restarts a killed learner as a fresh process."""
-    spare_takeover: str = "after-delay"
-    """When a killed learner's slot goes to a warm spare: `immediate` (hot spares, as the
-    operator's `failurePolicy.hotSpares`: the schedule's long-tailed delay models a pod's
-    rescheduling and image pull, which a started spare does not pay; without a ready spare
-    the delay applies) or `after-delay` (the spare only saves the import once the delay is
-    over; what the bench uses for every arm, so that arms differ only in the method)."""
-    tls: bool = False
-    """Serve the synchronizer over HTTPS (a CA of the run's own); learners verify it."""
-    mtls: bool = False
-    """Mutual TLS: also a client certificate per learner, required by the synchronizer.
-    Implies `tls`."""
-    learner_metrics: bool = False
-    """Each learner slot serves Prometheus metrics on a free loopback port of its own,
-    listed in <out>/metrics.json with the synchronizer's; their last scrapes are saved in
-    <out>/metrics/ (local/scrapes.py)."""
-    update_encoding: str = "bfloat16"
-    """How learners send updates (synchronizer/wire.py: float32, bfloat16, int8, int4); the
-    synchronizer is configured to accept that one alone."""
-    sync_shards: int = 1
-    """S, synchronizer shards, each a process with its own state dir and port."""
-    tensorboard: Path | None = None
-    """Write TensorBoard event files here as the run goes (local/tensorboard.py: eval loss,
-    training loss per learner, goodput, merged-work ratio, bytes); needs tensorboardX."""
-
-    def __post_init__(self) -> None:
-        if self.mtls:
-            self.tls = True
-        if self.learners < 1:
-            raise ValueError(f"learners must be >= 1, got {self.learners}")
-        if not 1 <= self.quorum <= self.learners:
-            raise ValueError(f"quorum must be in 1..learners ({self.learners}), got {self.quorum}")
-        if self.nproc_per_node < 1:
-            raise ValueError(f"nproc_per_node must be >= 1, got {self.nproc_per_node}")
-        if not 1 <= self.sync_shards <= self.fragments:
-            raise ValueError(
-                f"sync_shards must be in 1..fragments ({self.fragments}), got {self.sync_shards}"
-            )
-        if self.max_seconds <= 0 and self.max_steps <= 0:
-            self.max_seconds = 60.0
-        if self.chaos_unit not in ("seconds", "steps"):
-            raise ValueError(f"chaos_unit must be seconds or steps, got {self.chaos_unit!r}")
-        if self.chaos_unit == "steps" and self.max_steps <= 0:
-            raise ValueError("chaos in steps needs a step budget (max_steps)")
-        if self.update_encoding not in ("float32", "bfloat16", "int8", "int4"):
-            raise ValueError(
-                f"update_encoding must be float32, bfloat16, int8 or int4, got "
-                f"{self.update_encoding!r}"
-            )
-        if self.spare_takeover not in ("immediate", "after-delay"):
-            raise ValueError(
-                f"spare_takeover must be immediate or after-delay, got {self.spare_takeover!r}"
-            )
 
 
 class LocalRun(Supervisor):
