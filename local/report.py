@@ -65,6 +65,7 @@ def build_report(run: LocalRun) -> dict[str, Any]:
     all_step_dts = []
     by_learner: dict[str, list[dict[str, Any]]] = {}
     held_spans: dict[str, tuple[float, float]] = {}
+    raw_compute = raw_held = 0.0
     samples = run.sampler.samples if getattr(run, "sampler", None) is not None else []
     for child in run.learners:
         records = [r for r in read_jsonl(run.learner_log(child.name)) if r.get("t", 0) <= t1 + 1]
@@ -82,6 +83,7 @@ def build_report(run: LocalRun) -> dict[str, Any]:
         by_learner[child.name], held_spans[child.name] = records, (held_from, held_to)
         # Busy time excludes SIGSTOPped time: a pause lands inside a step and stretches its dt.
         compute = busy_seconds(new_step_spans(records), (held_from, held_to), child.pauses)
+        raw_compute, raw_held = raw_compute + compute, raw_held + held
         dead = 0.0
         for k, t_kill in enumerate(child.kills):
             back = child.starts[k + 1] if k + 1 < len(child.starts) else t1
@@ -143,12 +145,9 @@ def build_report(run: LocalRun) -> dict[str, Any]:
     initial = run.evaluator.initial_loss if run.evaluator else None
     final = history[-1][1] if history else None
     return {
-        "goodput": round(
-            sum(x["compute_seconds"] for x in learners) / sum(x["held_seconds"] for x in learners),
-            4,
-        )
-        if wall and any(x["held_seconds"] for x in learners)
-        else 0.0,
+        # from the unrounded seconds (the per-slot figures are rounded to ms), as the
+        # timeseries' last row is
+        "goodput": round(raw_compute / raw_held, 4) if wall and raw_held > 0 else 0.0,
         "merged_work_ratio": round(status.tokens_merged / tokens_computed, 4)
         if tokens_computed
         else 0.0,
