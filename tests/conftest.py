@@ -5,11 +5,14 @@ def test_x(sync_server): client = sync_server.client("learner-0")
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import uvicorn
@@ -91,3 +94,17 @@ def make_sync_server(tmp_path: Path) -> Iterator[Callable[..., SyncServer]]:
     finally:
         for s in started:
             stop_sync_server(s)
+
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def load_bench(name: str) -> Any:
+    """A bench/ script as a module: bench/ holds scripts, not a package, so they load by path
+    (and once: quality.py imports quality_stats from beside itself)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]

@@ -6,29 +6,16 @@ pytest tests/e2e/test_quality.py -m e2e
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from ddiloco.local.dp_run import DPConfig, DPRun
 from ddiloco.local.report import read_jsonl
+from tests.conftest import load_bench
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(240)]
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def _load(name: str) -> Any:
-    """bench/ holds scripts, not a package: load by path (quality.py imports quality_stats)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
 
 
 def test_dp_step_budget_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
@@ -50,8 +37,8 @@ def test_dp_step_budget_stops_every_rank_at_the_same_step(tmp_path: Path) -> Non
 
 
 def test_harness_runs_two_arms_at_equal_tokens_and_resumes(tmp_path: Path) -> None:
-    _load("quality_stats")  # what quality.py imports from beside itself
-    quality = _load("quality")
+    load_bench("quality_stats")  # what quality.py imports from beside itself
+    quality = load_bench("quality")
     argv = ["--arms", "sync_diloco,dp", "--seeds", "1", "--learners", "2", "--steps", "24"]
     argv += ["--eval-windows", "256", "--out", str(tmp_path)]
     assert quality.main(argv) == 0

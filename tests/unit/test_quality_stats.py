@@ -7,32 +7,19 @@ pytest tests/unit/test_quality_stats.py
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import random
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.conftest import load_bench
 
-
-def _load(name: str) -> Any:
-    """bench/ holds scripts, not a package: load by path (quality.py imports quality_stats)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
-
-
-qs = _load("quality_stats")
-quality = _load("quality")
+qs = load_bench("quality_stats")
+quality = load_bench("quality")
 
 
 # ---- Student's t --------------------------------------------------------------------------
