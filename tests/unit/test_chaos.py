@@ -202,3 +202,16 @@ def test_the_step_counter_reads_only_whole_appended_lines(tmp_path) -> None:
     with log.open("a") as f:
         f.write('t": 0.1}\n')
     assert count("a") == 4 and count("a") == 4
+
+
+def test_ddiloco_local_reads_its_chaos_unit_and_merge_scale(tmp_path) -> None:
+    from ddiloco.local.launcher import LocalConfig, LocalRun
+
+    steps = LocalRun(LocalConfig(chaos="kill", chaos_unit="steps", max_steps=200, out=tmp_path))
+    assert steps.schedule.in_steps and steps.schedule.events
+    timed = LocalRun(LocalConfig(chaos="kill", max_seconds=60, out=tmp_path / "t"))
+    assert not timed.schedule.in_steps and timed.schedule.events
+    env = LocalRun(LocalConfig(merge_scale="contributors", out=tmp_path / "c"))._sync_child().env
+    assert env["DDILOCO_MERGE_SCALE"] == "contributors"
+    with pytest.raises(ValueError, match="step budget"):
+        LocalConfig(chaos="kill", chaos_unit="steps", out=tmp_path / "x")
