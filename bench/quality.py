@@ -249,6 +249,7 @@ def run_one(arm: str, seed: int, args: argparse.Namespace, out: Path) -> dict[st
         "eval_loss": statistics.fmean(losses),
         "eval_se": statistics.stdev(losses) / math.sqrt(n),
         "eval_windows": n,
+        "parameters": sum(p.numel() for p in task.model.parameters()),
         "eval_loss_in_run": report["eval_loss_final"],
         "eval_loss_initial": report["eval_loss_initial"],
         "tokens": report["tokens_computed"],
@@ -376,7 +377,9 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--arms", type=parse_arms, default=list(DEFAULT_ARMS), help="comma list")
     ap.add_argument("--seeds", type=parse_seeds, default=parse_seeds("5"), help="N, A-B, A,B")
-    ap.add_argument("--model", default="tiny", help="a GPT preset (tiny, small, base)")
+    ap.add_argument(
+        "--model", default="tiny", help="a GPT preset (tiny, small, base) or hf:PATH (a config)"
+    )
     ap.add_argument("--steps", type=int, default=480, help="inner steps per learner slot, N")
     ap.add_argument("--learners", type=int, default=4, help="M (default 4)")
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per learner step")
@@ -395,10 +398,23 @@ def parser() -> argparse.ArgumentParser:
 
 
 def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from ddiloco.learner import hf
     from ddiloco.learner.model import PRESETS
 
-    if args.model not in PRESETS:
-        ap.error(f"--model must be a GPT preset ({', '.join(PRESETS)}), got {args.model!r}")
+    if hf.is_hf(args.model):
+        # a Hugging Face config (bench/configs/, learner/configs/): an absolute path, since
+        # the learners and the stored settings must name the same file from any directory
+        name = args.model[len(hf.PREFIX) :]
+        if name not in hf.SHIPPED:
+            args.model = hf.PREFIX + str(Path(name).expanduser().resolve())
+        try:
+            hf.model_dir(args.model)
+        except (FileNotFoundError, ValueError) as e:
+            ap.error(f"--model: {e}")
+    elif args.model not in PRESETS:
+        ap.error(
+            f"--model must be a GPT preset ({', '.join(PRESETS)}) or hf:PATH, got {args.model!r}"
+        )
     for name in ("steps", "learners", "batch_size", "h"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -418,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:24s} {spec}")
         return 0
     check_args(ap, args)
-    out = args.out or Path("runs") / f"quality-{args.model}-M{args.learners}-N{args.steps}"
+    model = Path(args.model.removeprefix("hf:")).stem
+    out = args.out or Path("runs") / f"quality-{model}-M{args.learners}-N{args.steps}"
     settings = {k: getattr(args, k) for k in SETTINGS}
     stored = out / "settings.json"
     if args.report and stored.exists():

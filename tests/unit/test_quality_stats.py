@@ -7,6 +7,7 @@ pytest tests/unit/test_quality_stats.py
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import statistics
@@ -210,3 +211,58 @@ def test_comparisons_pair_by_seed_and_drop_runs_off_budget() -> None:
     assert row["eval_set_se_of_mean_diff"] == pytest.approx(0.0, abs=1e-9)
     text = quality.tables(summary)
     assert "| decoupled_grace | sync_diloco | 3 |" in text
+
+
+def test_an_hf_config_is_a_model_size_named_by_its_absolute_path(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(Path(quality.__file__).parent)  # bench/: the config by a relative path
+    ap = quality.parser()
+    args = ap.parse_args(["--model", "hf:configs/llama-2m.json"])
+    quality.check_args(ap, args)
+    assert args.model == "hf:" + str(Path("configs/llama-2m.json").resolve())
+    args = ap.parse_args(["--model", "hf:llama-tiny"])  # a shipped name stays a name
+    quality.check_args(ap, args)
+    assert args.model == "hf:llama-tiny"
+
+
+def test_gap_against_size_pairs_each_size_and_orders_by_parameters(tmp_path: Path) -> None:
+    sizes = load_bench("quality_sizes")
+    llama = Path(quality.__file__).parent / "configs" / "llama-2m.json"
+    data = {
+        "tiny": ({0: 2.40, 1: 2.41, 2: 2.39}, {0: 2.48, 1: 2.47, 2: 2.49}),
+        f"hf:{llama}": ({0: 2.30, 1: 2.33, 2: 2.31}, {0: 2.33, 1: 2.35, 2: 2.32}),
+    }
+    outs = []
+    for k, (model, (dp, arm)) in enumerate(data.items()):
+        out = tmp_path / f"size{k}"
+        for name, losses in (("dp", dp), ("decoupled_grace_live", arm)):
+            for seed, loss in losses.items():
+                run = out / "runs" / f"{name}-s{seed}"
+                run.mkdir(parents=True)
+                (run / "result.json").write_text(json.dumps(_result(name, seed, loss)))
+        (out / "settings.json").write_text(json.dumps({"model": model}))
+        outs.append(out)
+    png = tmp_path / "gap.png"
+    assert (
+        sizes.main(
+            [str(outs[1]), str(outs[0]), "--png", str(png), "--json", str(tmp_path / "r.json")]
+        )
+        == 0
+    )
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert [r["model"] for r in rows] == ["tiny", "llama-2m"]  # by parameters, not argument order
+    assert rows[0]["parameters"] == 119_104 and rows[1]["parameters"] == 1_820_736
+    for r, (dp, arm) in zip(rows, data.values(), strict=True):
+        a = [_result("x", s, arm[s])["eval_loss"] for s in (0, 1, 2)]
+        b = [_result("x", s, dp[s])["eval_loss"] for s in (0, 1, 2)]
+        want = qs.paired_interval(a, b, relative=True)
+        assert (r["gap"], r["low"], r["high"]) == pytest.approx((want.mean, want.low, want.high))
+    assert rows[1]["gap"] < rows[0]["gap"]
+    assert png.stat().st_size > 10_000  # a drawn figure, not an empty canvas
+    only_dp = tmp_path / "only-dp"
+    (only_dp / "runs" / "dp-s0").mkdir(parents=True)
+    (only_dp / "runs" / "dp-s0" / "result.json").write_text(json.dumps(_result("dp", 0, 2.0)))
+    (only_dp / "settings.json").write_text(json.dumps({"model": "tiny"}))
+    with pytest.raises(SystemExit, match="no paired runs"):
+        sizes.main([str(only_dp)])
