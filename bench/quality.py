@@ -75,6 +75,9 @@ class Arm:
     """SyncSettings.merge_scale; `live`: each merge averaged over the live set's tokens."""
     chaos: str = "none"
     """A key of CHAOS."""
+    warm_spares: int = 0
+    """DiLoCo arms: LocalConfig.warm_spares, taking a killed slot at once (`ddiloco local`'s
+    default is 1): 0 restarts a killed learner as a fresh process after the delay."""
 
 
 CHAOS: dict[str, tuple[str, dict[str, float] | None]] = {
@@ -96,6 +99,9 @@ ARMS: dict[str, Arm] = {
     "decoupled_grace_live_pause": Arm("diloco", merge_scale="live", chaos="pause"),
     "decoupled_grace_live_chaos": Arm("diloco", merge_scale="live", chaos="kill+pause"),
     "decoupled_grace_live_mean": Arm("diloco", merge="mean", merge_scale="live"),
+    "decoupled_grace_live_chaos_spare": Arm(
+        "diloco", merge_scale="live", chaos="kill+pause", warm_spares=1
+    ),
 }
 DEFAULT_ARMS = ("sync_diloco", "decoupled_grace_live", "decoupled_grace_live_chaos", "dp")
 """The study's winner (merge_scale live, the product default) against its references."""
@@ -113,6 +119,11 @@ COMPARISONS: list[tuple[str, str, str]] = [
     ("decoupled_grace_live_pause", "sync_diloco_pause", "K=1+grace live vs K=M, same pause"),
     ("decoupled_grace_live_chaos", "sync_diloco", "chaos cost, live scale: kill+pause vs K=M"),
     ("decoupled_grace_live_mean", "decoupled_grace_live", "weighted mean vs RDA, live scale"),
+    (
+        "decoupled_grace_live_chaos_spare",
+        "sync_diloco",
+        "chaos cost, live scale, a warm spare (ddiloco local's default) vs K=M",
+    ),
     ("decoupled_grace_live", "dp", "decoupled (live scale) vs data-parallel, no chaos"),
 ]
 """(arm, reference, what it measures): reported wherever both arms have runs."""
@@ -209,6 +220,8 @@ def build_config(arm: str, seed: int, args: argparse.Namespace, out: Path) -> An
         h=args.h,
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
+        warm_spares=spec.warm_spares,
+        spare_takeover="immediate",
         **common,
     )
 
