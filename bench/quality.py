@@ -103,8 +103,9 @@ ARMS: dict[str, Arm] = {
         "diloco", merge_scale="live", chaos="kill+pause", warm_spares=1
     ),
 }
-DEFAULT_ARMS = ("sync_diloco", "decoupled_grace_live", "decoupled_grace_live_chaos", "dp")
-"""The study's winner (merge_scale live, the product default) against its references."""
+DEFAULT_ARMS = ("sync_diloco", "decoupled_grace_live", "decoupled_grace_live_chaos_spare", "dp")
+"""The study's winner (merge_scale live and a warm spare, the product defaults) against its
+references."""
 COMPARISONS: list[tuple[str, str, str]] = [
     ("decoupled_grace_chaos", "sync_diloco", "chaos cost: K=1+grace, kill+pause vs K=M, none"),
     ("decoupled_grace_pause", "sync_diloco_pause", "K=1+grace vs K=M, same pause chaos"),
