@@ -299,6 +299,7 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
         s0 = [b.status() for b in bosses]
         pids = [proc.pid for proc, _, _ in shards]
         cpu0, t0 = sum(map(cpu_seconds, pids)), time.monotonic()
+        own0 = cpu_seconds(os.getpid())
         for th in threads:
             th.start()
         time.sleep(args.seconds)
@@ -307,6 +308,7 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
             th.join(timeout=120)
         wall = time.monotonic() - t0
         cpu = sum(map(cpu_seconds, pids)) - cpu0
+        own = cpu_seconds(os.getpid()) - own0
         s1 = [b.status() for b in bosses]
         metrics = "".join(b.request("GET", "/metrics")[2].decode() for b in bosses)
         for b in bosses:
@@ -347,6 +349,8 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
         "merges_per_s": merges / wall,
         "cpu_s_per_gb": cpu / (acc_bytes / 1e9) if acc_bytes else None,
         "server_cpu_share": cpu / wall,
+        "client_cpu_s_per_gb": own / (acc_bytes / 1e9) if acc_bytes else None,
+        "client_cpu_share": own / wall,
         "post_p50_s": lat[len(lat) // 2] if lat else None,
         "post_p99_s": lat[int(len(lat) * 0.99)] if lat else None,
         "merge_p50_frac": frac("ddiloco_merge_duration_seconds", 0.5),
@@ -371,7 +375,7 @@ def pair(r: dict[str, Any], key: str) -> str:
 def table(rows: list[dict[str, Any]], mem: float) -> str:
     head = (
         f"{'arm':<18} {'GB/s':>6} {'/shard':>6} {'x memcpy':>8} {'upd/s':>6} {'merge/s':>7} "
-        f"{'CPU s/GB':>8} {'post p50':>8} {'merge p50/p99':>15} {'quorum->served':>15} "
+        f"{'CPU s/GB':>8} {'cores srv/cli':>13} {'post p50':>8} {'merge p50/p99':>15} {'quorum->served':>15} "
         f"{'publish p50/p99':>16}"
     )
     lines = [head]
@@ -379,7 +383,9 @@ def table(rows: list[dict[str, Any]], mem: float) -> str:
         lines.append(
             f"{r['arm']:<18} {r['accepted_gbps']:6.3f} {r['per_shard_gbps']:6.3f} "
             f"{r['accepted_gbps'] / mem:8.3f} {r['updates_per_s']:6.1f} {r['merges_per_s']:7.2f} "
-            f"{fmt(r['cpu_s_per_gb'], '8.2f')} {fmt(r['post_p50_s'], '8.3f')} "
+            f"{fmt(r['cpu_s_per_gb'], '8.2f')} "
+            f"{r['server_cpu_share']:6.2f}/{r['client_cpu_share']:<6.2f} "
+            f"{fmt(r['post_p50_s'], '8.3f')} "
             f"{pair(r, 'merge'):>15} {pair(r, 'served'):>15} {pair(r, 'publish'):>16}"
         )
         if r["refused"] or r["errors"]:

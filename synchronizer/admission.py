@@ -6,7 +6,8 @@ live in the fragment file and the pending log, see state.py).
 
     meta = parse_update(codec.read_header(payload), path_fragment, num_fragments)  # header only
     verdict = admit(meta, version=fs.version, high_water=hw, max_staleness=4)  # before decoding
-    norm = check_delta(delta, spec, theta_norm=..., recent=fs.norms, ...)        # after decoding
+    n = delta_norm(delta, spec)                       # after decoding, before any lock
+    check_norm(n, spec, theta_norm=..., recent=fs.norms, ...)  # under the fragment's lock
 
 Order: one learner's updates of a fragment carry increasing (incarnation, learner_step), and
 its client re-sends an update only as it was. So an update at or below the highest order
@@ -74,7 +75,7 @@ def admit(
     """Where an update stands before its tensors are read: `fresh` (based on the current
     version: it may start a round), `late` (within max_staleness: it waits in the next
     round), or `duplicate`. Raises SyncError(STALE) otherwise."""
-    if high_water is not None and meta.order() <= high_water:
+    if is_duplicate(meta, high_water):
         return "duplicate"
     p = meta.fragment
     if meta.base_version > version:
@@ -93,19 +94,29 @@ def admit(
     return "fresh" if meta.base_version == version else "late"
 
 
-def check_delta(
-    delta: dict[str, torch.Tensor],
+def is_duplicate(meta: UpdateMeta, high_water: Order | None) -> bool:
+    """What `admit` says first: an update at or below the learner's high-water mark for its
+    fragment is one the synchronizer already holds (marks only grow, so this stays true)."""
+    return high_water is not None and meta.order() <= high_water
+
+
+def delta_norm(delta: dict[str, torch.Tensor], spec: FragmentSpec) -> float:
+    """Refuse a delta of the wrong shape or dtype, or non-finite; return its norm (a pass
+    over the tensors that needs no lock: `check_norm` judges it against the fragment)."""
+    codec.check_fragment(delta, spec, finite=False)
+    return codec.finite_norm(delta)  # NaN/Inf and an overflowing norm refused in one pass
+
+
+def check_norm(
+    n: float,
     spec: FragmentSpec,
     *,
     theta_norm: float,
     recent: Sequence[float],
     max_update_ratio: float,
     max_norm_ratio: float,
-) -> float:
-    """Refuse a delta of the wrong shape or dtype, non-finite, or of implausible norm;
-    return its norm."""
-    codec.check_fragment(delta, spec, finite=False)
-    n = codec.finite_norm(delta)  # NaN/Inf and an overflowing norm refused in the same pass
+) -> None:
+    """Refuse an update norm `n` implausible for the global fragment as it is now."""
     scale = max(theta_norm, math.sqrt(spec.numel()))
     if n > max_update_ratio * scale:
         raise PayloadError(
@@ -120,4 +131,3 @@ def check_delta(
                 f"update norm {n:.3g} exceeds {max_norm_ratio:g}x the recent median "
                 f"{median:.3g} (max_norm_ratio)"
             )
-    return n

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import statistics
 import threading
 import time
@@ -59,7 +60,7 @@ from ddiloco.synchronizer.protocol import (
     UpdateResponse,
 )
 from ddiloco.synchronizer.rounds import GracePolicy, Rounds
-from ddiloco.synchronizer.state import FragmentState, Order, StateStore
+from ddiloco.synchronizer.state import FragmentState, Order, PendingLog, StateStore
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,8 @@ class Synchronizer:
         """One per fragment, held by an update's admission and by a merge of that fragment."""
         self.served: list[tuple[int, bytes]] = []
         self.on_change: Callable[[], None] = lambda: None
+        self.on_fatal: Callable[[], None] = lambda: os._exit(70)
+        """Called when durability cannot be kept (a failed fsync): ends the process."""
         """Called (from any thread) when versions or open rounds change: wakes long polls."""
         self.metrics = SyncMetrics(self.status, enabled=s.metrics)
         """Prometheus instruments, observed below as things happen (metrics.py)."""
@@ -330,40 +333,73 @@ class Synchronizer:
         self.check_owner(meta.fragment)
         self._learner(meta.learner_id)
         p, s = meta.fragment, self.settings
-        with self.frag_locks[p]:
-            fs = self.fragments[p]
-            verdict = admission.admit(
-                meta,
-                version=fs.version,
-                high_water=self._high_water(p, meta.learner_id),
-                max_staleness=s.max_staleness,
-            )
-            if verdict == "duplicate":
-                return UpdateResponse(status="duplicate", fragment=p, round_version=fs.version)
-            # float32 of the layout's shapes, in an accepted encoding (415 else): wire.py
-            delta = wire.decode_update(payload, header, self.layout.fragments[p], self.accepted)
-            n = admission.check_delta(
-                delta,
-                self.layout.fragments[p],
-                theta_norm=self._theta_norm(fs),
-                recent=fs.norms,
-                max_update_ratio=s.max_update_ratio,
-                max_norm_ratio=s.max_norm_ratio,
-            )
-            self.store.pending(p).append(payload)  # durable before we say "accepted"
-            fs.norms = [*fs.norms, n][-admission.NORM_HISTORY :]
-            self._hold(p, meta, delta, opens=verdict == "fresh")
-            with self.lock:
-                self.rounds.heard(meta.learner_id)
-                self.totals["bytes_up"] += len(payload)
-            m = self.metrics
-            m.updates_accepted.inc()
-            m.update_bytes.observe(len(payload))
-            m.bytes_received.labels(encoding_of(e.dtype for e in header.tensors.values())).inc(
-                len(payload)
-            )
-            self.on_change()
-            return UpdateResponse(status="accepted", fragment=p, round_version=fs.version + 1)
+        spec = self.layout.fragments[p]
+        with self.lock:  # a duplicate stays one (high-water marks only grow): no decode
+            if admission.is_duplicate(meta, self._high_water(p, meta.learner_id)):
+                return UpdateResponse(
+                    status="duplicate", fragment=p, round_version=self.fragments[p].version
+                )
+        # The passes over the bytes run before the fragment's lock, so concurrent updates
+        # of one fragment decode side by side: float32 of the layout's shapes in an
+        # accepted encoding (415 else, wire.py), its finite norm, the log record's checksum.
+        delta = wire.decode_update(payload, header, spec, self.accepted)
+        held = False
+        try:
+            n = admission.delta_norm(delta, spec)
+            record = PendingLog.record(payload)
+            plog = self.store.pending(p)
+            with self.frag_locks[p]:
+                fs = self.fragments[p]
+                verdict = admission.admit(
+                    meta,
+                    version=fs.version,
+                    high_water=self._high_water(p, meta.learner_id),
+                    max_staleness=s.max_staleness,
+                )
+                if verdict == "duplicate":
+                    return UpdateResponse(status="duplicate", fragment=p, round_version=fs.version)
+                admission.check_norm(
+                    n,
+                    spec,
+                    theta_norm=self._theta_norm(fs),
+                    recent=fs.norms,
+                    max_update_ratio=s.max_update_ratio,
+                    max_norm_ratio=s.max_norm_ratio,
+                )
+                ticket = plog.write(payload, record)
+                fs.norms = [*fs.norms, n][-admission.NORM_HISTORY :]
+                self._hold(p, meta, delta, opens=verdict == "fresh")
+                held = True
+                round_version = fs.version + 1
+        finally:
+            if not held:  # refused, or a duplicate: its buffers go back
+                POOL.give(delta.values())
+        self._make_durable(p, plog, ticket)  # one fsync for every record written before it
+        with self.lock:
+            self.rounds.heard(meta.learner_id)
+            self.totals["bytes_up"] += len(payload)
+        m = self.metrics
+        m.updates_accepted.inc()
+        m.update_bytes.observe(len(payload))
+        m.bytes_received.labels(encoding_of(e.dtype for e in header.tensors.values())).inc(
+            len(payload)
+        )
+        self.on_change()
+        return UpdateResponse(status="accepted", fragment=p, round_version=round_version)
+
+    def _make_durable(self, p: int, plog: PendingLog, ticket: tuple[int, int]) -> None:
+        """The update behind `ticket` is held in its round; return once it is durable too.
+        If the fsync fails, what the disk holds is unknown (a failed fsync may drop the
+        dirty pages it could not write), and the update is held in memory where a retry is
+        answered `duplicate`: the only answer that keeps "accepted means kept" is to stop
+        the process, so a restart replays exactly what the log holds (the clients re-send
+        what they were never told was accepted)."""
+        try:
+            plog.sync(ticket)
+        except OSError as e:
+            log.critical("fsync of the pending log of fragment %d failed (%s): stopping", p, e)
+            self.on_fatal()
+            raise
 
     @staticmethod
     def _theta_norm(fs: FragmentState) -> float:

@@ -26,12 +26,14 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -42,7 +44,8 @@ Tensors = dict[str, torch.Tensor]
 Order = tuple[int, int]
 """(incarnation, learner_step): the position of an update among one learner's of a fragment."""
 
-_RECORD = struct.Struct("<QI")  # payload length, crc32 of the payload
+_RECORD = struct.Struct("<QI")  # payload length (| _XXH3), checksum of the payload
+_XXH3 = 1 << 63
 
 
 @dataclass
@@ -90,12 +93,36 @@ def _replace(tmp: Path, final: Path) -> None:
     _fsync_dir(final.parent)
 
 
+def _xxh3(data: bytes | bytearray | memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(data) & 0xFFFFFFFF
+
+
 class PendingLog:
-    """Append-only, fsynced log of one fragment's accepted, not yet merged updates."""
+    """Append-only, fsynced log of one fragment's accepted, not yet merged updates.
+
+    A record is an 8-byte length, a 4-byte checksum, the payload. The checksum is the low
+    32 bits of XXH3-64 (`xxhash`: 9 GB/s here, the GIL released, against zlib's crc32 at
+    1.7 GB/s, which was 11% of the synchronizer's busy time under `bench/sync_ingest.py`),
+    flagged by the length's top bit; a record without the flag (an older synchronizer's) is
+    checked with zlib's crc32, so an upgrade replays the log it finds.
+
+    Group commit: `write` (under the fragment's lock) appends without waiting for the disk,
+    `sync` (outside it) makes every record written so far durable with one fsync, so the
+    updates of one fragment queue for the page cache copy only, and the ones that arrive
+    while an fsync runs share the next. `clear` (after the merge that consumed every record
+    is durable) truncates in place; a `sync` of a record written before it returns at once:
+    that record is in the durable fragment file."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.fd: int | None = None
+        self.generation = 0
+        """Counts `clear`s: a record written in an earlier generation is merged and durable."""
+        self.written = 0
+        """Bytes appended in this generation (writes are serialized by the fragment lock)."""
+        self.synced = 0
+        """Bytes of this generation known durable."""
+        self.sync_lock = threading.Lock()
 
     def _open(self) -> int:
         if self.fd is None:
@@ -103,13 +130,41 @@ class PendingLog:
             self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             if new:
                 _fsync_dir(self.path.parent)
+            self.written = self.synced = os.fstat(self.fd).st_size
         return self.fd
 
-    def append(self, payload: bytes) -> None:
+    @staticmethod
+    def record(payload: bytes | bytearray | memoryview) -> bytes:
+        """The record header of `payload` (its checksum: a pass over the bytes, so callers
+        compute it before they take a lock)."""
+        return _RECORD.pack(len(payload) | _XXH3, _xxh3(payload))
+
+    def write(self, payload: bytes | bytearray, header: bytes | None = None) -> tuple[int, int]:
+        """Append one record, not yet durable; returns the ticket `sync` takes."""
         fd = self._open()
-        header = _RECORD.pack(len(payload), zlib.crc32(payload))
-        os.writev(fd, [header, payload])
-        os.fsync(fd)
+        parts = [header if header is not None else self.record(payload), payload]
+        size = sum(len(x) for x in parts)
+        if os.writev(fd, parts) != size:  # a short write (a full disk): cut it off
+            os.ftruncate(fd, self.written)
+            raise OSError(f"short write to {self.path}")
+        self.written += size
+        return self.generation, self.written
+
+    def sync(self, ticket: tuple[int, int]) -> None:
+        """Return once the record behind `ticket` is durable: in the log (one fsync for
+        every record written before it started) or merged into a durable fragment file."""
+        generation, end = ticket
+        with self.sync_lock:
+            if generation != self.generation or self.synced >= end:
+                return
+            target = self.written
+            assert self.fd is not None
+            os.fsync(self.fd)
+            if generation == self.generation:
+                self.synced = max(self.synced, target)
+
+    def append(self, payload: bytes | bytearray) -> None:
+        self.sync(self.write(payload))
 
     def read(self) -> list[bytes]:
         """Every whole record; a torn tail (a crash mid-append) is cut off the file."""
@@ -118,9 +173,11 @@ class PendingLog:
         data = self.path.read_bytes()
         out, pos = [], 0
         while pos + _RECORD.size <= len(data):
-            n, crc = _RECORD.unpack_from(data, pos)
+            flagged, crc = _RECORD.unpack_from(data, pos)
+            n = flagged & ~_XXH3
             body = data[pos + _RECORD.size : pos + _RECORD.size + n]
-            if len(body) < n or zlib.crc32(body) != crc:
+            check = _xxh3 if flagged & _XXH3 else zlib.crc32
+            if len(body) < n or check(body) != crc:
                 break
             out.append(body)
             pos += _RECORD.size + n
@@ -131,15 +188,22 @@ class PendingLog:
         return out
 
     def clear(self) -> None:
-        """Empty the log (after the merge that consumed it is durable)."""
-        self.close()
-        with open(self.path, "wb") as f:
-            os.fsync(f.fileno())
+        """Empty the log (after the merge that consumed every record in it is durable)."""
+        with self.sync_lock:
+            if self.fd is None:
+                with open(self.path, "wb") as f:
+                    os.fsync(f.fileno())
+            else:
+                os.ftruncate(self.fd, 0)
+                os.fsync(self.fd)
+            self.generation += 1
+            self.written = self.synced = 0
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        with self.sync_lock:
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
 
 
 class StateStore:

@@ -1,0 +1,137 @@
+"""The pending log's group commit and record format, on real files; and the synchronizer's
+answer when the log's fsync fails.
+
+    pytest tests/unit/test_pending_log.py
+
+- a record `write` returned is durable once `sync` returns; one fsync covers every record
+  written before it started (group commit), and a record written before a `clear` (the
+  merge that consumed it is durable) needs none;
+- an older synchronizer's records (zlib crc32, no flag) are replayed after an upgrade,
+  also followed by new ones in the same file; a corrupt record of either kind ends the log;
+- many threads submitting to one fragment are all accepted, and a restart replays every one;
+- a failed fsync stops the process (`on_fatal`) instead of answering `accepted`.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddiloco.synchronizer import state
+from ddiloco.synchronizer.state import PendingLog
+from tests.unit.test_contract import Clock, make, start, update
+
+
+def counting_fsync(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the real fsyncs state.py makes (they still happen)."""
+    calls: list[int] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        calls.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(state.os, "fsync", fsync)
+    return calls
+
+
+def test_one_fsync_makes_every_record_written_before_it_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = PendingLog(tmp_path / "p.log")
+    tickets = [log.write(b"r%d" % i) for i in range(3)]
+    calls = counting_fsync(monkeypatch)
+    log.sync(tickets[0])  # syncs all three: they were written before it started
+    log.sync(tickets[2])
+    log.sync(tickets[1])
+    assert len(calls) == 1
+    later = log.write(b"r3")
+    log.sync(later)
+    assert len(calls) == 2
+    assert PendingLog(tmp_path / "p.log").read() == [b"r0", b"r1", b"r2", b"r3"]
+
+
+def test_a_record_written_before_a_clear_needs_no_fsync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = PendingLog(tmp_path / "p.log")
+    ticket = log.write(b"merged")
+    log.clear()  # the merge that consumed it is durable in the fragment file
+    calls = counting_fsync(monkeypatch)
+    log.sync(ticket)
+    assert calls == []
+    log.sync(log.write(b"next"))  # the truncated file takes new records from its start
+    assert len(calls) == 1
+    assert PendingLog(tmp_path / "p.log").read() == [b"next"]
+
+
+def test_an_older_synchronizers_records_replay_before_and_among_new_ones(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "p.log"
+    with open(path, "wb") as f:  # the record format before the XXH3 flag
+        for body in (b"old-1", b"old-2"):
+            f.write(struct.pack("<QI", len(body), zlib.crc32(body)) + body)
+    log = PendingLog(path)
+    assert log.read() == [b"old-1", b"old-2"]
+    log.append(b"new-1")
+    assert PendingLog(path).read() == [b"old-1", b"old-2", b"new-1"]
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF  # the new record's last byte: its checksum no longer matches
+    path.write_bytes(bytes(raw))
+    assert PendingLog(path).read() == [b"old-1", b"old-2"]
+    assert path.stat().st_size == 2 * (12 + 5)  # the bad record was cut off
+
+
+def test_concurrent_updates_of_one_fragment_are_all_accepted_and_replayed(
+    tmp_path: Path,
+) -> None:
+    clock = Clock()
+    learners = "abcdefgh"
+    sync = make(tmp_path, clock, quorum=len(learners) + 1)  # no merge: all stay pending
+    start(sync, learners)
+    answers: list[str] = []
+
+    def post(lid: str) -> None:
+        for step in range(1, 4):
+            answers.append(
+                sync.submit(update(lid, 1, torch.tensor([0.01, 0.02]), step=step)).status
+            )
+
+    threads = [threading.Thread(target=post, args=(lid,)) for lid in learners]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert answers == ["accepted"] * 3 * len(learners)
+    assert sync.status().fragments[1].tokens_pending == 300 * len(learners)
+    assert len(sync.store.pending(1).read()) == 3 * len(learners)
+    again = make(tmp_path, clock, quorum=len(learners) + 1)  # a SIGKILL's restart
+    assert again.status().fragments[1].tokens_pending == 300 * len(learners)
+    assert again.status().fragments[1].contributors_pending == len(learners)
+
+
+def test_a_failed_fsync_stops_the_process_instead_of_answering_accepted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = Clock()
+    sync = make(tmp_path, clock, quorum=2)
+    start(sync)
+    stopped: list[bool] = []
+    sync.on_fatal = lambda: stopped.append(True)
+    assert sync.submit(update("a", 1, torch.tensor([0.1, 0.0]), step=1)).status == "accepted"
+
+    def failing(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(state.os, "fsync", failing)
+    with pytest.raises(OSError):  # the route answers 500: the client re-sends after a restart
+        sync.submit(update("b", 1, torch.tensor([0.0, 0.1]), step=1))
+    assert stopped == [True]
+    assert sync.metrics.updates_accepted._value.get() == 1  # "b" was never counted accepted
