@@ -20,8 +20,10 @@ from a round's first update to its merged fragment being served (p50 and p99, fr
 synchronizer's own /metrics histograms) as a fraction of tau x step time for a 1 s step
 (tau = 2), and, in the same run, the memcpy rate of one update's bytes: the physical limit.
 Also the time from a round's quorum to its merged fragment being served (the grace window,
-the merge and persisting it). Arms are every combination of a transport (`--arms`: h2, HTTP/2
-cleartext by prior knowledge; h1, HTTP/1.1, into the same server), an update encoding
+the merge and persisting it). Arms are every combination of a transport (`--arms`: up,
+HTTP/1.1 into the synchronizer's upload port, which learners use (synchronizer/bulk.py); h1,
+HTTP/1.1 into the main port's ASGI server; h2, HTTP/2 cleartext by prior knowledge into the
+main port), an update encoding
 (`--encodings`: bfloat16, float32, int8, int4, built by `wire.encode_update` as a learner
 does; the synchronizer accepts all of them) and a shard count (`--shards`: S processes,
 `ddiloco synchronizer --shard i --shards S`, each fragment posted to its owner; the figures
@@ -50,6 +52,7 @@ from typing import Any
 
 import torch
 
+from ddiloco.learner.uploads import with_port
 from ddiloco.local.processes import free_port
 from ddiloco.synchronizer import codec, wire
 from ddiloco.synchronizer.client import SyncClient, SyncRefused, SyncUnavailable
@@ -128,15 +131,21 @@ def client_loop(
     urls: list[str],
     owner: list[int],
     lid: str,
-    http2: bool,
+    transport: str,
     payloads: list[Payload],
     stop: threading.Event,
     t: Tally,
 ) -> None:
     """One learner: joins every shard, heartbeats to each once a second, posts fragment p
     to its owner `owner[p]` against the version that shard last said."""
-    cs = [SyncClient(url, TOKEN, http2=http2, timeout=120) for url in urls]
+    cs = [SyncClient(url, TOKEN, http2=transport == "h2", timeout=120) for url in urls]
     joins = [c.join(JoinRequest(learner_id=lid, layout_digest=None)) for c in cs]
+    ups = cs  # h1 and h2: updates go to the main port, as control calls do
+    if transport == "up":  # the upload port each shard named at join (synchronizer/bulk.py)
+        ports = [j.upload_port for j in joins]
+        assert all(ports), "a synchronizer without an upload port"
+        ups = [SyncClient(with_port(u, q), TOKEN, http2=False, timeout=120)
+               for u, q in zip(urls, ports, strict=True)]  # fmt: skip
     versions = [joins[owner[p]].versions[p] for p in range(len(payloads))]
     step, last_hb = 0, 0.0
     p = int(lid.rsplit("-", 1)[1]) % len(payloads)
@@ -158,7 +167,7 @@ def client_loop(
                             versions[q] = v
                 last_hb = now
             step += 1
-            c = cs[owner[p]]
+            c = ups[owner[p]]
             meta = UpdateMeta(
                 learner_id=lid, fragment=p, base_version=versions[p], steps=1, tokens=1000,
                 learner_step=step, incarnation=joins[owner[p]].incarnation,
@@ -184,7 +193,7 @@ def client_loop(
                     t.duplicate += 1
             p = (p + 1) % len(payloads)
     finally:
-        for c in cs:
+        for c in {id(c): c for c in cs + ups}.values():
             c.close()
 
 
@@ -226,7 +235,7 @@ def memcpy_gbps(nbytes: int, repeat: int = 7) -> float:
 @dataclass(frozen=True)
 class Arm:
     transport: str
-    """h2 or h1."""
+    """h2 or h1 into the main port (uvicorn), or up: HTTP/1.1 into the upload port."""
     encoding: str
     shards: int
 
@@ -247,7 +256,7 @@ def start_shard(
     }
     log = open(root / f"sync-{i}.log", "w")  # noqa: SIM115 - closed by the caller
     cmd = [sys.executable, "-m", "ddiloco.cli.main", "synchronizer", "--port", str(port),
-           "--state-dir", str(root / f"s-{i}")]  # fmt: skip
+           "--upload-port", str(free_port()), "--state-dir", str(root / f"s-{i}")]  # fmt: skip
     if arm.shards > 1:
         cmd += ["--shard", str(i), "--shards", str(arm.shards)]
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -291,7 +300,7 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
         threads = [
             threading.Thread(
                 target=client_loop,
-                args=(urls, owner, f"l-{i}", http2, payloads, stop, tallies[i]),
+                args=(urls, owner, f"l-{i}", arm.transport, payloads, stop, tallies[i]),
                 daemon=True,
             )
             for i in range(args.learners)
@@ -394,14 +403,15 @@ def table(rows: list[dict[str, Any]], mem: float) -> str:
 
 
 def h2_ratios(rows: list[dict[str, Any]]) -> list[str]:
-    """h2 / h1 accepted throughput, for each (encoding, shards) measured both ways."""
+    """h2 / h1 and up / h1 accepted throughput, for each (encoding, shards) measured both
+    ways."""
     out = []
     by = {(r["transport"], r["encoding"], r["shards"]): r for r in rows}
     for (transport, enc, shards), r in by.items():
         h1 = by.get(("h1", enc, shards))
-        if transport == "h2" and h1 is not None and h1["accepted_gbps"]:
+        if transport in ("h2", "up") and h1 is not None and h1["accepted_gbps"]:
             ratio = r["accepted_gbps"] / h1["accepted_gbps"]
-            out.append(f"h2 / h1 accepted throughput ({enc}, S={shards}): {ratio:.2f}x")
+            out.append(f"{transport} / h1 accepted throughput ({enc}, S={shards}): {ratio:.2f}x")
     return out
 
 
@@ -412,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--learners", type=int, default=16)
     ap.add_argument("--quorum", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=30.0)
-    ap.add_argument("--arms", default="h2,h1", help="transports, comma-separated: h2, h1")
+    ap.add_argument("--arms", default="up,h1,h2", help="transports, comma-separated: up, h1, h2")
     ap.add_argument(
         "--encodings", default="bfloat16", help="update encodings, comma-separated (wire.py)"
     )
@@ -431,8 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         for t in args.arms.split(",")
     ]
     for a in arms:
-        if a.transport not in ("h1", "h2") or a.encoding not in wire.ALL or a.shards < 1:
-            ap.error(f"unknown arm {a.name!r}: transports h1/h2, encodings {sorted(wire.ALL)}")
+        if a.transport not in ("up", "h1", "h2") or a.encoding not in wire.ALL or a.shards < 1:
+            ap.error(f"unknown arm {a.name!r}: transports up/h1/h2, encodings {sorted(wire.ALL)}")
     lay = layout(int(args.params), args.fragments)
     n = lay.fragments[0].numel()
     print(

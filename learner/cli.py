@@ -95,6 +95,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="upload fragments over h2c instead of HTTP/1.1 (see config.py)",
     )
+    ap.add_argument(
+        "--upload-url",
+        help="where updates go: default each shard's upload port (named at join), 'off' the "
+        "sync URL, or a URL per shard in shard order (env DDILOCO_UPLOAD_URL)",
+    )
     # --- budget and runtime ---
     ap.add_argument("--max-steps", type=int)
     ap.add_argument("--max-seconds", type=float)

@@ -26,6 +26,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from ddiloco.learner.uploads import upload_overrides
+
 if TYPE_CHECKING:
     from ddiloco.synchronizer.auth import Tokens
     from ddiloco.synchronizer.tls import ClientTLS
@@ -187,6 +189,12 @@ class LearnerConfig(BaseSettings):
     calls (long-poll heartbeats, downloads) always use HTTP/2. uvicorn's zttp advertises a fixed
     64 KiB receive window, which halves bulk upload throughput against HTTP/1.1 on the same
     server (bench/http2_upload.py: 0.11 vs 0.23 GB/s for 64 MiB on the 2-core machine)."""
+    upload_url: str = ""
+    """Where fragment uploads go. "" (default): each shard's upload port, which it names at
+    join (synchronizer/bulk.py: HTTP/1.1 read straight into the update's buffer), on the host
+    of its `sync_url`, falling back to `sync_url` for a while when that port cannot be
+    reached; "off": always `sync_url`; else a comma-separated URL per shard, in shard order
+    (a relay in front of the upload port, as `ddiloco local`'s network cuts use)."""
 
     # --- budget and runtime ---
     max_steps: Int = Field(0, ge=0)
@@ -249,6 +257,7 @@ class LearnerConfig(BaseSettings):
                 f"invalid learner config: num_fragments={self.num_fragments} (P) must be at "
                 f"most h={self.h} (H)"
             )
+        upload_overrides(self.upload_url, len(self.sync_urls))  # one URL per shard, or none
         if (self.client_cert_file is None) != (self.client_key_file is None):
             raise ValueError(
                 "invalid learner config: set both client_cert_file and client_key_file "

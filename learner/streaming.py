@@ -37,6 +37,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.data import join_reserve
 from ddiloco.learner.metrics import LearnerMetrics
 from ddiloco.learner.outbox import Outbox
+from ddiloco.learner.uploads import UPLOAD_FALLBACK_S, upload_overrides, with_port
 from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.client import SyncClient, SyncRefused, SyncUnavailable
 from ddiloco.synchronizer.protocol import (
@@ -103,6 +105,14 @@ class Streamer:
         self.owners = shard_map(layout, len(self.urls))
         """The shard that owns each fragment: where its updates and fetches go."""
         self.shard_requested: list[set[int]] = [set() for _ in self.urls]
+        self.upload_urls: list[str | None] = upload_overrides(
+            getattr(cfg, "upload_url", "") or "", len(self.urls)
+        )
+        """Each shard's upload URL (None: its main URL), from `cfg.upload_url` or the upload
+        port the shard names at join."""
+        self.fixed_uploads = bool(getattr(cfg, "upload_url", "") or "")
+        self.fallback_until = [0.0] * len(self.urls)
+        """Per shard: until when uploads go to the main URL (its upload port unreachable)."""
         self.versions: list[int] = [0] * len(layout.fragments)
         self.outbox = Outbox(len(layout.fragments))
         self.left: dict[int, dict[str, int]] = {}
@@ -167,6 +177,9 @@ class Streamer:
                 "synchronizer's DDILOCO_UPDATE_ENCODINGS"
             )
         self._check_shard(resp, shard)
+        if not self.fixed_uploads and not getattr(self.cfg, "upload_http2", False):
+            port = getattr(resp, "upload_port", None)
+            self.upload_urls[shard] = with_port(self.urls[shard], port) if port else None
         self.incarnation = max(self.incarnation, resp.incarnation)
         position = int(getattr(resp, "data_position", 0) or 0)
         self.resume_position = max(self.resume_position, position)  # the module docstring
@@ -340,8 +353,44 @@ class Streamer:
             log.warning("Re-join failed: %s", e)
             self.stop_event.wait(backoff.fail())
 
+    def _upload_target(self, shard: int) -> str:
+        url = self.upload_urls[shard]
+        if url is None or time.monotonic() < self.fallback_until[shard]:
+            return self.urls[shard]
+        return url
+
+    def _upload_client(self, shard: int, client: SyncClient | None) -> SyncClient:
+        """The client for the shard's current upload target (a new one when it moved)."""
+        url = self._upload_target(shard)
+        if client is not None and client.base_url == url.rstrip("/"):
+            return client
+        if client is not None:
+            client.close()
+        http2 = self.cfg.upload_http2 and url == self.urls[shard]
+        return SyncClient(url, self.tokens, http2=http2, tls=self.tls)
+
+    def _fall_back(self, shard: int, client: SyncClient, e: Exception) -> bool:
+        """An upload port never reached (a proxy or firewall that passes only the main port):
+        send to the main URL for `UPLOAD_FALLBACK_S`, then try the upload port again."""
+        if not (isinstance(e, SyncUnavailable) and e.unreached):
+            return False
+        if client.base_url == self.urls[shard].rstrip("/"):
+            # the main URL unreachable too: an outage, not a port only the upload's path
+            # lacks. Retried with backoff, and to the upload port again once it ends.
+            self.fallback_until[shard] = 0.0
+            return False
+        self.fallback_until[shard] = time.monotonic() + UPLOAD_FALLBACK_S
+        log.warning(
+            "Upload port %s unreachable (%s); uploading to %s for %.0f s",
+            client.base_url,
+            e,
+            self.urls[shard],
+            UPLOAD_FALLBACK_S,
+        )
+        return True
+
     def _upload_loop(self, shard: int = 0) -> None:
-        client, backoff = self._client(http2=self.cfg.upload_http2, shard=shard), Backoff()
+        client, backoff = self._upload_client(shard, None), Backoff()
         # each shard's thread takes the oldest update of that shard's fragments: one shard
         # away holds back only its own (one shard: every fragment, strict FIFO as before)
         mine = frozenset(self.owned(shard)) if len(self.urls) > 1 else None
@@ -350,6 +399,7 @@ class Streamer:
             if entry is None:
                 continue
             meta = entry.meta
+            client = self._upload_client(shard, client)
             try:
                 # encoded once: a re-send carries the same bytes
                 resp = client.post_update(meta.fragment, entry.encoded())
@@ -370,6 +420,8 @@ class Streamer:
                 self.upload_results.put((meta.fragment, meta.base_version, e.kind))
                 backoff.ok()
             except (SyncUnavailable, ValueError) as e:  # ValueError: a 2xx we could not read
+                if self._fall_back(shard, client, e):
+                    continue  # the same update, at once, to the main URL
                 # the outcome is unknown: the same update goes again (a duplicate is harmless)
                 wait = backoff.fail()
                 if entry.attempts == 1 or entry.attempts % 20 == 0:

@@ -67,6 +67,8 @@ class LocalRun(Supervisor):
         self.token = secrets.token_urlsafe(24)
         self.ports = [free_port() for _ in range(cfg.sync_shards)]
         self.port = self.ports[0]
+        self.upload_ports = [free_port() for _ in range(cfg.sync_shards)]
+        """Each shard's upload port (synchronizer/bulk.py): learners post updates there."""
         self.tls_dir = self.out / "tls"
         self.client_tls = self._issue_certificates() if cfg.tls else None
         scheme = "https" if cfg.tls else "http"
@@ -76,8 +78,10 @@ class LocalRun(Supervisor):
         self.http_version = ""
         """The protocol the launcher's last status call came over (HTTP/2 expected)."""
         # A learner the schedule partitions talks to the synchronizer through a relay we can cut.
+        # Its uploads go through relays of their own, cut with the others: first the S main
+        # ports' relays, then the S upload ports'.
         self.proxies = {
-            e.target: CutProxies(self.ports)
+            e.target: CutProxies(self.ports + self.upload_ports)
             for e in self.schedule.events
             if e.action == "partition"
         }
@@ -139,6 +143,8 @@ class LocalRun(Supervisor):
             "synchronizer",
             "--port",
             str(self.ports[shard]),
+            "--upload-port",
+            str(self.upload_ports[shard]),
             "--state-dir",
             str(state),
             "--quorum",
@@ -171,10 +177,15 @@ class LocalRun(Supervisor):
 
     def _learner_child(self, index: int, lid: str) -> Child:
         c = self.cfg
+        sync_url, relayed = ",".join(self.urls), []
+        if lid in self.proxies:
+            relays = [p.url for p in self.proxies[lid].proxies]
+            sync_url = ",".join(relays[: c.sync_shards])
+            relayed = ["--upload-url", ",".join(relays[c.sync_shards :])]
         argv = ddiloco_command(
             "learner",
             "--sync-url",
-            self.proxies[lid].url if lid in self.proxies else ",".join(self.urls),
+            sync_url,
             "--learner-id",
             lid,
             "--learner-index",
@@ -203,6 +214,7 @@ class LocalRun(Supervisor):
             c.update_encoding,
             "--log-level",
             "WARNING",
+            *relayed,
         )
         if c.model_entry:
             argv += ["--model-entry", c.model_entry]

@@ -25,6 +25,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ddiloco.synchronizer import tls
+from ddiloco.synchronizer.auth import Tokens
+from ddiloco.synchronizer.bulk import UploadServer
 from ddiloco.synchronizer.config import SyncSettings, get_settings
 from ddiloco.synchronizer.errors import HTTP_STATUS, Refusal, SyncError
 from ddiloco.synchronizer.routes import public, v1
@@ -135,6 +138,26 @@ class ProtocolCounter:
         await self.app(scope, receive, send)
 
 
+def upload_server(
+    sync: Synchronizer, tokens: Tokens, settings: SyncSettings, protocols: Counter[tuple[str, str]]
+) -> UploadServer | None:
+    """The upload port's listener (bulk.py), started; None when `upload_port` is off."""
+    if settings.upload_port is None:
+        return None
+    context = None
+    if settings.tls:
+        assert settings.tls_cert_file is not None and settings.tls_key_file is not None
+        context = tls.server_context(
+            settings.tls_cert_file,
+            settings.tls_key_file,
+            client_ca_file=settings.tls_client_ca_file,
+            alpn=["http/1.1"],
+        )
+    server = UploadServer(sync, tokens, settings, context=context, protocols=protocols)
+    sync.upload_port = server.start()
+    return server
+
+
 def create_app(settings: SyncSettings | None = None) -> FastAPI:
     settings = settings or get_settings()
 
@@ -151,6 +174,9 @@ def create_app(settings: SyncSettings | None = None) -> FastAPI:
             app.state.changed = asyncio.Event()
 
         sync.on_change = lambda: loop.call_soon_threadsafe(wake)
+        app.state.uploads = uploads = upload_server(
+            sync, app.state.tokens, settings, app.state.protocols
+        )
         task = asyncio.create_task(merge_loop(app.state.sync))
         try:
             yield
@@ -158,6 +184,8 @@ def create_app(settings: SyncSettings | None = None) -> FastAPI:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            if uploads is not None:
+                await asyncio.to_thread(uploads.close)  # lets uploads in flight finish
             sync.close()
 
     app = FastAPI(title="ddiloco synchronizer", version="1", lifespan=lifespan)

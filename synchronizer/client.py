@@ -24,7 +24,7 @@ from __future__ import annotations
 import io
 import json
 import os
-from typing import TypeVar
+from typing import Final, TypeVar
 
 import pycurl
 import torch
@@ -54,7 +54,17 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class SyncUnavailable(ConnectionError):
-    """The synchronizer could not be reached, or failed (5xx). Worth retrying."""
+    """The synchronizer could not be reached, or failed (5xx). Worth retrying. `unreached`:
+    no connection was made at all (refused, unresolvable, connect timeout)."""
+
+    def __init__(self, message: str, *, unreached: bool = False) -> None:
+        super().__init__(message)
+        self.unreached = unreached
+
+
+UNREACHED: Final = frozenset({pycurl.E_COULDNT_RESOLVE_HOST, pycurl.E_COULDNT_CONNECT})
+"""libcurl's codes for a connection never made (a connect timeout is E_OPERATION_TIMEDOUT,
+which a stalled transfer shares: `_perform` tells them apart by the connect time)."""
 
 
 class SyncRefused(RuntimeError):
@@ -176,7 +186,10 @@ class SyncClient:
         try:
             c.perform()
         except pycurl.error as e:
-            raise SyncUnavailable(f"{method} {path}: {e.args[-1]}") from None
+            unreached = e.args[0] in UNREACHED or (
+                e.args[0] == pycurl.E_OPERATION_TIMEDOUT and c.getinfo(pycurl.CONNECT_TIME) == 0
+            )
+            raise SyncUnavailable(f"{method} {path}: {e.args[-1]}", unreached=unreached) from None
         status = int(c.getinfo(pycurl.RESPONSE_CODE))
         self.http_version = HTTP_VERSIONS.get(int(c.getinfo(pycurl.INFO_HTTP_VERSION)), "?")
         payload = out.getvalue()

@@ -38,6 +38,12 @@ class SyncSettings(BaseSettings):
     port: int = Field(DEFAULT_PORT, ge=0, le=65535)
     """TCP port; HTTP/2 cleartext (h2c, prior knowledge) and HTTP/1.1 on the same port, or
     with TLS on, HTTPS with ALPN h2 and http/1.1."""
+    upload_port: int | None = Field(None, ge=0, le=65535)
+    """A second port that serves only update uploads (POST /v1/fragments/{p}/updates, HTTP/1.1
+    or HTTPS with the same certificate, client CA and tokens): a thread per connection reads
+    each body straight into its buffer, 8x cheaper than through the ASGI server (bulk.py).
+    Learners learn it at join and fall back to `port` when they cannot reach it. None: off;
+    0: any free port (tests)."""
     token: SecretStr | None = None
     """Per-job bearer token every learner call must carry (the operator puts it in a Secret)."""
     token_file: Path | None = None

@@ -86,6 +86,7 @@ class SyncMetrics:
         self.enabled = enabled
         self.registry = CollectorRegistry(auto_describe=False)
         self._protocols: Mapping[tuple[str, str], int] = {}
+        self._uploads: Mapping[tuple[str, str], int] = {}
         if not enabled:
             self.merge_duration = self.round_quorum = self.round_publish = NOOP
             self.round_served = NOOP
@@ -206,6 +207,14 @@ class SyncMetrics:
     def protocols(self) -> Mapping[tuple[str, str], int]:
         return dict(self._protocols)
 
+    def watch_uploads(self, counts: Mapping[tuple[str, str], int]) -> None:
+        """Export the upload port's answers by (scheme, status code) as
+        ddiloco_upload_port_requests_total (bulk.py counts them)."""
+        self._uploads = counts
+
+    def uploads(self) -> Mapping[tuple[str, str], int]:
+        return dict(self._uploads)
+
     def render(self) -> bytes:
         """The Prometheus text exposition of everything (blocks: call it off the loop)."""
         if not self.enabled:
@@ -316,6 +325,16 @@ class ProtocolCollector(Collector):
         for (scheme, version), n in sorted(dict(counts).items()):
             family.add_metric([scheme, version], n)
         yield family
+        if isinstance(self.source, SyncMetrics):
+            uploads = CounterMetricFamily(
+                "ddiloco_upload_port_requests",
+                "Requests the upload port answered (also counted in ddiloco_http_requests), "
+                "by scheme and status code",
+                labels=["scheme", "code"],
+            )
+            for (scheme, code), n in sorted(self.source.uploads().items()):
+                uploads.add_metric([scheme, code], n)
+            yield uploads
 
 
 def render(

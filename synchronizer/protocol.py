@@ -137,6 +137,9 @@ class JoinResponse(_Msg):
     update_encodings: list[str] = []
     """The update encodings this synchronizer accepts (`UpdateEncoding`s); a learner whose
     own is not among them stops at join with one line. [] from an older synchronizer."""
+    upload_port: int | None = None
+    """The port of this synchronizer's upload listener (`SyncSettings.upload_port`, bulk.py)
+    on the host the learner reached it by; None: post updates to the main port."""
 
 
 class InitResponse(_Msg):

@@ -4,6 +4,7 @@
     DDILOCO_TOKEN_FILE=/run/secrets/token ddiloco synchronizer \
         --tls-cert server.crt --tls-key server.key [--tls-client-ca ca.crt]
     ddiloco synchronizer --shard 1 --shards 2 --state-dir state-1 --port 8471   # shards.py
+    ddiloco synchronizer --upload-port 8471     # updates read straight off the socket (bulk.py)
 
 Settings come from the environment (`DDILOCO_*`, see config.py); the few flags here
 override them. uvicorn >= 0.54 with its zttp protocol serves h2c by prior knowledge when TLS
@@ -49,6 +50,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="ddiloco synchronizer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--host", help="address to bind (env DDILOCO_HOST)")
     ap.add_argument("--port", type=int, help="TCP port (env DDILOCO_PORT, default 8470)")
+    ap.add_argument(
+        "--upload-port",
+        type=int,
+        help="also serve update uploads on this port, HTTP/1.1 read straight into the "
+        "update's buffer (env DDILOCO_UPLOAD_PORT; learners learn it at join)",
+    )
     ap.add_argument("--state-dir", help="durable state directory (env DDILOCO_STATE_DIR)")
     ap.add_argument(
         "--quorum", type=int, help="K, minimum contributors per merge (env DDILOCO_QUORUM)"
@@ -108,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in {
             "host": args.host,
             "port": args.port,
+            "upload_port": args.upload_port,
             "state_dir": args.state_dir,
             "quorum": args.quorum,
             "merge": args.merge,

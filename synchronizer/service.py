@@ -114,6 +114,8 @@ class Synchronizer:
         self.frag_locks: list[threading.Lock] = []
         """One per fragment, held by an update's admission and by a merge of that fragment."""
         self.served: list[tuple[int, bytes]] = []
+        self.upload_port: int | None = None
+        """The bound port of the upload listener (bulk.py), told to learners at join."""
         self.on_change: Callable[[], None] = lambda: None
         self.on_fatal: Callable[[], None] = lambda: os._exit(70)
         """Called when durability cannot be kept (a failed fsync): ends the process."""
@@ -255,6 +257,7 @@ class Synchronizer:
             shard=self.settings.shard,
             shards=self.settings.shards,
             owned=list(self.owned),
+            upload_port=self.upload_port,
         )
 
     def init(self, payload: bytes) -> InitResponse:

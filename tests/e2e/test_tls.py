@@ -76,7 +76,9 @@ def write_token(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def start_sync(tmp: Path, certs: Certs, token_file: Path, *, mtls: bool) -> tuple[Child, str]:
+def start_sync(
+    tmp: Path, certs: Certs, token_file: Path, *, mtls: bool, upload: int | None = None
+) -> tuple[Child, str]:
     port = free_port()
     argv = ddiloco_command(
         "synchronizer",
@@ -89,6 +91,7 @@ def start_sync(tmp: Path, certs: Certs, token_file: Path, *, mtls: bool) -> tupl
         "--tls-key",
         str(certs.dir / "server.key"),
         *(["--tls-client-ca", str(certs.ca)] if mtls else []),
+        *(["--upload-port", str(upload)] if upload else []),
     )
     env = env_with(DDILOCO_TOKEN_FILE=str(token_file))
     env.pop("DDILOCO_TOKEN", None)
@@ -119,7 +122,8 @@ def test_learner_over_mtls_h2_and_token_rotation(tmp_path: Path, certs: Certs) -
     sync_token, learner_token = tmp_path / "sync-token", tmp_path / "learner-token"
     write_token(sync_token, f"{OLD}\n")
     write_token(learner_token, f"{OLD}\n")
-    sync, url = start_sync(tmp_path, certs, sync_token, mtls=True)
+    upload = free_port()  # the learner's uploads go there, over mutual TLS (bulk.py)
+    sync, url = start_sync(tmp_path, certs, sync_token, mtls=True, upload=upload)
     learner = Child(
         "l0",
         ddiloco_command(
@@ -167,6 +171,12 @@ def test_learner_over_mtls_h2_and_token_rotation(tmp_path: Path, certs: Certs) -
         assert admin.http_version == "HTTP/1.1"
         assert metric(admin, "ddiloco_http_requests_total", scheme="https", version="2") > 0
         assert metric(admin, "ddiloco_http_requests_total", scheme="http", version="2") == 0
+        accepted = admin.status().contributions_merged  # each from one upload or more
+        assert accepted >= 1
+        assert metric(admin, "ddiloco_upload_port_requests_total", code="200", scheme="https") >= (
+            accepted
+        )
+        up_url = f"https://127.0.0.1:{upload}"
 
         # a client of ours over HTTP/2: ALPN picked h2
         h2 = SyncClient(url, OLD, timeout=5, tls=certs.client("probe"))
@@ -191,6 +201,11 @@ def test_learner_over_mtls_h2_and_token_rotation(tmp_path: Path, certs: Certs) -
             with pytest.raises(SyncUnavailable):
                 client.status()
                 pytest.fail(f"{why}: answered")
+        # and the same at the upload port: no update gets in without a client certificate
+        for tls_files in (ClientTLS(certs.ca), ClientTLS(certs.dir / "other-ca.crt")):
+            intruder = SyncClient(up_url, OLD, timeout=5, tls=tls_files, http2=False)
+            with pytest.raises(SyncUnavailable):
+                intruder.post_update(0, b"{}")
         assert sync.alive()
 
         # rotation step 1: both tokens valid; the learner, still on the old one, goes on

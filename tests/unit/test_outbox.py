@@ -199,6 +199,7 @@ class FakeClient:
 
     def __init__(self, *args: object, **kw: object) -> None:
         self.bytes_up = self.bytes_down = 0
+        self.base_url = str(args[0]).rstrip("/")
 
     def post_update(self, fragment: int, body: bytes) -> UpdateResponse:
         FakeClient.calls.append(body)

@@ -1,0 +1,132 @@
+"""The upload port (synchronizer/bulk.py) as learners use it: in-process synchronizers on
+real loopback sockets, the learner's own Streamer.
+
+    pytest tests/unit/test_upload_port.py
+
+A learner posts each fragment's updates to its owner shard's upload port, which the shard
+named at join (and nothing else goes there); when that port cannot be reached the uploads go
+to the main URL and nothing is lost; an explicit DDILOCO_UPLOAD_URL list is checked against
+the shards. The hostile-input cases of the port are in tests/e2e/test_upload_port.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from ddiloco.learner.config import LearnerConfig
+from ddiloco.learner.streaming import Streamer
+from ddiloco.learner.uploads import upload_overrides, with_port
+from ddiloco.local.processes import free_port
+from ddiloco.synchronizer.client import SyncClient
+from ddiloco.synchronizer.protocol import (
+    FragmentSpec,
+    Heartbeat,
+    JoinRequest,
+    Layout,
+    TensorSpec,
+    UpdateMeta,
+)
+
+LAYOUT = Layout(
+    fragments=[
+        FragmentSpec(index=i, tensors=[TensorSpec(name=f"w{i}", shape=[n])])
+        for i, n in enumerate([6, 6, 4, 4])
+    ]
+)
+TENSORS = {f"w{i}": torch.full((n,), float(i + 1)) for i, n in enumerate([6, 6, 4, 4])}
+
+
+def uploads_of(server) -> int:
+    """Updates the server's upload port answered 200."""
+    return server.server.config.app.state.uploads.requests
+
+
+def run_learner(cfg: LearnerConfig, servers) -> Streamer:
+    """Join, initialize, send one update of every fragment and wait until all are answered."""
+    s = Streamer(cfg, LAYOUT, lambda: TENSORS)
+    s.fetch_all()
+    s.report(
+        Heartbeat(
+            learner_id="l0",
+            step=10,
+            steps=[10] * 4,
+            tokens=[100] * 4,
+            base_versions=[0] * 4,
+            step_seconds=0.1,
+        )
+    )
+    s.start()
+    try:
+        for p in range(4):
+            meta = UpdateMeta(
+                learner_id="l0",
+                fragment=p,
+                base_version=0,
+                steps=10,
+                tokens=100,
+                learner_step=10,
+                incarnation=s.incarnation,
+            )
+            n = LAYOUT.fragments[p].tensors[0].shape[0]
+            s.send(meta, {f"w{p}": torch.full((n,), 0.5)})
+        assert s.outbox.wait_empty(20)
+        results = sorted(s.results())
+        assert [r[2] for r in results] == ["accepted"] * 4, results
+    finally:
+        s.close()
+    for server in servers:  # every shard merges its fragments' one update each
+        deadline = time.time() + 10
+        while sum(server.sync.versions()) < len(server.sync.owned) and time.time() < deadline:
+            time.sleep(0.02)
+        assert sum(server.sync.versions()) == len(server.sync.owned)
+    return s
+
+
+def test_join_names_the_upload_port_and_only_updates_go_there(make_sync_server) -> None:
+    servers = [
+        make_sync_server(shard=i, shards=2, quorum=1, grace=False, upload_port=0) for i in (0, 1)
+    ]
+    for server in servers:
+        port = server.sync.upload_port
+        assert port and port != int(server.url.rsplit(":", 1)[1])
+        c = SyncClient(server.url, server.token)
+        assert c.join(JoinRequest(learner_id="probe")).upload_port == port
+        c.close()
+    cfg = LearnerConfig(
+        sync_url=",".join(s.url for s in servers), token=servers[0].token, learner_id="l0"
+    )
+    s = run_learner(cfg, servers)
+    # each shard's two fragments came in through its upload port, nothing else did
+    assert [uploads_of(server) for server in servers] == [2, 2]
+    assert s.upload_urls == [with_port(x.url, x.sync.upload_port) for x in servers]
+
+
+def test_an_unreachable_upload_port_falls_back_to_the_main_url(make_sync_server, caplog) -> None:
+    server = make_sync_server(quorum=1, grace=False, upload_port=0)
+    closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    cfg = LearnerConfig(sync_url=server.url, token=server.token, learner_id="l0", upload_url=closed)
+    with caplog.at_level("WARNING"):
+        s = run_learner(cfg, [server])
+    assert uploads_of(server) == 0  # all four went to the main port, none was lost
+    assert s.fallback_until[0] > time.monotonic()
+    assert any("unreachable" in r.getMessage() for r in caplog.records)
+
+
+def test_upload_url_off_uses_the_main_port(make_sync_server) -> None:
+    server = make_sync_server(quorum=1, grace=False, upload_port=0)
+    cfg = LearnerConfig(sync_url=server.url, token=server.token, learner_id="l0", upload_url="off")
+    run_learner(cfg, [server])
+    assert uploads_of(server) == 0
+
+
+def test_upload_url_list_must_match_the_shards() -> None:
+    assert upload_overrides("", 2) == [None, None]
+    assert upload_overrides("off", 1) == [None]
+    assert upload_overrides("http://a:1/, http://b:2", 2) == ["http://a:1", "http://b:2"]
+    with pytest.raises(ValueError, match="one per shard"):
+        LearnerConfig(sync_url="http://a:1,http://b:2", upload_url="http://c:3")
+    assert with_port("https://[::1]:8470/", 8471) == "https://[::1]:8471"
+    assert with_port("http://sync-0.sync.ns.svc:8470", 9) == "http://sync-0.sync.ns.svc:9"
