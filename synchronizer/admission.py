@@ -100,11 +100,17 @@ def is_duplicate(meta: UpdateMeta, high_water: Order | None) -> bool:
     return high_water is not None and meta.order() <= high_water
 
 
-def delta_norm(delta: dict[str, torch.Tensor], spec: FragmentSpec) -> float:
-    """Refuse a delta of the wrong shape or dtype, or non-finite; return its norm (a pass
-    over the tensors that needs no lock: `check_norm` judges it against the fragment)."""
+def delta_norms(delta: dict[str, torch.Tensor], spec: FragmentSpec) -> dict[str, float]:
+    """Refuse a delta of the wrong shape or dtype, or non-finite; return each tensor's norm
+    (a pass over the tensors that needs no lock: `check_norm` judges their total against
+    the fragment, and the merge's radial-directional average reuses them)."""
     codec.check_fragment(delta, spec, finite=False)
-    return codec.finite_norm(delta)  # NaN/Inf and an overflowing norm refused in one pass
+    return codec.finite_norms(delta)  # NaN/Inf and an overflowing norm refused in one pass
+
+
+def delta_norm(delta: dict[str, torch.Tensor], spec: FragmentSpec) -> float:
+    """`delta_norms`, totalled."""
+    return codec.total_norm(delta_norms(delta, spec))
 
 
 def check_norm(

@@ -34,10 +34,13 @@ __all__ = [
     "decode_float32",
     "encode",
     "finite_norm",
+    "finite_norms",
     "pieces",
     "read_header",
     "read_metadata",
+    "tensor_norms",
     "tensor_views",
+    "total_norm",
 ]
 
 WIRE_DTYPES: Final[dict[str, torch.dtype]] = {
@@ -353,23 +356,37 @@ def layout_from_metadata(meta: dict[str, str]) -> Layout:
         raise PayloadError(f"init payload has an invalid layout: {str(e)[:500]}") from None
 
 
+def tensor_norms(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each tensor's L2 norm, accumulated in float32 (one pass each, no float32 copy of a
+    bf16 tensor)."""
+    return {k: float(torch.linalg.vector_norm(t, dtype=torch.float32)) for k, t in tensors.items()}
+
+
+def total_norm(norms: dict[str, float]) -> float:
+    """The norm of all the tensors together from their own norms (in float64)."""
+    return math.sqrt(sum(n * n for n in norms.values()))
+
+
 def norm(tensors: dict[str, torch.Tensor]) -> float:
     """The L2 norm of all the tensors together, accumulated in float32 per tensor (one pass
     each, no float32 copy of a bf16 tensor) and in float64 across them."""
-    sq = 0.0
-    for t in tensors.values():
-        sq += float(torch.linalg.vector_norm(t, dtype=torch.float32)) ** 2
-    return math.sqrt(sq)
+    return total_norm(tensor_norms(tensors))
 
 
-def finite_norm(tensors: dict[str, torch.Tensor]) -> float:
-    """`norm`, refusing NaN or Inf: a non-finite entry makes its tensor's norm non-finite
-    (NaN and Inf propagate through the sum of squares), so one pass checks both; only then
-    is each tensor searched, to say which one and why."""
-    n = norm(tensors)
+def finite_norms(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+    """`tensor_norms`, refusing NaN or Inf: a non-finite entry makes its tensor's norm
+    non-finite (NaN and Inf propagate through the sum of squares), so one pass checks both;
+    only then is each tensor searched, to say which one and why."""
+    norms = tensor_norms(tensors)
+    n = total_norm(norms)
     if math.isfinite(n):
-        return n
+        return norms
     for name, t in tensors.items():
         if not bool(torch.isfinite(t).all()):
             raise PayloadError(f"tensor {name!r} contains NaN or Inf")
     raise PayloadError(f"update norm overflows ({n}): not a plausible update")
+
+
+def finite_norm(tensors: dict[str, torch.Tensor]) -> float:
+    """`norm`, refusing NaN or Inf (`finite_norms`)."""
+    return total_norm(finite_norms(tensors))

@@ -85,22 +85,28 @@ def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> t
     return out
 
 
-def rda(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+def rda(
+    deltas: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    norms: Sequence[float | None] | None = None,
+) -> torch.Tensor:
     """Radial-directional averaging: mean length times the direction of the mean direction.
 
         r = sum w ||d|| / sum w;   u = sum w d/||d|| / sum w;   result = r * u / ||u||
 
     Equal-norm inputs keep their norm whatever their number; identical directions give
     the weighted mean. If the directions cancel (||u|| ~ 0) it falls back to the mean.
+    `norms[i]`, when given and not None, is ||deltas[i]|| already measured (admission's).
     """
     ws = _normalized(weights)
+    known = list(norms) if norms is not None else [None] * len(deltas)
     radius = 0.0
     direction = _zeros(deltas[0])
-    for d, w in zip(deltas, ws, strict=True):
+    for d, w, measured in zip(deltas, ws, known, strict=True):
         if not w:
             continue
         d32 = d.float()
-        n = float(torch.linalg.vector_norm(d32))
+        n = float(torch.linalg.vector_norm(d32)) if measured is None else measured
         radius += w * n
         if n > _EPS:
             direction.add_(d32, alpha=w / n)
@@ -116,13 +122,19 @@ def merge_fragment(
     weights: Sequence[float],
     method: MergeRule,
     granularity: Literal["tensor", "fragment"] = "tensor",
+    norms: Sequence[dict[str, float] | None] | None = None,
 ) -> Tensors:
-    """Combine per-learner outer gradients of one fragment into one outer gradient."""
+    """Combine per-learner outer gradients of one fragment into one outer gradient.
+    `norms[i]`: the per-tensor norms of `deltas[i]` when known (per-tensor RDA uses them)."""
     names = list(deltas[0])
     if method == "mean":
         return {n: weighted_mean([d[n] for d in deltas], weights) for n in names}
     if granularity == "tensor":
-        return {n: rda([d[n] for d in deltas], weights) for n in names}
+        known = list(norms) if norms is not None else [None] * len(deltas)
+        return {
+            n: rda([d[n] for d in deltas], weights, [k[n] if k else None for k in known])
+            for n in names
+        }
     # Whole-fragment RDA: flatten every contribution, merge once, split back.
     flat = [torch.cat([d[n].float().reshape(-1) for n in names]) for d in deltas]
     merged = rda(flat, weights)
@@ -207,9 +219,14 @@ class Contribution:
     base_version: int
     order: tuple[int, int] = (0, 0)
     ids: list[str] = field(default_factory=list)
+    norms: dict[str, float] | None = None
+    """Each tensor's norm of `delta`, when admission measured it (one update; None once
+    another is absorbed): the merge's `rda` then needs no norm pass of its own."""
 
     @classmethod
-    def of(cls, meta: UpdateMeta, delta: Tensors) -> Contribution:
+    def of(
+        cls, meta: UpdateMeta, delta: Tensors, norms: dict[str, float] | None = None
+    ) -> Contribution:
         return cls(
             {k: v.float() for k, v in delta.items()},
             meta.steps,
@@ -217,6 +234,7 @@ class Contribution:
             meta.base_version,
             meta.order(),
             [meta.update_id()],
+            norms,
         )
 
     def absorb(self, meta: UpdateMeta, delta: Tensors) -> None:
@@ -230,6 +248,7 @@ class Contribution:
         self.base_version = min(self.base_version, meta.base_version)
         self.order = max(self.order, meta.order())
         self.ids.append(meta.update_id())
+        self.norms = None  # the sum's norms are not the parts'
 
 
 @dataclass(frozen=True)
@@ -291,6 +310,7 @@ class MergePolicy:
         when `scale == "live"`: the merged progress is multiplied by min(1, the merged
         contributions' capped tokens / live_tokens). None or 0: no scaling."""
         deltas, weights, tokens, staleness, included = [], [], 0, 0, []
+        norms: list[dict[str, float] | None] = []
         capped_tokens = 0
         for i, c in enumerate(contributions):
             tok, steps = cap_counters(c.tokens, c.steps, self.counter_cap_steps)
@@ -303,6 +323,7 @@ class MergePolicy:
             # keeps the rounds merged since instead of pulling Theta back towards its base.
             # (negated in the outer step: no copy of any contribution here)
             deltas.append({k: v.float() for k, v in c.delta.items()})
+            norms.append(c.norms)
             weights.append(w)
             tokens += c.tokens
             capped_tokens += tok
@@ -311,7 +332,7 @@ class MergePolicy:
         if not deltas:
             return None
         rule = self.rule_for(spec)
-        progress = merge_fragment(deltas, weights, rule, self.granularity)
+        progress = merge_fragment(deltas, weights, rule, self.granularity, norms)
         scale = 1.0
         if self.scale == "live" and live_tokens:
             scale = min(1.0, capped_tokens / live_tokens)

@@ -348,7 +348,8 @@ class Synchronizer:
         delta = wire.decode_update(payload, header, spec, self.accepted)
         held = False
         try:
-            n = admission.delta_norm(delta, spec)
+            norms = admission.delta_norms(delta, spec)
+            n = codec.total_norm(norms)
             record = PendingLog.record(payload)
             plog = self.store.pending(p)
             with self.frag_locks[p]:
@@ -371,7 +372,7 @@ class Synchronizer:
                 )
                 ticket = plog.write(payload, record)
                 fs.norms = [*fs.norms, n][-admission.NORM_HISTORY :]
-                self._hold(p, meta, delta, opens=verdict == "fresh")
+                self._hold(p, meta, delta, opens=verdict == "fresh", norms=norms)
                 held = True
                 round_version = fs.version + 1
         finally:
@@ -413,7 +414,12 @@ class Synchronizer:
         return fs.theta_norm
 
     def _hold(
-        self, p: int, meta: UpdateMeta, delta: dict[str, torch.Tensor], opens: bool | None = None
+        self,
+        p: int,
+        meta: UpdateMeta,
+        delta: dict[str, torch.Tensor],
+        opens: bool | None = None,
+        norms: dict[str, float] | None = None,
     ) -> None:
         """Add an accepted update to p's open round (the caller holds p or is starting up)."""
         if opens is None:
@@ -421,7 +427,7 @@ class Synchronizer:
         with self.lock:
             pending = self.rounds.rounds[p].contributions.get(meta.learner_id)
             if pending is None:
-                pending = Contribution.of(meta, delta)
+                pending = Contribution.of(meta, delta, norms)
             else:
                 pending.absorb(meta, delta)
             self.rounds.add(p, meta.learner_id, pending, opens=opens)

@@ -121,3 +121,22 @@ def test_fragment_granularity_switch() -> None:
     flat = torch.cat([whole["a"], whole["b"]])
     assert flat.norm().item() == pytest.approx(1.0, rel=1e-6)
     assert whole["a"].shape == (2,) and whole["b"].shape == (1,)
+
+
+def test_rda_uses_the_norms_admission_measured() -> None:
+    """The merge reuses each single-update contribution's norms (no second pass): the result
+    is the same bits as measuring them again, and a norm given is really the one used."""
+    g = torch.Generator().manual_seed(3)
+    deltas = [torch.randn(1000, generator=g) * s for s in (1.0, 2.0, 0.5)]
+    measured = [float(torch.linalg.vector_norm(d)) for d in deltas]
+    assert torch.equal(rda(deltas, [1.0, 2.0, 3.0], measured), rda(deltas, [1.0, 2.0, 3.0]))
+    assert torch.equal(
+        rda(deltas, [1.0, 2.0, 3.0], [None, *measured[1:]]), rda(deltas, [1.0, 2.0, 3.0])
+    )
+    doubled = rda(deltas, [1.0, 2.0, 3.0], [2 * n for n in measured])
+    assert not torch.allclose(doubled, rda(deltas, [1.0, 2.0, 3.0]))
+    d = {"a": deltas[0], "b": deltas[1]}
+    norms = {"a": measured[0], "b": measured[1]}
+    once = merge_fragment([d, d], [1.0, 1.0], "rda", "tensor", [norms, None])
+    again = merge_fragment([d, d], [1.0, 1.0], "rda", "tensor")
+    assert all(torch.equal(once[k], again[k]) for k in d)
