@@ -188,7 +188,13 @@ def send(client: ApiClient, action: Action, timeout: Timeout) -> None:
         verb = {"create": "create", "replace": "replace", "delete": "delete"}[action.verb]
         _certificate_api(client, verb, ns, name, timeout, body)
         return
-    if action.verb == "patch":  # a JSON patch (a list: the client sends json-patch+json)
+    if action.verb == "patch" and action.kind == "Service":
+        # a JSON merge patch of spec.ports (sync_workload.service_ports_patch): it replaces
+        # the list, where the client's default (strategic merge) would merge it by port
+        assert body is not None
+        kw["_content_type"] = "application/merge-patch+json"
+        core.patch_namespaced_service(name, ns, body["patch"], **kw)
+    elif action.verb == "patch":  # a JSON patch (a list: the client sends json-patch+json)
         assert action.kind == "Pod" and body is not None
         core.patch_namespaced_pod(name, ns, body["patch"], **kw)
     elif action.verb == "create":

@@ -39,6 +39,8 @@ from ddiloco.operator import compute
 from ddiloco.operator.api import DecoupledDiLoCoJob, LearnerGroup
 
 SYNC_PORT: Final = 8470
+SYNC_UPLOAD_PORT: Final = 8471
+"""The synchronizer's upload port (port name "upload"): update bodies only, HTTP/1.1 or HTTPS."""
 LEARNER_METRICS_PORT: Final = 9400
 """Learner and spare pods serve Prometheus metrics here (port name "metrics")."""
 STATE_DIR: Final = "/var/lib/ddiloco"

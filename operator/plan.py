@@ -173,6 +173,9 @@ class Observed:
     statefulset: Mapping[str, Any] | None = None  # the synchronizer StatefulSet as read
     service: bool = False  # the ClusterIP Service exists
     shards_service: bool = False  # the headless Service exists
+    # their spec.ports as read (None: not read); reconcile sets them to what the builder wants
+    service_ports: tuple[Mapping[str, Any], ...] | None = None
+    shards_service_ports: tuple[Mapping[str, Any], ...] | None = None
     # A job made by an operator before the StatefulSet: its claim (`state_claim_name`), which
     # the StatefulSet then mounts, and its Deployment as read, which reconcile deletes first.
     claim: bool = False
@@ -208,7 +211,7 @@ class Action:
     uid: str | None = None  # delete only this incarnation
     grace_seconds: int | None = None  # delete: None keeps the pod's own grace period
     then: Assignment | None = None  # patch of a promoted spare: send this once it is done
-    event: Event | None = None  # ... and post this (never for a patch that was refused)
+    event: Event | None = None  # post this once the action is done (never if it was refused)
 
     def describe(self) -> str:
         return f"{self.verb} {self.kind} {self.target.namespace}/{self.name} in {self.target.label}"

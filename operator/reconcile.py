@@ -333,19 +333,26 @@ def _slot(
 def _synchronizer(
     job: DecoupledDiLoCoJob, obs: Observed, plan: Plan, tls_revision: str | None = None
 ) -> None:
-    """The Services, then the StatefulSet (builders.py). A job made by an operator before
-    the StatefulSet has a Deployment: it is deleted first (foreground: gone only once its pod
-    is), and the StatefulSet that mounts its claim is made after, so one pod at a time writes
-    the state."""
+    """The Services, then the StatefulSet (builders.py). A Service of an older operator gets
+    the ports this one's pods serve (only its ports are patched). A job made by an operator
+    before the StatefulSet has a Deployment: it is deleted first (foreground: gone only once
+    its pod is), and the StatefulSet that mounts its claim is made after, so one pod at a time
+    writes the state."""
     h = home(job)
     if obs.clusters.get(h, ClusterView()).problem is not None:
         return
-    for there, name, build in (
-        (obs.service, builders.synchronizer_name(job), sync_workload.build_synchronizer_service),
-        (obs.shards_service, builders.shards_service_name(job), sync_workload.build_shards_service),
+    for there, ports, build in (
+        (obs.service, obs.service_ports, sync_workload.build_synchronizer_service),
+        (obs.shards_service, obs.shards_service_ports, sync_workload.build_shards_service),
     ):
+        want = build(job)
+        name = want["metadata"]["name"]
         if not there:
-            plan.actions.append(Action("create", h, "Service", name, build(job)))
+            plan.actions.append(Action("create", h, "Service", name, want))
+        elif (patch := sync_workload.service_ports_patch(want, ports)) is not None:
+            wanted = ", ".join(f"{p['name']} {p['port']}" for p in patch["spec"]["ports"])
+            done = Event("Normal", "ServicePortsUpdated", f"Set Service {name}'s ports: {wanted}")
+            plan.actions.append(Action("patch", h, "Service", name, {"patch": patch}, event=done))
     name = builders.synchronizer_name(job)
     old = obs.legacy_deployment
     if old is not None:

@@ -146,7 +146,7 @@ class Runtime:
                 post(event)
             refused: dict[str, tuple[str, str]] = {}
             for action in plan.actions:
-                if action.verb == "patch":  # a hot spare's promotion (spares.py)
+                if action.verb == "patch" and action.kind == "Pod":  # a spare's promotion
                     if self._patch(job, action, logger):
                         if action.then is not None:
                             self._assign(job, obs, [action.then], logger)
@@ -213,6 +213,8 @@ class Runtime:
             statefulset=sts_dict,
             service=service is not None,
             shards_service=headless is not None,
+            service_ports=_ports(h, service),
+            shards_service_ports=_ports(h, headless),
             claim=claim is not None,
             legacy_deployment=as_dict(h, legacy) if legacy is not None else None,
             sync_status=sync_status,
@@ -285,6 +287,8 @@ class Runtime:
             client = self.clusters.client(action.target, job.namespace)
             send(client, action, self.timeout)
             logger.debug("Done: %s", action.describe())
+            if action.event is not None:
+                post(action.event)
             return None
         except ClusterProblem as p:
             why = p.message
@@ -630,6 +634,13 @@ def _foreign(
         f"{builders.LABEL_JOB_UID}={job.uid}); the operator neither uses nor changes it. "
         f"Delete or rename it, or rename the job"
     )
+
+
+def _ports(client: ApiClient, service: Any) -> tuple[dict[str, Any], ...] | None:
+    """A Service's spec.ports as the API sends them (camelCase), or None without a Service."""
+    if service is None:
+        return None
+    return tuple((as_dict(client, service).get("spec") or {}).get("ports") or ())
 
 
 def _job_for_cleanup(body: dict[str, Any]) -> ddapi.DecoupledDiLoCoJob:

@@ -10,10 +10,16 @@ for shard i (DDILOCO_SHARD from the pod-index label), each with its own state cl
 `state-<job>-synchronizer-<i>` (volumeClaimTemplates, deleted with the StatefulSet); a job made
 before the StatefulSet keeps its claim `<job>-synchronizer-state` (`legacy_claim`). See
 builders.py's docstring for the Services' roles.
+
+Each pod, and both Services, have two ports: "http" (SYNC_PORT: every call, HTTP/2 or 1.1) and
+"upload" (SYNC_UPLOAD_PORT, DDILOCO_UPLOAD_PORT: update bodies only, HTTP/1.1), which learners
+learn at join and reach at their URL's host, falling back to "http" when they cannot. A
+Service made by an older operator gets the ports it lacks (`service_ports_patch`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from ddiloco.operator.api import DecoupledDiLoCoJob
@@ -27,6 +33,7 @@ from ddiloco.operator.builders import (
     STATE_DIR,
     STATE_TEMPLATE,
     SYNC_PORT,
+    SYNC_UPLOAD_PORT,
     _env,
     _files,
     _metadata,
@@ -38,15 +45,28 @@ from ddiloco.operator.builders import (
 )
 
 
-def _sync_port(job: DecoupledDiLoCoJob) -> dict[str, Any]:
-    return {
-        "name": "http",
-        "port": SYNC_PORT,
-        "targetPort": "http",
-        "protocol": "TCP",
-        # HTTPS (h2 by ALPN) with TLS on, else HTTP/2 cleartext
-        "appProtocol": "https" if job.spec.synchronizer.tls.enabled else "kubernetes.io/h2c",
-    }
+def _sync_ports(job: DecoupledDiLoCoJob) -> list[dict[str, Any]]:
+    """Both Services' ports: the main one, and the upload port (learners reach it at their
+    URL's host, so a Service without it would leave them on the main port)."""
+    tls = job.spec.synchronizer.tls.enabled
+    return [
+        {
+            "name": "http",
+            "port": SYNC_PORT,
+            "targetPort": "http",
+            "protocol": "TCP",
+            # HTTPS (h2 by ALPN) with TLS on, else HTTP/2 cleartext
+            "appProtocol": "https" if tls else "kubernetes.io/h2c",
+        },
+        {
+            "name": "upload",
+            "port": SYNC_UPLOAD_PORT,
+            "targetPort": "upload",
+            "protocol": "TCP",
+            # HTTP/1.1 only (a thread per connection, bulk.py), over TLS with it on: never h2c
+            "appProtocol": "https" if tls else "http",
+        },
+    ]
 
 
 def _sync_selector(job: DecoupledDiLoCoJob) -> dict[str, str]:
@@ -64,7 +84,7 @@ def build_synchronizer_service(job: DecoupledDiLoCoJob) -> dict[str, Any]:
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(job, synchronizer_name(job), "synchronizer", job.namespace),
-        "spec": {"type": "ClusterIP", "selector": selector, "ports": [_sync_port(job)]},
+        "spec": {"type": "ClusterIP", "selector": selector, "ports": _sync_ports(job)},
     }
 
 
@@ -80,9 +100,41 @@ def build_shards_service(job: DecoupledDiLoCoJob) -> dict[str, Any]:
             "clusterIP": "None",
             "publishNotReadyAddresses": False,
             "selector": _sync_selector(job),
-            "ports": [_sync_port(job)],
+            "ports": _sync_ports(job),
         },
     }
+
+
+SERVICE_PORT_FIELDS: Final = ("name", "port", "targetPort", "protocol", "appProtocol")
+"""What `service_ports_patch` compares of each port (the apiserver fills in others: nodePort)."""
+
+
+def service_ports_patch(
+    want: Mapping[str, Any], have: Sequence[Mapping[str, Any]] | None
+) -> dict[str, Any] | None:
+    """The JSON merge patch (RFC 7386) that sets an existing Service's spec.ports (`have`, as
+    read) to those of `want` (a built Service), or None when they already match on
+    SERVICE_PORT_FIELDS, in order, or were not read (None).
+
+    A merge patch replaces the list whole, so the Service ends with exactly the wanted ports;
+    a strategic merge patch would merge them by `port`, keeping a port no longer wanted and
+    the fields of an old entry that the new one leaves out. Nothing else of the Service is
+    touched (clusterIP, type, selector). A nodePort the Service has for a wanted (port,
+    protocol) is kept, so that one made a NodePort by hand keeps it."""
+    if have is None:
+        return None
+    ports = [dict(p) for p in want["spec"]["ports"]]
+    if _port_fields(have) == _port_fields(ports):
+        return None
+    node_ports = {(p.get("port"), p.get("protocol") or "TCP"): p.get("nodePort") for p in have}
+    for p in ports:
+        if node_port := node_ports.get((p["port"], p.get("protocol") or "TCP")):
+            p["nodePort"] = node_port
+    return {"spec": {"ports": ports}}
+
+
+def _port_fields(ports: Sequence[Mapping[str, Any]]) -> list[tuple[Any, ...]]:
+    return [tuple(p.get(k) for k in SERVICE_PORT_FIELDS) for p in ports]
 
 
 def _claim_spec(job: DecoupledDiLoCoJob) -> dict[str, Any]:
@@ -123,6 +175,7 @@ def build_synchronizer_statefulset(
                 "DDILOCO_HOST": "0.0.0.0",
                 "DDILOCO_STATE_DIR": STATE_DIR,
                 "DDILOCO_PORT": SYNC_PORT,
+                "DDILOCO_UPLOAD_PORT": SYNC_UPLOAD_PORT,
                 "DDILOCO_QUORUM": sync.quorum,
                 "DDILOCO_GRACE_GAMMA": sync.grace_gamma,
                 "DDILOCO_GRACE_CAP_STEPS": sync.grace_cap_steps,
@@ -154,7 +207,10 @@ def build_synchronizer_statefulset(
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["ddiloco", "synchronizer"],
         "env": env,
-        "ports": [{"name": "http", "containerPort": SYNC_PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": "http", "containerPort": SYNC_PORT, "protocol": "TCP"},
+            {"name": "upload", "containerPort": SYNC_UPLOAD_PORT, "protocol": "TCP"},
+        ],
         # Liveness counts only once the port first answers: loading the state and replaying
         # the pending log of a large model takes minutes, and a busy 2-core node took over the
         # liveness budget (60 s) to start one, which the kubelet then killed in a loop.

@@ -56,8 +56,16 @@ def test_three_cluster_example_becomes_ready(cl: h.Clusters, operator: h.Operato
     # the token as a mounted file (it rotates without a restart); TLS: test_operator_tls.py
     assert env["DDILOCO_TOKEN_FILE"].value == "/var/run/ddiloco/token/token"
     assert "DDILOCO_TOKEN" not in env
+    assert env["DDILOCO_UPLOAD_PORT"].value == "8471"  # the upload port, HTTP/1.1 over TLS
+    assert [(p.name, p.container_port) for p in container.ports] == [
+        ("http", 8470),
+        ("upload", 8471),
+    ]
     svc = cl.core().read_namespaced_service("three-regions-synchronizer", cl.ns)
-    assert [(p.name, p.port, p.app_protocol) for p in svc.spec.ports] == [("http", 8470, "https")]
+    assert [(p.name, p.port, p.app_protocol) for p in svc.spec.ports] == [
+        ("http", 8470, "https"),
+        ("upload", 8471, "https"),
+    ]
     claim = cl.core().read_namespaced_persistent_volume_claim(
         "state-three-regions-synchronizer-0", cl.ns
     )  # the StatefulSet's, for its shard 0

@@ -11,7 +11,9 @@ python tests/integration/k8senv.py build          # once per machine
   apply`), and bad values (shards 0, encoding int3, one syncUrl for 2 shards), each with its
   message;
 - a job an older operator made (a Deployment and claim `<job>-synchronizer-state`) is moved
-  to a StatefulSet that mounts the same claim.
+  to a StatefulSet that mounts the same claim;
+- Services an older operator made with the "http" port only get the "upload" port (a patch
+  of their ports, clusterIP kept), and a settled job's Services are not written again.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import operator_helpers as h
 import pytest
 from kubernetes.client.exceptions import ApiException
 from operator_helpers import cl_fixture, crd_fixture, operator_fixture  # noqa: F401  (fixtures)
+from prometheus_client.parser import text_string_to_metric_families
 
 from ddiloco.operator import api
 
@@ -60,6 +63,7 @@ def test_two_shards_are_a_statefulset_with_a_headless_service_and_a_claim_each(
     assert sts.spec.persistent_volume_claim_retention_policy.when_deleted == "Delete"
     env = env_of(sts.spec.template.spec.containers[0])
     assert (env["DDILOCO_SHARDS"], env["DDILOCO_UPDATE_ENCODINGS"]) == ("2", "int4")
+    assert env["DDILOCO_UPLOAD_PORT"] == "8471"
     assert env["DDILOCO_SHARD"].field_ref.field_path == f"metadata.labels['{POD_INDEX}']"
     pods = (
         cl.core()
@@ -79,6 +83,11 @@ def test_two_shards_are_a_statefulset_with_a_headless_service_and_a_claim_each(
     assert not headless.spec.publish_not_ready_addresses
     service = cl.core().read_namespaced_service(sync, cl.ns)
     assert service.spec.selector[POD_INDEX] == "0"  # the ClusterIP Service: shard 0 only
+    for svc in (headless, service):  # the upload port beside the main one (plain HTTP/1.1)
+        assert [(p.name, p.port, p.target_port, p.app_protocol) for p in svc.spec.ports] == [
+            ("http", 8470, "http", "kubernetes.io/h2c"),
+            ("upload", 8471, "upload", "http"),
+        ]
     for i in range(2):
         claim = cl.core().read_namespaced_persistent_volume_claim(f"state-{sync}-{i}", cl.ns)
         assert claim.status.phase == "Bound"
@@ -286,3 +295,71 @@ def test_an_older_operators_deployment_becomes_a_statefulset_on_the_same_claim(
         )
     finally:
         op.stop()
+
+
+def reconciles(op: h.Operator, namespace: str, job: str) -> float:
+    """How many reconciles of the job the operator finished (its /metrics)."""
+    ours = {"namespace": namespace, "job": job, "result": "ok"}
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(op.scrape())
+        for s in f.samples
+        if s.name == "ddiloco_operator_reconciles_total" and ours.items() <= s.labels.items()
+    )
+
+
+def ports_of(svc: Any) -> list[tuple[str, int, Any, str]]:
+    return [(p.name, p.port, p.target_port, p.app_protocol) for p in svc.spec.ports]
+
+
+def test_services_of_an_older_operator_get_the_upload_port(
+    cl: h.Clusters, operator: h.Operator
+) -> None:
+    body = h.job_manifest("ports", [{"name": "a", "replicas": 1}])
+    body["spec"]["synchronizer"]["tls"] = {"enabled": False}
+    job = h.create_job(cl, body)
+    h.wait_condition(cl, job, "SynchronizerReady", timeout=60)
+    names = [f"{job}-synchronizer", f"{job}-synchronizer-shards"]
+    want = [("http", 8470, "http", "kubernetes.io/h2c"), ("upload", 8471, "upload", "http")]
+    core = cl.core()
+    # An operator before the upload port made both Services with "http" only: stop this one,
+    # take "upload" out of them, then start it again, as an upgrade does. The headless one
+    # also gets a port nobody wants, which must go (the ports are replaced, not merged).
+    operator.stop()
+    stale = {"name": "stale", "port": 9000, "targetPort": 9000, "protocol": "TCP"}
+    before = {}
+    for name in names:
+        assert ports_of(core.read_namespaced_service(name, cl.ns)) == want
+        drop: list[dict[str, Any]] = [
+            {"op": "test", "path": "/spec/ports/1/name", "value": "upload"},
+            {"op": "remove", "path": "/spec/ports/1"},
+        ]
+        if name.endswith("-shards"):
+            drop.append({"op": "add", "path": "/spec/ports/-", "value": stale})
+        before[name] = core.patch_namespaced_service(name, cl.ns, drop)  # a JSON patch
+        assert ports_of(before[name])[0] == want[0] and len(before[name].spec.ports) <= 2
+    operator.start()
+
+    def patched() -> dict[str, Any] | None:
+        got = {name: core.read_namespaced_service(name, cl.ns) for name in names}
+        return got if all(ports_of(svc) == want for svc in got.values()) else None
+
+    after = k8senv.wait_until("the upload port on both Services", patched, timeout=30)
+    for name in names:
+        old, new = before[name].spec, after[name].spec
+        assert after[name].metadata.uid == before[name].metadata.uid  # patched, not re-created
+        assert (new.cluster_ip, new.cluster_ips, new.type, new.selector) == (
+            old.cluster_ip,
+            old.cluster_ips,
+            old.type,
+            old.selector,
+        )
+    events = core.list_namespaced_event(cl.ns, field_selector=f"involvedObject.name={job}")
+    assert "ServicePortsUpdated" in {e.reason for e in events.items}
+    # settled: the reconciles that follow (one each RESYNC_S) write neither Service again
+    done = reconciles(operator, cl.ns, job)
+    k8senv.wait_until("3 more reconciles", lambda: reconciles(operator, cl.ns, job) >= done + 3)
+    for name in names:
+        again = core.read_namespaced_service(name, cl.ns)
+        assert again.metadata.resource_version == after[name].metadata.resource_version, name
+    assert "Could not patch" not in operator.log.read_text(errors="replace")

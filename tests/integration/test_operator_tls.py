@@ -196,8 +196,8 @@ def test_the_job_gets_its_ca_certificates_and_mounts_everywhere(
     }
     assert pod_spec.containers[0].readiness_probe.tcp_socket is not None  # kubelet: no client cert
     assert dep.spec.template.metadata.annotations["ddiloco.dev/tls-revision"]
-    (port,) = cl.core().read_namespaced_service(svc, cl.ns).spec.ports
-    assert port.app_protocol == "https"
+    ports = cl.core().read_namespaced_service(svc, cl.ns).spec.ports
+    assert [(p.name, p.app_protocol) for p in ports] == [("http", "https"), ("upload", "https")]
 
     # deleting the job removes the copies in the region too (no owner references there)
     h.delete_jobs(cl, operator)

@@ -327,12 +327,13 @@ def test_the_synchronizer_reads_what_the_operator_meant(
 ) -> None:
     settings, container = sync_settings(monkeypatch, job)
     sync, t = job.spec.synchronizer, job.spec.training
-    (port,) = container["ports"]
+    ports = {p["name"]: p for p in container["ports"]}
+    assert sorted(ports) == ["http", "upload"]
     (mount,) = [m for m in container["volumeMounts"] if m["name"] == "state"]
-    svc = sync_workload.build_synchronizer_service(job)["spec"]["ports"][0]
     want = {
         "host": "0.0.0.0",
-        "port": port["containerPort"],
+        "port": ports["http"]["containerPort"],
+        "upload_port": ports["upload"]["containerPort"],  # the upload listener is on
         "state_dir": Path(mount["mountPath"]),
         "quorum": sync.quorum,
         "grace_gamma": sync.grace_gamma,
@@ -350,7 +351,11 @@ def test_the_synchronizer_reads_what_the_operator_meant(
     }
     assert {k: getattr(settings, k) for k in want} == want
     assert settings.bearer_token() == TOKEN
-    assert svc["targetPort"] == port["name"] and svc["port"] == settings.port
+    # both Services send each of their ports to the container port the synchronizer serves it on
+    for build in (sync_workload.build_synchronizer_service, sync_workload.build_shards_service):
+        svc = {p["name"]: p for p in build(job)["spec"]["ports"]}
+        got = {name: (p["targetPort"], p["port"]) for name, p in svc.items()}
+        assert got == {"http": ("http", settings.port), "upload": ("upload", settings.upload_port)}
 
 
 def test_the_jobs_set_no_value_to_a_default() -> None:

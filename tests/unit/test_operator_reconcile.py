@@ -9,6 +9,7 @@ the operator does between two passes.
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -98,9 +99,12 @@ def observe(
     remote: ClusterView | None = None,
     available: bool = True,
     sync: dict[str, Any] | None = SYNC_ANSWER,
+    service_ports: tuple[dict[str, Any], ...] | None = None,
 ) -> Observed:
+    """`service_ports`: both Services' ports as read; by default those the builders make."""
     sts = sync_workload.build_synchronizer_statefulset(job)
     sts["status"] = {"availableReplicas": 1 if available else 0}
+    built = tuple(sync_workload.build_synchronizer_service(job)["spec"]["ports"])
     return Observed(
         now=now,
         clusters={
@@ -110,6 +114,8 @@ def observe(
         statefulset=sts,
         service=True,
         shards_service=True,
+        service_ports=built if service_ports is None else service_ports,
+        shards_service_ports=built if service_ports is None else service_ports,
         sync_status=sync,
     )
 
@@ -211,6 +217,58 @@ def test_transition_time_moves_only_when_status_flips() -> None:
     after = c.get(job.status.conditions, c.READY)
     assert after is not None and first is not None
     assert after.last_transition_time != first.last_transition_time
+
+
+def as_read(ports: list[dict[str, Any]], **extra: Any) -> tuple[dict[str, Any], ...]:
+    """Service ports as the apiserver answers them: what was sent, and fields it fills in."""
+    return tuple({**p, **extra} for p in ports)
+
+
+def test_services_of_an_older_operator_get_the_upload_port_by_a_ports_patch() -> None:
+    job = make_job()
+    built = sync_workload.build_synchronizer_service(job)["spec"]["ports"]
+    assert [p["name"] for p in built] == ["http", "upload"]
+    old = tuple(p for p in built if p["name"] == "http")  # an operator before the upload port's
+    job, plan = step(job, observe(job, *healthy_pods(), service_ports=old))
+    assert verbs(plan) == [
+        ("patch", "Service", "tiny-synchronizer"),
+        ("patch", "Service", "tiny-synchronizer-shards"),
+    ]
+    for action in plan.actions:
+        # spec.ports only, the whole wanted list (a merge patch replaces it): never the
+        # clusterIP, type or selector of a Service that exists
+        assert action.target == home(job) and action.body == {"patch": {"spec": {"ports": built}}}
+        assert action.event is not None and action.event.reason == "ServicePortsUpdated"
+        assert action.event.message.endswith("ports: http 8470, upload 8471")
+    assert plan.events == []  # each patch's event is posted once it is done
+    # ports as the apiserver reads them back (nodePort and the like are not compared): no write
+    again = observe(job, *healthy_pods(), service_ports=as_read(built, nodePort=None))
+    assert step(job, again)[1].actions == []
+    # not read (None): nothing to compare, nothing sent
+    unread = dataclasses.replace(again, service_ports=None, shards_service_ports=None)
+    assert step(job, unread)[1].actions == []
+
+
+def test_service_ports_patch_gives_exactly_the_wanted_list() -> None:
+    job = make_job()
+    want = sync_workload.build_synchronizer_service(job)
+    built = want["spec"]["ports"]
+    http, upload = built
+    patch = sync_workload.service_ports_patch
+    assert patch(want, as_read(built)) is None
+    assert patch(want, None) is None
+    # a stale port goes, the missing one comes, the order is the builder's
+    stale = {"name": "old", "port": 9000, "targetPort": 9000, "protocol": "TCP"}
+    for have in ([http, stale], [upload, http], [], [http, upload, stale]):
+        assert patch(want, have) == {"spec": {"ports": built}}, have
+    # every compared field counts: TLS turned on makes both ports' appProtocol https
+    tls = make_job(synchronizer={"tls": {"enabled": True}})
+    got = patch(sync_workload.build_synchronizer_service(tls), as_read(built))
+    assert got is not None and [p["appProtocol"] for p in got["spec"]["ports"]] == ["https"] * 2
+    assert patch(want, [{**http, "targetPort": 8470}, upload]) == {"spec": {"ports": built}}
+    # a nodePort the Service has (one made a NodePort by hand) stays with its port
+    got = patch(want, [{**http, "nodePort": 30470}])
+    assert got == {"spec": {"ports": [{**http, "nodePort": 30470}, upload]}}
 
 
 def test_evicted_pod_is_replaced_in_its_slot_and_counted_once() -> None:

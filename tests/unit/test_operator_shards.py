@@ -75,6 +75,12 @@ def test_two_shards_are_a_statefulset_of_two_with_a_claim_each() -> None:
     (ctr,) = spec["template"]["spec"]["containers"]
     e = env(ctr)
     assert e["DDILOCO_SHARDS"] == "2" and e["DDILOCO_UPDATE_ENCODINGS"] == "int4"
+    # every shard serves the upload port too (learners reach it at their shard's host)
+    assert e["DDILOCO_UPLOAD_PORT"] == str(builders.SYNC_UPLOAD_PORT) == "8471"
+    assert ctr["ports"] == [
+        {"name": "http", "containerPort": builders.SYNC_PORT, "protocol": "TCP"},
+        {"name": "upload", "containerPort": builders.SYNC_UPLOAD_PORT, "protocol": "TCP"},
+    ]
     assert e["DDILOCO_SHARD"] == {
         "fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}
     }
@@ -113,6 +119,10 @@ def test_the_services_of_a_sharded_synchronizer() -> None:
         builders.LABEL_POD_INDEX
         not in sync_workload.build_synchronizer_service(make_job(1))["spec"]["selector"]
     )  # S = 1: the Service an older operator made, unchanged
+    # both name the main port and the upload port (a learner's shard host, on either)
+    for spec in (headless, svc):
+        got = [(p["name"], p["port"], p["targetPort"]) for p in spec["ports"]]
+        assert got == [("http", 8470, "http"), ("upload", 8471, "upload")]
 
 
 def test_the_certificate_names_every_shard() -> None:

@@ -191,13 +191,14 @@ def test_tls_is_on_by_default_and_the_service_url_is_https() -> None:
     tls = job.spec.synchronizer.tls
     assert (tls.enabled, tls.issuer, tls.mutual) == (True, "operator", False)
     assert builders.synchronizer_service_url(job) == "https://tj-synchronizer.ns.svc:8470"
-    svc = sync_workload.build_synchronizer_service(job)
-    assert svc["spec"]["ports"][0]["appProtocol"] == "https"
     off = make_job(tls={"enabled": False})
     assert builders.synchronizer_service_url(off).startswith("http://")
-    assert sync_workload.build_synchronizer_service(off)["spec"]["ports"][0]["appProtocol"] == (
-        "kubernetes.io/h2c"
-    )
+    # the main port speaks h2c without TLS; the upload port HTTP/1.1 only, never h2c
+    for build in (sync_workload.build_synchronizer_service, sync_workload.build_shards_service):
+        protocols = {p["name"]: p["appProtocol"] for p in build(job)["spec"]["ports"]}
+        assert protocols == {"http": "https", "upload": "https"}
+        protocols = {p["name"]: p["appProtocol"] for p in build(off)["spec"]["ports"]}
+        assert protocols == {"http": "kubernetes.io/h2c", "upload": "http"}
 
 
 def remote_group(url: str, **extra: Any) -> dict[str, Any]:
