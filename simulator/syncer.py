@@ -48,15 +48,16 @@ def bytes_per_value(encoding: str, block: int = DEFAULT_BLOCK) -> float:
 @dataclass(frozen=True, kw_only=True)
 class SyncerConfig:
     shard_gbps: dict[str, float] = field(
-        default_factory=lambda: {"bf16": 0.119, "int8": 0.093, "int4": 0.052}
+        default_factory=lambda: {"bf16": 0.348, "int8": 0.213, "int4": 0.100}
     )
     """Update bytes one shard ingests per second, GB/s, by encoding (bench/sync_ingest.py,
-    one shard). The default is this project's measurement on its 2-core machine after issue
-    15's ingest work, the three encodings side by side in one run (HTTP/1.1, the learners'
-    bulk path; M = 16, 64M parameters, state on disk; bench/RESULTS.md "Synchronizer ingest
-    after issue 15's work"): bf16 0.119 GB/s (0.077 before), int8 0.093, int4 0.052 of wire
-    bytes (1.5x and 1.6x bf16's updates per second: their decode costs more per wire byte).
-    Measure on the target machine and pass --shard-gbps."""
+    one shard). The default is this project's measurement on its 2-core machine with the
+    upload port (bench/RESULTS.md "Synchronizer ingest: group commit and the upload port"),
+    the three encodings side by side in one run (HTTP/1.1 into the upload port, the learners'
+    path; M = 16 clients on the same cores, 64M parameters, state on disk): bf16 0.348 GB/s
+    (0.119 before the group commit and the upload port, 0.077 at the start of issue 15),
+    int8 0.213, int4 0.100 of wire bytes (1.2x and 1.1x bf16's updates per second: their
+    decode costs more per wire byte). Measure on the target machine and pass --shard-gbps."""
     max_shards: int = 64
     round_fraction: float = 0.25
     """Share of tau x step a round's ingest may take (the issue's goal for the merge path)."""
