@@ -185,7 +185,8 @@ class LearnerConfig(BaseSettings):
     """Values per scale of the int8 / int4 encodings (even). 128 (bench/RESULTS.md, issue 15):
     a float32 scale per 128 values costs 3% of int8's bytes and 6% of int4's."""
     upload_http2: bool = False
-    """Send fragment uploads over HTTP/2 (h2c) instead of HTTP/1.1 on the same port. Control
+    """Send fragment uploads over HTTP/2 (h2c) to the main port instead of HTTP/1.1 to the
+    upload port (`upload_url`). Control
     calls (long-poll heartbeats, downloads) always use HTTP/2. uvicorn's zttp advertises a fixed
     64 KiB receive window, which halves bulk upload throughput against HTTP/1.1 on the same
     server (bench/http2_upload.py: 0.11 vs 0.23 GB/s for 64 MiB on the 2-core machine)."""

@@ -20,8 +20,11 @@ httptools) spends 2.4-2.5 CPU s per GB of HTTP/1.1, hypercorn 3.0, granian 1.0; 
 synchronizer's own work per GB is several times that, so the server is not what bounds
 ingest yet, and granian would need the TLS/mTLS path redone. HTTP/2 bulk uploads reach
 under half of HTTP/1.1 on every server measured (zttp's fixed 64 KiB window; granian's
-h2 0.3x even with 16 MiB windows), so learners upload over HTTP/1.1 on the same port
-(`LearnerConfig.upload_http2` False) and keep HTTP/2 for heartbeats and downloads.
+h2 0.3x even with 16 MiB windows), so learners upload over HTTP/1.1
+(`LearnerConfig.upload_http2` False) and keep HTTP/2 for heartbeats and downloads. Since
+2026-12-03 those uploads go to `--upload-port` (bulk.py), a thread per connection reading
+each body straight into its buffer: 0.26 CPU s per GB where uvicorn spends 2.2, which took
+bf16 ingest from 0.275 to 0.348 GB/s in the same run (bench/RESULTS.md).
 """
 
 from __future__ import annotations
