@@ -33,6 +33,7 @@ import re
 import socket
 import ssl
 import threading
+import time
 from collections import Counter
 from http import HTTPStatus
 from typing import Any, Final
@@ -234,9 +235,12 @@ class UploadServer:
                 conn.close()
 
     def _read_head(self, conn: socket.socket, pending: bytes) -> tuple[bytes | None, bytes]:
-        """The next request's head, and what followed it; (None, b"") at a clean end."""
+        """The next request's head, and what followed it; (None, b"") at a clean end, after
+        `IDLE_S` without a first byte, or when the head is not whole `body_timeout_s` after
+        its first byte (a head sent a byte at a time holds no thread for long)."""
         buf = bytearray(pending)
-        conn.settimeout(IDLE_S if not buf else self.settings.body_timeout_s)
+        limit = self.settings.body_timeout_s
+        deadline = time.monotonic() + limit if buf else None
         chunk = bytearray(16 << 10)
         while True:
             end = buf.find(b"\r\n\r\n")
@@ -246,14 +250,19 @@ class UploadServer:
                 return bytes(buf[:end]), bytes(buf[end + 4 :])
             if len(buf) > MAX_HEAD:
                 break
+            left = IDLE_S if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                return None, b""
+            conn.settimeout(left)
             try:
                 n = conn.recv_into(chunk)
             except TimeoutError:
-                return None, b""  # idle (or a head that stalled): close quietly
+                return None, b""  # idle, or a head that stalled: close quietly
             if n == 0:
                 return None, b""
             buf += chunk[:n]
-            conn.settimeout(self.settings.body_timeout_s)
+            if deadline is None:
+                deadline = time.monotonic() + limit
         detail = f"request head over {MAX_HEAD} bytes"
         self._send(conn, 431, error_body("request_header_fields_too_large", detail), close=True)
         return None, b""

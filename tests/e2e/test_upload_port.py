@@ -12,6 +12,7 @@ a served fragment; the one good update merges once, and its re-send is a duplica
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -167,3 +168,29 @@ def test_a_good_update_merges_once_over_the_upload_port(up: Uploads) -> None:
     # the one update of 0.1 through the outer Nesterov step (lr 0.7, mu 0.9), served in bf16
     assert torch.allclose(moved, torch.full_like(moved, 0.7 * 1.9 * 0.1), atol=0.01)
     assert up.client.status().merges == merges + 1
+
+
+def test_a_head_sent_a_byte_at_a_time_is_cut_off(up: Uploads) -> None:
+    """The head must be whole within the body timeout of its first byte: a client trickling
+    it cannot hold one of the port's threads (while an idle keep-alive may wait longer)."""
+    text = head("POST", UPDATE, Content_Length="64").encode()
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", up.upload), timeout=10) as sock:
+        closed = False
+        for byte in text:
+            try:
+                sock.sendall(bytes([byte]))
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+            time.sleep(0.2)
+            if time.monotonic() - t0 > BODY_TIMEOUT_S + 3.0:
+                break
+        if not closed:
+            sock.settimeout(5)
+            with contextlib.suppress(ConnectionResetError):
+                assert sock.recv(1) == b""
+    assert time.monotonic() - t0 < BODY_TIMEOUT_S + 3.0
+    with up.raw(head("GET", UPDATE)) as sock:  # and the port serves the next one
+        status, _, body = answer(sock)
+    refused(status, body, 405, "method_not_allowed")
