@@ -104,7 +104,8 @@ RUN pip install --no-deps /tmp/wheels/*.whl \
 ENV HOME=/home/ddiloco
 USER 10001:10001
 WORKDIR /home/ddiloco
-# The synchronizer's port (h2c and HTTP/1.1) and the operator's liveness port.
-EXPOSE 8470 8080 9400
+# The synchronizer's port (h2c and HTTP/1.1), its upload port (HTTP/1.1 update bodies,
+# synchronizer/bulk.py) and the operator's liveness port.
+EXPOSE 8470 8471 8080 9400
 ENTRYPOINT ["ddiloco"]
 CMD ["--help"]
