@@ -148,6 +148,7 @@ class UploadServer:
         self.busy = 0
         """Requests between their head and their answer (`close` waits for them)."""
         self.cond = threading.Condition()
+        self.counting = threading.Lock()
         self.closing = False
         self.thread: threading.Thread | None = None
 
@@ -269,7 +270,8 @@ class UploadServer:
 
     def _handle(self, conn: socket.socket, head: bytes, rest: bytes) -> tuple[bool, bytes]:
         """Answer one request; (keep the connection, bytes already read past its body)."""
-        self.protocols[(self.scheme, "1.1")] += 1  # as the main port's middleware counts
+        with self.counting:  # += on a Counter is not atomic across threads
+            self.protocols[(self.scheme, "1.1")] += 1  # as the main port's middleware counts
         try:
             req = parse_head(head, rest)
             p, body, rest = self._body(conn, req)
@@ -297,7 +299,8 @@ class UploadServer:
         return not close, rest
 
     def _send(self, conn: socket.socket, status: int, body: bytes, **headers: Any) -> None:
-        self.answers[(self.scheme, str(status))] += 1
+        with self.counting:
+            self.answers[(self.scheme, str(status))] += 1
         conn.sendall(response(status, body, **headers))
 
     @property
