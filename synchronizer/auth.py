@@ -41,6 +41,13 @@ def token_matches(given: str, accepted: Sequence[str]) -> bool:
     return ok and bool(given)
 
 
+def bearer_matches(authorization: str, tokens: Tokens) -> bool:
+    """True when an Authorization header value is `Bearer <one of the accepted tokens>`
+    (the main port's routes and the upload port check it alike)."""
+    scheme, _, given = authorization.partition(" ")
+    return scheme.lower() == "bearer" and token_matches(given.strip(), tokens.accepted())
+
+
 class StaticTokens:
     """A token fixed for the life of the process (DDILOCO_TOKEN)."""
 

@@ -38,7 +38,7 @@ from collections import Counter
 from http import HTTPStatus
 from typing import Any, Final
 
-from ddiloco.synchronizer.auth import Tokens, token_matches
+from ddiloco.synchronizer.auth import Tokens, bearer_matches
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.errors import Refusal, SyncError
 from ddiloco.synchronizer.protocol import API_PREFIX
@@ -107,7 +107,10 @@ def parse_head(head: bytes, rest: bytes) -> Request:
 
 
 def response(status: int, body: bytes, *, close: bool, **headers: str) -> bytes:
-    reason = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Error"
+    try:
+        reason = HTTPStatus(status).phrase
+    except ValueError:
+        reason = "Error"
     lines = [
         f"HTTP/1.1 {status} {reason}",
         "content-type: application/json",
@@ -323,8 +326,7 @@ class UploadServer:
             )
         if req.method != "POST":
             raise Refused(405, "method_not_allowed", "only POST here", close=True, allow="POST")
-        scheme, _, given = req.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token_matches(given.strip(), self.tokens.accepted()):
+        if not bearer_matches(req.headers.get("authorization", ""), self.tokens):
             raise Refused(
                 401,
                 Refusal.UNAUTHORIZED,

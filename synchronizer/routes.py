@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Message, Receive
 
-from ddiloco.synchronizer.auth import Tokens, token_matches
+from ddiloco.synchronizer.auth import Tokens, bearer_matches
 from ddiloco.synchronizer.errors import Refusal, SyncError
 from ddiloco.synchronizer.protocol import (
     API_PREFIX,
@@ -178,8 +178,7 @@ SyncDep = Annotated[Synchronizer, Depends(get_sync)]
 
 async def require_token(request: Request) -> None:
     tokens: Tokens = request.app.state.tokens
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token_matches(given.strip(), tokens.accepted()):
+    if not bearer_matches(request.headers.get("authorization", ""), tokens):
         raise SyncError(Refusal.UNAUTHORIZED, "missing or wrong bearer token")
 
 
