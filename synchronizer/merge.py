@@ -17,10 +17,11 @@ into new tensors (the inputs stay as they were), and refuses (raises `NonFiniteM
 result that is not finite everywhere.
 
 Speed (issue 15): one pass per operation over each tensor, in place where the inputs allow,
-the outer gradient's sign folded into the step (no negated copy of any contribution), the
-results written into buffers of `buffers.POOL` (no page faults per merge), and finiteness
-read from one reduction (`torch.aminmax`: NaN and Inf survive it) instead of a boolean
-tensor the size of the fragment.
+the outer gradient's sign and `merge_scale` folded into the average's weights (no negated
+or scaled copy of anything), an outer step of three `torch.add`s, the results written into
+buffers of `buffers.POOL` (no page faults per merge), and finiteness read from one
+reduction over Theta' (`torch.aminmax`: NaN and Inf survive it; b' reaches Theta' when
+lr > 0) instead of a boolean tensor the size of the fragment.
 """
 
 from __future__ import annotations
@@ -76,12 +77,15 @@ def _zeros(like: torch.Tensor) -> torch.Tensor:
     return POOL.take(like.shape).zero_()
 
 
-def weighted_mean(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """sum_m w_m delta_m / sum_m w_m (a new float32 tensor)."""
+def weighted_mean(
+    deltas: Sequence[torch.Tensor], weights: Sequence[float], scale: float = 1.0
+) -> torch.Tensor:
+    """scale * sum_m w_m delta_m / sum_m w_m (a new float32 tensor; `scale` folded into
+    the weights, no pass of its own)."""
     out = _zeros(deltas[0])
     for d, w in zip(deltas, _normalized(weights), strict=True):
         if w:
-            out.add_(d.float(), alpha=w)
+            out.add_(d.float(), alpha=w * scale)
     return out
 
 
@@ -89,14 +93,16 @@ def rda(
     deltas: Sequence[torch.Tensor],
     weights: Sequence[float],
     norms: Sequence[float | None] | None = None,
+    scale: float = 1.0,
 ) -> torch.Tensor:
     """Radial-directional averaging: mean length times the direction of the mean direction.
 
-        r = sum w ||d|| / sum w;   u = sum w d/||d|| / sum w;   result = r * u / ||u||
+        r = sum w ||d|| / sum w;   u = sum w d/||d|| / sum w;   result = scale * r * u / ||u||
 
     Equal-norm inputs keep their norm whatever their number; identical directions give
     the weighted mean. If the directions cancel (||u|| ~ 0) it falls back to the mean.
     `norms[i]`, when given and not None, is ||deltas[i]|| already measured (admission's).
+    `scale` (the merge's sign and `merge_scale`) rides on the final multiplication.
     """
     ws = _normalized(weights)
     known = list(norms) if norms is not None else [None] * len(deltas)
@@ -113,8 +119,8 @@ def rda(
     dn = float(torch.linalg.vector_norm(direction))
     if dn <= 1e-6 * max(radius, _EPS) or dn <= _EPS:
         POOL.give([direction])
-        return weighted_mean(deltas, weights)
-    return direction.mul_(radius / dn)
+        return weighted_mean(deltas, weights, scale)
+    return direction.mul_(scale * radius / dn)
 
 
 def merge_fragment(
@@ -123,21 +129,23 @@ def merge_fragment(
     method: MergeRule,
     granularity: Literal["tensor", "fragment"] = "tensor",
     norms: Sequence[dict[str, float] | None] | None = None,
+    scale: float = 1.0,
 ) -> Tensors:
-    """Combine per-learner outer gradients of one fragment into one outer gradient.
-    `norms[i]`: the per-tensor norms of `deltas[i]` when known (per-tensor RDA uses them)."""
+    """Combine per-learner outer gradients of one fragment into one outer gradient, times
+    `scale` (no pass of its own). `norms[i]`: the per-tensor norms of `deltas[i]` when
+    known (per-tensor RDA uses them)."""
     names = list(deltas[0])
     if method == "mean":
-        return {n: weighted_mean([d[n] for d in deltas], weights) for n in names}
+        return {n: weighted_mean([d[n] for d in deltas], weights, scale) for n in names}
     if granularity == "tensor":
         known = list(norms) if norms is not None else [None] * len(deltas)
         return {
-            n: rda([d[n] for d in deltas], weights, [k[n] if k else None for k in known])
+            n: rda([d[n] for d in deltas], weights, [k[n] if k else None for k in known], scale)
             for n in names
         }
     # Whole-fragment RDA: flatten every contribution, merge once, split back.
     flat = [torch.cat([d[n].float().reshape(-1) for n in names]) for d in deltas]
-    merged = rda(flat, weights)
+    merged = rda(flat, weights, scale=scale)
     out: Tensors = {}
     offset = 0
     for n in names:
@@ -164,25 +172,31 @@ class OuterNesterov:
     nesterov: bool = True
 
     def step_into(
-        self, params: Tensors, buffers: Tensors, progress: Tensors
+        self, params: Tensors, buffers: Tensors, delta: Tensors
     ) -> tuple[Tensors, Tensors]:
-        """`step` with delta = -progress (the outer gradient of merged progress), into new
-        tensors: (Theta', b'). The inputs are read, never written; `progress` is negated in
-        place (it is the caller's scratch). Five passes per tensor, no temporaries."""
+        """`step`, into new tensors: (Theta', b'). The inputs are read, never written. Three
+        passes per tensor (two with heavy ball), each one `torch.add(x, y, alpha)`, no
+        temporaries: b' = delta + mu b;  out = delta + mu b';  Theta' = Theta - lr out."""
         new_params: Tensors = {}
         new_buffers: Tensors = {}
         for name, p in params.items():
-            d = progress[name].neg_()
-            b = torch.mul(buffers[name], self.momentum, out=POOL.take(p.shape))
-            b.add_(d)
+            d = delta[name]
+            b = torch.add(d, buffers[name], alpha=self.momentum, out=POOL.take(p.shape))
             out = POOL.take(p.shape)
             if self.nesterov:
-                torch.mul(b, self.momentum, out=out).add_(d)  # delta + mu * b
+                torch.add(d, b, alpha=self.momentum, out=out)
                 torch.add(p, out, alpha=-self.lr, out=out)
             else:
                 torch.add(p, b, alpha=-self.lr, out=out)
             new_params[name], new_buffers[name] = out, b
         return new_params, new_buffers
+
+    def finite_after(self, params: Tensors, buffers: Tensors) -> bool:
+        """Whether a step's results are finite everywhere. With lr > 0, Theta' = Theta - lr
+        (delta + mu b') (or Theta - lr b') is NaN or infinite wherever b' is, so Theta'
+        alone decides: one reduction pass per tensor, not two."""
+        checked = [*params.values()] if self.lr > 0 else [*params.values(), *buffers.values()]
+        return all(map(finite, checked))
 
     def step(self, params: Tensors, buffers: Tensors, delta: Tensors) -> None:
         for name, p in params.items():
@@ -332,16 +346,15 @@ class MergePolicy:
         if not deltas:
             return None
         rule = self.rule_for(spec)
-        progress = merge_fragment(deltas, weights, rule, self.granularity, norms)
         scale = 1.0
         if self.scale == "live" and live_tokens:
             scale = min(1.0, capped_tokens / live_tokens)
-            if scale < 1.0:
-                for v in progress.values():
-                    v.mul_(scale)
-        new_params, new_momentum = self.outer.step_into(params, momentum, progress)
-        POOL.give(progress.values())
-        if not all(map(finite, (*new_params.values(), *new_momentum.values()))):
+        # The outer gradient, -scale x the merged progress: sign and scale ride on the
+        # average's own weights (no pass over the fragment for either).
+        delta = merge_fragment(deltas, weights, rule, self.granularity, norms, -scale)
+        new_params, new_momentum = self.outer.step_into(params, momentum, delta)
+        POOL.give(delta.values())
+        if not self.outer.finite_after(new_params, new_momentum):
             POOL.give([*new_params.values(), *new_momentum.values()])
             raise NonFiniteMerge(f"merging fragment {spec.index} would make it non-finite")
         return MergeOutcome(

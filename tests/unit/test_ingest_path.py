@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load as st_load
 
 from ddiloco.synchronizer import codec
-from ddiloco.synchronizer.buffers import Float32Pool
+from ddiloco.synchronizer.buffers import BytePool, Float32Pool
 from ddiloco.synchronizer.errors import PayloadError
 from ddiloco.synchronizer.merge import OuterNesterov, finite
 
@@ -92,23 +92,69 @@ def test_pool_keeps_at_most_max_bytes_idle() -> None:
     assert pool.idle_bytes <= 100
 
 
+def test_byte_pool_hands_a_given_buffer_to_the_next_body_of_its_capacity() -> None:
+    pool = BytePool(max_bytes=8 << 20, grain=1 << 20)
+    a = pool.take(3_000_000)
+    assert len(a) == 3_000_000 and len(a.obj) == 3 << 20  # whole grains
+    a[:4] = b"body"
+    pool.give(a)
+    b = pool.take(2_200_000)  # another header length, the same capacity: the same buffer
+    assert b.obj is a.obj and len(b) == 2_200_000
+    c = pool.take(2_200_000)  # the first is out again: a fresh one
+    assert c.obj is not b.obj
+    pool.give(memoryview(bytearray(3 << 20)))  # not the pool's: left alone
+    assert pool.idle_bytes == 0
+    small = pool.take(100)  # under a grain: not pooled
+    pool.give(small)
+    assert pool.idle_bytes == 0
+    pool.give(b)
+    pool.give(c)
+    assert pool.idle_bytes == 6 << 20
+    pool.give(b)  # given twice: counted once
+    assert pool.idle_bytes == 6 << 20
+
+
+def test_byte_pool_keeps_at_most_max_bytes_idle() -> None:
+    pool = BytePool(max_bytes=4 << 20, grain=1 << 20)
+    views = [pool.take(3 << 20) for _ in range(2)]
+    for v in views:
+        pool.give(v)
+    assert pool.idle_bytes == 3 << 20
+
+
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_step_into_is_step_on_copies_with_the_sign_folded(nesterov: bool) -> None:
+def test_step_into_is_step_on_copies(nesterov: bool) -> None:
     g = torch.Generator().manual_seed(5)
     params = {"w": torch.randn(64, generator=g), "v": torch.randn(3, 3, generator=g)}
     momentum = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
-    progress = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+    delta = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
     opt = OuterNesterov(lr=0.7, momentum=0.9, nesterov=nesterov)
     want_p = {k: v.clone() for k, v in params.items()}
     want_b = {k: v.clone() for k, v in momentum.items()}
-    opt.step(want_p, want_b, {k: -v for k, v in progress.items()})
-    keep_p = {k: v.clone() for k, v in params.items()}
-    keep_b = {k: v.clone() for k, v in momentum.items()}
-    got_p, got_b = opt.step_into(params, momentum, {k: v.clone() for k, v in progress.items()})
+    opt.step(want_p, want_b, delta)
+    keep = [{k: v.clone() for k, v in x.items()} for x in (params, momentum, delta)]
+    got_p, got_b = opt.step_into(params, momentum, delta)
     for k in params:
         assert torch.allclose(got_p[k], want_p[k], atol=1e-6)
         assert torch.allclose(got_b[k], want_b[k], atol=1e-6)
-        assert torch.equal(params[k], keep_p[k]) and torch.equal(momentum[k], keep_b[k])
+        for before, now in zip(keep, (params, momentum, delta), strict=True):
+            assert torch.equal(now[k], before[k])  # inputs are only read
+
+
+@pytest.mark.parametrize("lr", [0.7, 0.0])
+def test_finite_after_sees_a_non_finite_momentum(lr: float) -> None:
+    """With lr > 0 a non-finite b' always reaches Theta' (one pass checks both); with lr = 0
+    Theta' stays as it was, so b' is checked on its own."""
+    opt = OuterNesterov(lr=lr, momentum=0.9)
+    params = {"w": torch.ones(8)}
+    for bad in (float("nan"), float("inf")):
+        delta = {"w": torch.zeros(8)}
+        delta["w"][3] = bad
+        got_p, got_b = opt.step_into(params, {"w": torch.zeros(8)}, delta)
+        assert not finite(got_b["w"])
+        assert not opt.finite_after(got_p, got_b)
+    fine_p, fine_b = opt.step_into(params, {"w": torch.zeros(8)}, {"w": torch.ones(8)})
+    assert opt.finite_after(fine_p, fine_b)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
