@@ -1,4 +1,4 @@
-"""Reusable float32 buffers for the update path: no page faults per update.
+"""Reusable buffers for the update path: no page faults per update.
 
 A fresh 64 MB tensor costs more than the work done in it: glibc maps every allocation that
 large with mmap and unmaps it on free, so each update's float32 copy, each merge's new
@@ -13,6 +13,16 @@ the buffers the update path gives back and hands them out again, by shape.
 Giving back is explicit and optional: a tensor never given back is freed as any other.
 `give` ignores tensors the pool did not make (a test's, an init upload's), so a caller may
 hand it whatever it is done with. The pool keeps at most `max_bytes` idle.
+
+`BODIES` does the same for the upload port's request bodies (synchronizer/bulk.py): a fresh
+`bytearray(32 MB)` is zero-filled under the GIL, page by page, before `recv_into` writes it
+again (10% of the synchronizer's samples at 16 clients, bench/RESULTS.md); a body of a size
+seen before lands in a buffer already touched. Capacities are whole MiB, so bodies whose
+headers differ by a few bytes share them.
+
+    body = BODIES.take(size)           # a memoryview of exactly `size` bytes
+    ...                                # read into it, submit it (nothing may keep it)
+    BODIES.give(body)
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["POOL", "Float32Pool"]
+__all__ = ["BODIES", "POOL", "BytePool", "Float32Pool"]
 
 
 class Float32Pool:
@@ -70,3 +80,51 @@ class Float32Pool:
 
 POOL = Float32Pool()
 """The process's pool (the synchronizer's update path: codec.decode_float32, merge.py)."""
+
+
+class BytePool:
+    """Idle bytearrays by capacity (a whole number of `grain`s); thread-safe. Bodies under
+    one grain are not pooled (a fresh small buffer costs little)."""
+
+    def __init__(self, max_bytes: int = 1 << 30, grain: int = 1 << 20) -> None:
+        self.max_bytes, self.grain = max_bytes, grain
+        self.idle: dict[int, list[bytearray]] = {}
+        self.idle_bytes = 0
+        self.ours: set[int] = set()
+        """id() of every buffer handed out and not yet given back."""
+        self.lock = threading.Lock()
+
+    def take(self, size: int) -> memoryview:
+        """A writable view of `size` bytes, contents undefined (the caller fills them all)."""
+        if size < self.grain:
+            return memoryview(bytearray(size))
+        capacity = -(-size // self.grain) * self.grain
+        with self.lock:
+            free = self.idle.get(capacity)
+            buf = free.pop() if free else None
+            if buf is not None:
+                self.idle_bytes -= capacity
+        if buf is None:
+            buf = bytearray(capacity)
+        with self.lock:
+            self.ours.add(id(buf))
+        return memoryview(buf)[:size]
+
+    def give(self, view: memoryview) -> None:
+        """Take back a view `take` gave (anything else is left alone); the caller and every
+        view or tensor over it are done with it."""
+        buf = view.obj
+        if not isinstance(buf, bytearray):
+            return
+        with self.lock:
+            if id(buf) not in self.ours:
+                return
+            self.ours.discard(id(buf))
+            if self.idle_bytes + len(buf) > self.max_bytes:
+                return
+            self.idle.setdefault(len(buf), []).append(buf)
+            self.idle_bytes += len(buf)
+
+
+BODIES = BytePool()
+"""The upload port's request bodies (synchronizer/bulk.py)."""

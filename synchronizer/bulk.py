@@ -39,6 +39,7 @@ from http import HTTPStatus
 from typing import Any, Final
 
 from ddiloco.synchronizer.auth import Tokens, bearer_matches
+from ddiloco.synchronizer.buffers import BODIES
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.errors import Refusal, SyncError
 from ddiloco.synchronizer.protocol import API_PREFIX
@@ -278,7 +279,10 @@ class UploadServer:
         try:
             req = parse_head(head, rest)
             p, body, rest = self._body(conn, req)
-            answer = self.sync.submit(body, p).model_dump_json().encode()
+            try:
+                answer = self.sync.submit(body, p).model_dump_json().encode()
+            finally:  # submit keeps nothing of the body (decoded into buffers of its own)
+                BODIES.give(body)
         except Refused as e:
             if e.kind in {r.value for r in Refusal}:
                 self.sync.reject(e.kind)
@@ -311,7 +315,7 @@ class UploadServer:
         """Updates answered 200 here (tests and the bench tell the port was used by it)."""
         return self.answers[(self.scheme, "200")]
 
-    def _body(self, conn: socket.socket, req: Request) -> tuple[int, bytearray, bytes]:
+    def _body(self, conn: socket.socket, req: Request) -> tuple[int, memoryview, bytes]:
         """Check the request before its body (route, token, owner, size), then read the body
         into a buffer of its declared size; refusals before the body close the connection
         (its unread body would be taken for the next request)."""
@@ -357,10 +361,21 @@ class UploadServer:
             conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
         return p, *self._read_body(conn, size, req.rest)
 
-    def _read_body(self, conn: socket.socket, size: int, rest: bytes) -> tuple[bytearray, bytes]:
-        buf = bytearray(size)
-        view = memoryview(buf)
-        at = min(len(rest), size)
+    def _read_body(self, conn: socket.socket, size: int, rest: bytes) -> tuple[memoryview, bytes]:
+        """The body, read into a buffer of `buffers.BODIES` (the caller gives it back)."""
+        view = BODIES.take(size)
+        try:
+            at = self._fill(conn, view, rest)
+        except BaseException:
+            BODIES.give(view)
+            raise
+        return view, rest[at:]
+
+    def _fill(self, conn: socket.socket, view: memoryview, rest: bytes) -> int:
+        """Fill `view` from what was read past the head, then the socket; returns how much
+        of `rest` it took."""
+        size = len(view)
+        at = taken = min(len(rest), size)
         view[:at] = rest[:at]
         conn.settimeout(self.settings.body_timeout_s)
         while at < size:
@@ -377,4 +392,4 @@ class UploadServer:
             if n == 0:
                 raise ConnectionResetError("client went away mid-body")
             at += n
-        return buf, rest[size:]
+        return taken
