@@ -4,6 +4,7 @@
     .venv/bin/python bench/sync_ingest.py --seconds 10 --params 16e6 --arms h2,h1
     .venv/bin/python bench/sync_ingest.py --arms h1 --encodings bfloat16,int8,int4 --shards 1,2 \
         --state-on tmpfs
+    .venv/bin/python bench/sync_ingest.py --arms up --offered 0,0.1,0.2   # merge times vs load
 
 Each arm starts a real `ddiloco synchronizer` process (its own state directory, quorum K,
 the adaptive grace window on), initializes a layout of `--params` float32 parameters in `P`
@@ -30,7 +31,10 @@ does; the synchronizer accepts all of them) and a shard count (`--shards`: S pro
 are for all S together, and per shard: on 2 cores S shards share the same cores, so this
 shows the per-shard cost, not a speed-up). `--state-on tmpfs` puts the state directories in
 /dev/shm: the update path without the disk's fsync bound (`disk`, the default, is the temp
-directory's file system).
+directory's file system). `--offered G` paces the clients to G GB/s together (each starts
+its posts on a schedule, as learners that finish their H steps on time do): at saturation
+(0, the default) a merge competes with every update for the cores, so its time there is a
+queueing figure; below it, the merge's own.
 """
 
 from __future__ import annotations
@@ -135,9 +139,12 @@ def client_loop(
     payloads: list[Payload],
     stop: threading.Event,
     t: Tally,
+    rate: float = 0.0,
 ) -> None:
     """One learner: joins every shard, heartbeats to each once a second, posts fragment p
-    to its owner `owner[p]` against the version that shard last said."""
+    to its owner `owner[p]` against the version that shard last said; with `rate` (bytes
+    per second) each post starts on a schedule of that many bytes per second, as a learner
+    that finishes its H steps on time would send (a late post is not made up for twice)."""
     cs = [SyncClient(url, TOKEN, http2=transport == "h2", timeout=120) for url in urls]
     joins = [c.join(JoinRequest(learner_id=lid, layout_digest=None)) for c in cs]
     ups = cs  # h1 and h2: updates go to the main port, as control calls do
@@ -149,6 +156,7 @@ def client_loop(
     versions = [joins[owner[p]].versions[p] for p in range(len(payloads))]
     step, last_hb = 0, 0.0
     p = int(lid.rsplit("-", 1)[1]) % len(payloads)
+    due = time.monotonic()
     try:
         while not stop.is_set():
             now = time.monotonic()
@@ -173,6 +181,10 @@ def client_loop(
                 learner_step=step, incarnation=joins[owner[p]].incarnation,
             )  # fmt: skip
             body = payloads[p].body(meta)
+            if rate:
+                if stop.wait(max(0.0, due - time.monotonic())):
+                    break
+                due = max(due, time.monotonic() - 1.0) + len(body) / rate
             t0 = time.perf_counter()
             try:
                 r = c.post_update(p, body)
@@ -209,14 +221,29 @@ def histogram(text: str, name: str) -> dict[float, float]:
 
 
 def quantile(h: dict[float, float], q: float) -> float | None:
-    """Upper bound of the bucket holding the q-quantile (None without observations)."""
+    """The q-quantile, interpolated linearly inside the bucket that holds it (as
+    Prometheus's histogram_quantile does; None without observations). Inside the +Inf
+    bucket it is the highest finite bound: a lower bound."""
     if not h or h.get(float("inf"), 0) == 0:
         return None
-    total = h[float("inf")]
+    total, below, lo = h[float("inf")], 0.0, 0.0
     for le in sorted(h):
         if h[le] >= q * total:
-            return le
+            if le == float("inf"):
+                return lo
+            inside = h[le] - below
+            return lo + (le - lo) * ((q * total - below) / inside if inside else 1.0)
+        below, lo = h[le], le
     return None
+
+
+def mean(text: str, name: str) -> float | None:
+    """sum / count of a Prometheus histogram over its label sets (None without any)."""
+    sums = [float(x) for x in re.findall(rf"^{name}_sum(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)]
+    counts = [
+        float(x) for x in re.findall(rf"^{name}_count(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    ]
+    return sum(sums) / sum(counts) if sum(counts) else None
 
 
 def memcpy_gbps(nbytes: int, repeat: int = 7) -> float:
@@ -238,10 +265,13 @@ class Arm:
     """h2 or h1 into the main port (uvicorn), or up: HTTP/1.1 into the upload port."""
     encoding: str
     shards: int
+    offered: float = 0.0
+    """GB/s the M clients offer together, paced (0: each posts as fast as it is answered)."""
 
     @property
     def name(self) -> str:
-        return f"{self.transport} {self.encoding} S={self.shards}"
+        paced = f" @{self.offered:g}" if self.offered else ""
+        return f"{self.transport} {self.encoding} S={self.shards}{paced}"
 
 
 def start_shard(
@@ -301,6 +331,7 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
             threading.Thread(
                 target=client_loop,
                 args=(urls, owner, f"l-{i}", arm.transport, payloads, stop, tallies[i]),
+                kwargs={"rate": arm.offered * 1e9 / args.learners},
                 daemon=True,
             )
             for i in range(args.learners)
@@ -346,11 +377,15 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
         v = quantile(histogram(metrics, name), q)
         return None if v is None else v / budget
 
+    def ratio(v: float | None) -> float | None:
+        return None if v is None else v / budget
+
     return {
         "arm": arm.name,
         "transport": arm.transport,
         "encoding": arm.encoding,
         "shards": arm.shards,
+        "offered_gbps": arm.offered,
         "state_on": args.state_on,
         "accepted_gbps": acc_bytes / wall / 1e9,
         "per_shard_gbps": acc_bytes / wall / 1e9 / arm.shards,
@@ -368,6 +403,9 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
         "served_p99_frac": frac("ddiloco_round_served_seconds", 0.99),
         "publish_p50_frac": frac("ddiloco_round_publish_seconds", 0.5),
         "publish_p99_frac": frac("ddiloco_round_publish_seconds", 0.99),
+        "merge_mean_frac": ratio(mean(metrics, "ddiloco_merge_duration_seconds")),
+        "served_mean_frac": ratio(mean(metrics, "ddiloco_round_served_seconds")),
+        "grace_mean_s": mean(metrics, "ddiloco_grace_window_seconds"),
         "refused": refused,
         "errors": sum(t.errors for t in tallies),
     }
@@ -385,7 +423,7 @@ def table(rows: list[dict[str, Any]], mem: float) -> str:
     head = (
         f"{'arm':<18} {'GB/s':>6} {'/shard':>6} {'x memcpy':>8} {'upd/s':>6} {'merge/s':>7} "
         f"{'CPU s/GB':>8} {'cores srv/cli':>13} {'post p50':>8} {'merge p50/p99':>15} {'quorum->served':>15} "
-        f"{'publish p50/p99':>16}"
+        f"{'publish p50/p99':>16} {'mean merge/served':>17} {'grace s':>7}"
     )
     lines = [head]
     for r in rows:
@@ -395,7 +433,9 @@ def table(rows: list[dict[str, Any]], mem: float) -> str:
             f"{fmt(r['cpu_s_per_gb'], '8.2f')} "
             f"{r['server_cpu_share']:6.2f}/{r['client_cpu_share']:<6.2f} "
             f"{fmt(r['post_p50_s'], '8.3f')} "
-            f"{pair(r, 'merge'):>15} {pair(r, 'served'):>15} {pair(r, 'publish'):>16}"
+            f"{pair(r, 'merge'):>15} {pair(r, 'served'):>15} {pair(r, 'publish'):>16} "
+            f"{fmt(r['merge_mean_frac'], '.3f'):>8}/{fmt(r['served_mean_frac'], '.3f'):<8} "
+            f"{fmt(r['grace_mean_s'], '7.3f')}"
         )
         if r["refused"] or r["errors"]:
             lines.append(f"{'':<18} refused {r['refused']}, errors {r['errors']}")
@@ -428,6 +468,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--shards", default="1", help="shard counts, comma-separated (e.g. 1,2)")
     ap.add_argument(
+        "--offered",
+        default="0",
+        help="GB/s the clients offer together, paced, comma-separated (0: as fast as "
+        "answered; e.g. 0,0.15 measures the merge's times at saturation and at a load below it)",
+    )
+    ap.add_argument(
         "--state-on",
         choices=["disk", "tmpfs"],
         default="disk",
@@ -435,13 +481,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     arms = [
-        Arm(t, e, int(s))
+        Arm(t, e, int(s), float(o))
+        for o in args.offered.split(",")
         for s in args.shards.split(",")
         for e in args.encodings.split(",")
         for t in args.arms.split(",")
     ]
     for a in arms:
-        if a.transport not in ("up", "h1", "h2") or a.encoding not in wire.ALL or a.shards < 1:
+        if (
+            a.transport not in ("up", "h1", "h2")
+            or a.encoding not in wire.ALL
+            or a.shards < 1
+            or a.offered < 0
+        ):
             ap.error(f"unknown arm {a.name!r}: transports up/h1/h2, encodings {sorted(wire.ALL)}")
     lay = layout(int(args.params), args.fragments)
     n = lay.fragments[0].numel()
@@ -457,7 +509,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run_arm(a, args, lay))
         print(f"  {a.name}: {rows[-1]['accepted_gbps']:.3f} GB/s, load {os.getloadavg()[0]:.1f}")
     print(f"\nmemcpy of one update's bytes: {mem:.2f} GB/s (the physical limit)")
-    print("merge, quorum->served and publish: p50 / p99 as a fraction of tau x step (1 s step)")
+    print(
+        "merge, quorum->served and publish: p50 / p99 (interpolated in the histograms' buckets)"
+        " and means, as fractions of tau x step (1 s step); grace: the mean window in seconds"
+    )
     print(table(rows, mem))
     for line in h2_ratios(rows):
         print(line)

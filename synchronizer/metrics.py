@@ -30,8 +30,30 @@ if TYPE_CHECKING:
     from ddiloco.synchronizer.merge import Contribution, MergeOutcome
     from ddiloco.synchronizer.rounds import Round
 
-SECONDS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-ROUND_SECONDS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+SECONDS: Final = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+)
+ROUND_SECONDS: Final = (
+    *(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5),
+    *(5.0, 10.0, 30.0, 60.0, 300.0),
+)
+"""Round times: finer between 0.25 and 2.5 s, where a merge's time sits against tau x step
+(bench/sync_ingest.py reads the quantiles from these buckets)."""
 CONTRIBUTORS: Final = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
 STALENESS: Final = (0, 1, 2, 3, 4, 6, 8, 16, 32)
 BYTES: Final = tuple(float(1 << k) for k in range(10, 34, 2))  # 1 KiB .. 8 GiB, x4
