@@ -264,6 +264,21 @@ class Contribution:
         self.ids.append(meta.update_id())
         self.norms = None  # the sum's norms are not the parts'
 
+    def add(self, newer: Contribution) -> Contribution:
+        """This contribution with a newer one of the same learner added in (in place;
+        `newer`'s buffers go back to `buffers.POOL`): a refused merge's contribution put
+        back beside the one its learner sent while the merge ran."""
+        for k, v in newer.delta.items():
+            self.delta[k].add_(v)
+        POOL.give(newer.delta.values())
+        self.steps += newer.steps
+        self.tokens += newer.tokens
+        self.base_version = min(self.base_version, newer.base_version)
+        self.order = max(self.order, newer.order)
+        self.ids.extend(newer.ids)
+        self.norms = None
+        return self
+
 
 @dataclass(frozen=True)
 class MergeOutcome:

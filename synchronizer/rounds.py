@@ -163,11 +163,20 @@ class Rounds(Generic[T]):
         self.rounds[p] = Round()
         return r
 
-    def restore(self, p: int, contributions: dict[str, T]) -> None:
-        """Put back the contributions of a merge that was refused (the caller holds p, so no
-        contribution came since): they wait, without starting a round, for the next one."""
-        assert not self.rounds[p].contributions, "restore() needs the fragment held"
-        self.rounds[p] = Round(contributions=dict(contributions))
+    def restore(
+        self, p: int, contributions: dict[str, T], combine: Callable[[T, T], T] | None = None
+    ) -> None:
+        """Put back the contributions of a merge that was refused: they wait, without
+        starting a round, for the next one. The round that opened while the merge ran keeps
+        its times and its contributions; a learner in both gets `combine(taken, newer)`."""
+        r = self.rounds[p]
+        for learner_id, c in contributions.items():
+            newer = r.contributions.get(learner_id)
+            if newer is None:
+                r.contributions[learner_id] = c
+            else:
+                assert combine is not None, "restore() over a newer contribution needs combine"
+                r.contributions[learner_id] = combine(c, newer)
 
     def collecting(self) -> list[int]:
         """Fragments with a round under way: learners are asked to send them now."""

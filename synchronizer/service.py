@@ -42,11 +42,18 @@ from ddiloco.synchronizer.buffers import POOL
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
 from ddiloco.synchronizer.ledger import LearnerRecord
-from ddiloco.synchronizer.merge import Contribution, MergePolicy, NonFiniteMerge, cap_counters
+from ddiloco.synchronizer.merge import (
+    Contribution,
+    MergeOutcome,
+    MergePolicy,
+    NonFiniteMerge,
+    cap_counters,
+)
 from ddiloco.synchronizer.metrics import BROADCAST_ENCODINGS, SyncMetrics, encoding_of
 from ddiloco.synchronizer.protocol import (
     MAX_DATA_POSITION,
     MODEL_KEY,
+    FragmentSpec,
     FragmentStatus,
     Heartbeat,
     HeartbeatResponse,
@@ -60,7 +67,14 @@ from ddiloco.synchronizer.protocol import (
     UpdateResponse,
 )
 from ddiloco.synchronizer.rounds import GracePolicy, Rounds
-from ddiloco.synchronizer.state import FragmentState, Order, PendingLog, StateStore
+from ddiloco.synchronizer.state import (
+    FragmentLog,
+    FragmentState,
+    Order,
+    PendingLog,
+    StateStore,
+    Ticket,
+)
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +126,14 @@ class Synchronizer:
         """What the job trains, from the init upload (None: it said nothing, or no init)."""
         self.fragments: list[FragmentState] = []
         self.frag_locks: list[threading.Lock] = []
-        """One per fragment, held by an update's admission and by a merge of that fragment."""
+        """One per fragment, held by an update's admission, and by a merge of that fragment
+        only while it takes the round and while it installs the merged version: not while it
+        computes nor while it persists (posts of the fragment went on waiting ~1 s for that)."""
+        self.merge_locks: list[threading.Lock] = []
+        """One per fragment: one merge of it at a time."""
+        self.merging: list[dict[str, Contribution]] = []
+        """Per fragment, the contributions a merge has taken and not yet installed: their
+        high-water marks still count (a re-send of one is a duplicate)."""
         self.served: list[tuple[int, bytes]] = []
         self.upload_port: int | None = None
         """The bound port of the upload listener (bulk.py), told to learners at join."""
@@ -161,6 +182,8 @@ class Synchronizer:
     def _adopt(self, fragments: list[FragmentState]) -> None:
         self.fragments = fragments
         self.frag_locks = [threading.Lock() for _ in fragments]
+        self.merge_locks = [threading.Lock() for _ in fragments]
+        self.merging = [{} for _ in fragments]
         self.served = [self._encode(fs) for fs in fragments]
         self.rounds = self._rounds(len(fragments))
 
@@ -323,8 +346,9 @@ class Synchronizer:
     def _high_water(self, p: int, learner_id: str) -> Order | None:
         """The highest order held for this learner and fragment, merged or pending."""
         marks = [self.fragments[p].high_water.get(learner_id)]
-        pending = self.rounds.rounds[p].contributions.get(learner_id)
-        marks.append(pending.order if pending is not None else None)
+        for held in (self.rounds.rounds[p].contributions, self.merging[p]):
+            c = held.get(learner_id)
+            marks.append(c.order if c is not None else None)
         known = [m for m in marks if m is not None]
         return max(known) if known else None
 
@@ -374,7 +398,8 @@ class Synchronizer:
                 fs.norms = [*fs.norms, n][-admission.NORM_HISTORY :]
                 self._hold(p, meta, delta, opens=verdict == "fresh", norms=norms)
                 held = True
-                round_version = fs.version + 1
+                # the round after the one a merge in flight took, if any
+                round_version = fs.version + (2 if self.merging[p] else 1)
         finally:
             if not held:  # refused, or a duplicate: its buffers go back
                 POOL.give(delta.values())
@@ -391,7 +416,7 @@ class Synchronizer:
         self.on_change()
         return UpdateResponse(status="accepted", fragment=p, round_version=round_version)
 
-    def _make_durable(self, p: int, plog: PendingLog, ticket: tuple[int, int]) -> None:
+    def _make_durable(self, p: int, plog: FragmentLog, ticket: Ticket) -> None:
         """The update behind `ticket` is held in its round; return once it is durable too.
         If the fsync fails, what the disk holds is unknown (a failed fsync may drop the
         dirty pages it could not write), and the update is held in memory where a retry is
@@ -499,58 +524,52 @@ class Synchronizer:
         return statistics.fmean(known) * len(ids)
 
     def merge(self, p: int) -> int | None:
-        """Merge the open round of fragment p; returns the new version (None if nothing)."""
+        """Merge the open round of fragment p; returns the new version (None if nothing).
+
+        The fragment's lock is held twice, briefly: to take the round (and seal the pending
+        log's segments that hold it) and to install the merged version. In between, the
+        merge computes and persists while posts of p are admitted against the version still
+        served, into the next round and a new segment; what it took stays visible to
+        duplicate checks (`merging`). One merge of p at a time (`merge_locks`)."""
         t0 = self.clock()
         assert self.layout is not None
         spec = self.layout.fragments[p]
-        with self.frag_locks[p]:
-            with self.lock:
-                round_ = self.rounds.take_round(p)
-                live_tokens = self._live_period_tokens(round_.contributions)
-            taken = round_.contributions
-            if not taken:
-                return None
-            t_merge = self.clock()
-            fs = self.fragments[p]
-            try:
-                outcome = self.policy.merge(
-                    spec,
-                    fs.params,
-                    fs.momentum,
-                    fs.version,
-                    list(taken.values()),
-                    live_tokens,
-                )
-            except NonFiniteMerge as e:
+        plog = self.store.pending(p)
+        with self.merge_locks[p]:
+            with self.frag_locks[p]:
                 with self.lock:
-                    self.rounds.restore(p, taken)
+                    round_ = self.rounds.take_round(p)
+                    live_tokens = self._live_period_tokens(round_.contributions)
+                    taken = round_.contributions
+                    if not taken:
+                        return None
+                    self.merging[p] = taken
+                segments = plog.seal()  # every record of `taken` (and none newer) is in these
+                fs = self.fragments[p]
+            t_merge = self.clock()
+            try:
+                outcome, new, served = self._merged(p, spec, fs, taken, live_tokens)
+            except NonFiniteMerge as e:
+                self._put_back(p, taken)
+                with self.lock:
                     self.totals["merges_refused"] += 1
                 log.error("Refused merge of fragment %d: %s; its contributions wait", p, e)
                 return None
-            high_water = dict(fs.high_water)
-            for learner_id, c in taken.items():
-                high_water[learner_id] = max(c.order, high_water.get(learner_id, c.order))
-            new = dataclasses.replace(fs, high_water=high_water)
-            if outcome is not None:
-                new.params, new.momentum = outcome.params, outcome.momentum
-                new.version += 1
-                new.merges += 1
-                new.tokens_merged += outcome.tokens
-                new.contributions += outcome.contributors
-            try:
-                self.store.save_fragment(p, new)
             except OSError:  # e.g. a full disk: nothing changed, the contributions wait
-                with self.lock:
-                    self.rounds.restore(p, taken)
+                self._put_back(p, taken)
                 raise
-            retired = fs
-            self.fragments[p] = fs = new  # in memory only once it is durable
-            self.store.pending(p).clear()  # only now: the merge that consumed it is durable
-            self.served[p] = self._encode(fs)
+            with self.frag_locks[p]:  # installed: served, and what posts are checked against
+                new.norms = fs.norms  # the guard's history, with the posts admitted meanwhile
+                self.fragments[p] = new
+                self.served[p] = served
+                with self.lock:
+                    self.merging[p] = {}
+            plog.drop(segments)  # only now: the merge that consumed them is durable
             if outcome is not None:  # the superseded fragment and the merged rounds: reused
-                POOL.give([*retired.params.values(), *retired.momentum.values()])
+                POOL.give([*fs.params.values(), *fs.momentum.values()])
             for c in taken.values():
                 POOL.give(c.delta.values())
+            fs = new
             if outcome is not None:  # published: its histograms, each observed once
                 self.metrics.merged(
                     p, round_, outcome, t_merge, self.clock(), len(self.fragments), fs.version - 1
@@ -583,6 +602,44 @@ class Synchronizer:
                 outcome.tokens,
             )
         return fs.version if outcome is not None else None
+
+    def _merged(
+        self,
+        p: int,
+        spec: FragmentSpec,
+        fs: FragmentState,
+        taken: dict[str, Contribution],
+        live_tokens: float,
+    ) -> tuple[MergeOutcome | None, FragmentState, tuple[int, bytes]]:
+        """The next state of fragment p from `taken`, durable in its file, and its served
+        encoding; `fs` and the contributions are only read."""
+        outcome = self.policy.merge(
+            spec, fs.params, fs.momentum, fs.version, list(taken.values()), live_tokens
+        )
+        high_water = dict(fs.high_water)
+        for learner_id, c in taken.items():
+            high_water[learner_id] = max(c.order, high_water.get(learner_id, c.order))
+        new = dataclasses.replace(fs, high_water=high_water, norms=list(fs.norms))
+        if outcome is not None:
+            new.params, new.momentum = outcome.params, outcome.momentum
+            new.version += 1
+            new.merges += 1
+            new.tokens_merged += outcome.tokens
+            new.contributions += outcome.contributors
+        try:
+            self.store.save_fragment(p, new)
+        except OSError:
+            if outcome is not None:
+                POOL.give([*outcome.params.values(), *outcome.momentum.values()])
+            raise
+        return outcome, new, self._encode(new)
+
+    def _put_back(self, p: int, taken: dict[str, Contribution]) -> None:
+        """A merge that changed nothing: its contributions wait in p's round again, beside
+        (or added to) what came while it ran; its log segments stay for the next merge."""
+        with self.frag_locks[p], self.lock:
+            self.rounds.restore(p, taken, Contribution.add)
+            self.merging[p] = {}
 
     # ---- status ------------------------------------------------------------------
     def _mean_merge_scale(self) -> float:

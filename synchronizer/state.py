@@ -3,15 +3,19 @@
     <state_dir>/layout.json                 fragment layout, written once at init
     <state_dir>/model.json                  what the job trains (ModelSpec), written at init
     <state_dir>/fragment-0003.safetensors   Theta_p, momentum b_p, version, stats, high-water marks
-    <state_dir>/pending-0003.log            updates of p accepted since its last merge (the WAL)
+    <state_dir>/pending-0003.000007.log     updates of p accepted since its last merge (the WAL),
+                                            in segments; `pending-0003.log` is an older one's
     <state_dir>/ledger.json                 learners (incarnations, contributions), totals
 
 Whole files are replaced atomically (write a temporary file, fsync, rename, fsync the
 directory), so a SIGKILL at any instant leaves the previous or the next version of each,
 never a torn one. The pending log is append-only: an accepted update is appended and
-fsynced before the synchronizer answers `accepted`, and the log is emptied only after the
-merge that consumed it is durable in the fragment file. A record torn by a crash (it was
-never acknowledged) is cut off when the log is read back.
+fsynced before the synchronizer answers `accepted`. A merge seals the segments that hold
+its round's records (new records go to a new segment while it computes and persists) and
+deletes them only after the merge that consumed them is durable in the fragment file; a
+restart replays every segment left, skipping what the fragment file's high-water marks say
+is merged. A record torn by a crash (it was never acknowledged) is cut off when the log is
+read back.
 
 A fragment file is written from the tensors' own memory (`codec.pieces`: header, then each
 tensor's bytes, no serialized copy in between), then fsynced, before its version is served.
@@ -205,6 +209,103 @@ class PendingLog:
                 os.close(self.fd)
                 self.fd = None
 
+    def remove(self) -> None:
+        """Delete the file (its records are merged and durable elsewhere); a `sync` of a
+        record in it returns at once. Not fsynced: a deletion a crash undoes replays records
+        the fragment file's high-water marks skip."""
+        with self.sync_lock:
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+            self.generation += 1
+            self.written = self.synced = 0
+            self.path.unlink(missing_ok=True)
+
+
+Ticket = tuple[PendingLog, tuple[int, int]]
+
+
+class FragmentLog:
+    """One fragment's pending log as a series of `PendingLog` segments, so a merge can be
+    persisted while the next round's updates are logged (bench/RESULTS.md, issue 15):
+
+        ticket = log.write(payload, header)      # under the fragment's lock
+        log.sync(ticket)                         # outside it: durable on return
+        taken = log.seal()                       # under the lock, with the round it takes
+        ...                                      # the merge computes and saves, unlocked
+        log.drop(taken)                          # once the merged fragment is durable
+
+    Segments are `pending-PPPP.NNNNNN.log` in the order written; an older synchronizer's
+    single `pending-PPPP.log` is read first. Writes go to the open segment (created on the
+    first write after a `seal`); `seal` closes it to writes and returns every sealed segment
+    not yet dropped (a merge that failed leaves its segments to the next). A restart reads
+    them all, in order, and writes to a new one."""
+
+    def __init__(self, root: Path, p: int) -> None:
+        self.root, self.p = root, p
+        found = sorted(
+            (int(f.name.split(".")[1]), f)
+            for f in root.glob(f"pending-{p:04d}.*.log")
+            if f.name.split(".")[1].isdigit()
+        )
+        legacy = root / f"pending-{p:04d}.log"
+        self.sealed: list[PendingLog] = [PendingLog(f) for f in [legacy] if f.exists()]
+        self.sealed += [PendingLog(f) for _, f in found]
+        self.next_seq = found[-1][0] + 1 if found else 1
+        self.open: PendingLog | None = None
+
+    @property
+    def path(self) -> Path:
+        """The segment that takes writes now (the last one, before any write)."""
+        if self.open is not None:
+            return self.open.path
+        if self.sealed:
+            return self.sealed[-1].path
+        return self.root / f"pending-{self.p:04d}.{self.next_seq:06d}.log"
+
+    def write(self, payload: bytes | bytearray | memoryview, header: bytes | None = None) -> Ticket:
+        if self.open is None:
+            self.open = PendingLog(self.root / f"pending-{self.p:04d}.{self.next_seq:06d}.log")
+            self.next_seq += 1
+        return self.open, self.open.write(payload, header)
+
+    @staticmethod
+    def sync(ticket: Ticket) -> None:
+        log, at = ticket
+        log.sync(at)
+
+    def append(self, payload: bytes | bytearray) -> None:
+        self.sync(self.write(payload))
+
+    def read(self) -> list[bytes]:
+        """Every whole record of every segment, in the order written."""
+        return [
+            r for log in [*self.sealed, *([self.open] if self.open else [])] for r in log.read()
+        ]
+
+    def seal(self) -> list[PendingLog]:
+        """Close the open segment to writes; every segment not yet dropped, for the merge
+        that takes every record written so far (the caller holds the fragment's lock)."""
+        if self.open is not None:
+            self.sealed.append(self.open)
+            self.open = None
+        return list(self.sealed)
+
+    def drop(self, segments: list[PendingLog]) -> None:
+        """Delete segments whose every record is merged into a durable fragment file."""
+        for log in segments:
+            log.remove()
+        gone = {id(log) for log in segments}
+        self.sealed = [log for log in self.sealed if id(log) not in gone]
+
+    def clear(self) -> None:
+        """Drop every segment (every record is merged and durable)."""
+        self.drop(self.seal())
+
+    def close(self) -> None:
+        for log in [*self.sealed, *([self.open] if self.open else [])]:
+            log.close()
+
 
 class StateStore:
     """Reads and durably writes the files above; one instance per state directory."""
@@ -212,14 +313,14 @@ class StateStore:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.logs: dict[int, PendingLog] = {}
+        self.logs: dict[int, FragmentLog] = {}
 
     def _fragment_path(self, p: int) -> Path:
         return self.root / f"fragment-{p:04d}.safetensors"
 
-    def pending(self, p: int) -> PendingLog:
+    def pending(self, p: int) -> FragmentLog:
         if p not in self.logs:
-            self.logs[p] = PendingLog(self.root / f"pending-{p:04d}.log")
+            self.logs[p] = FragmentLog(self.root, p)
         return self.logs[p]
 
     def close(self) -> None:

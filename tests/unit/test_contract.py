@@ -174,10 +174,10 @@ def test_a_crash_between_merge_and_emptying_the_log_merges_nothing_twice(
     sync.submit(update("a", 1, A, step=10))
     log = sync.store.pending(1)
 
-    def crash() -> None:
+    def crash(segments: object) -> None:
         raise SystemExit("killed after the fragment file was written")
 
-    monkeypatch.setattr(log, "clear", crash)
+    monkeypatch.setattr(log, "drop", crash)
     with pytest.raises(SystemExit):
         sync.merge(1)
     again = make(tmp_path, clock)  # the log still holds the merged update

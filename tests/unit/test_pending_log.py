@@ -9,6 +9,9 @@ answer when the log's fsync fails.
 - an older synchronizer's records (zlib crc32, no flag) are replayed after an upgrade,
   also followed by new ones in the same file; a corrupt record of either kind ends the log;
 - many threads submitting to one fragment are all accepted, and a restart replays every one;
+- a fragment's log is a series of segments: a merge seals the ones holding its round, posts
+  meanwhile go to a new one, a restart replays them all in order (an older synchronizer's
+  single file first), and a merge deletes only the segments it sealed;
 - a failed fsync stops the process (`on_fatal`) instead of answering `accepted`.
 """
 
@@ -24,7 +27,7 @@ import pytest
 import torch
 
 from ddiloco.synchronizer import state
-from ddiloco.synchronizer.state import PendingLog
+from ddiloco.synchronizer.state import FragmentLog, PendingLog
 from tests.unit.test_contract import Clock, make, start, update
 
 
@@ -135,3 +138,31 @@ def test_a_failed_fsync_stops_the_process_instead_of_answering_accepted(
         sync.submit(update("b", 1, torch.tensor([0.0, 0.1]), step=1))
     assert stopped == [True]
     assert sync.metrics.updates_accepted._value.get() == 1  # "b" was never counted accepted
+
+
+def test_fragment_log_segments_replay_in_order_and_a_merge_drops_only_what_it_sealed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    legacy = tmp_path / "pending-0002.log"  # an older synchronizer's single file
+    PendingLog(legacy).append(b"old")
+    log = FragmentLog(tmp_path, 2)
+    log.append(b"r1")
+    taken = log.seal()  # a merge takes the round: "old" and "r1"
+    ticket = log.write(b"r2")  # a post admitted while it persists: a new segment
+    assert [s.path.name for s in taken] == ["pending-0002.log", "pending-0002.000001.log"]
+    assert log.path.name == "pending-0002.000002.log"
+    log.sync(ticket)
+    assert FragmentLog(tmp_path, 2).read() == [b"old", b"r1", b"r2"]  # a restart here
+    log.drop(taken)  # the merge is durable
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["pending-0002.000002.log"]
+    calls = counting_fsync(monkeypatch)
+    stale = log.write(b"r3")
+    taken = log.seal()
+    log.drop(taken)
+    log.sync(stale)  # its segment was merged and deleted: nothing to fsync
+    assert calls == []
+    again = FragmentLog(tmp_path, 2)
+    assert again.read() == []
+    again.append(b"r4")  # every segment merged and deleted: numbering starts again
+    assert again.path.name == "pending-0002.000001.log"
+    assert FragmentLog(tmp_path, 2).read() == [b"r4"]
