@@ -555,7 +555,7 @@ class Synchronizer:
                     self.totals["merges_refused"] += 1
                 log.error("Refused merge of fragment %d: %s; its contributions wait", p, e)
                 return None
-            except OSError:  # e.g. a full disk: nothing changed, the contributions wait
+            except Exception:  # e.g. a full disk: nothing changed, the contributions wait
                 self._put_back(p, taken)
                 raise
             with self.frag_locks[p]:  # installed: served, and what posts are checked against

@@ -298,10 +298,6 @@ class FragmentLog:
         gone = {id(log) for log in segments}
         self.sealed = [log for log in self.sealed if id(log) not in gone]
 
-    def clear(self) -> None:
-        """Drop every segment (every record is merged and durable)."""
-        self.drop(self.seal())
-
     def close(self) -> None:
         for log in [*self.sealed, *([self.open] if self.open else [])]:
             log.close()
