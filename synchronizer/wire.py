@@ -146,12 +146,7 @@ def _decode_float(
             raise PayloadError(
                 f"tensor {name!r} has dtype {t.dtype}; a float update allows {allowed}"
             )
-    decode = getattr(codec, "decode_float32", None)
-    if decode is not None:  # the fast path (codec.py), once it exists
-        return decode(payload, header)
-    tensors = codec.decode(payload, header)
-    codec.check_fragment(tensors, spec, finite=False)
-    return {k: v.to(torch.float32) for k, v in tensors.items()}
+    return codec.decode_float32(payload, header)  # shapes and finiteness: admission.py
 
 
 def _block(header: codec.Header) -> int:
