@@ -254,20 +254,12 @@ class Contribution:
     def absorb(self, meta: UpdateMeta, delta: Tensors) -> None:
         """Add another update of the same learner (in place). `delta` is consumed: buffers
         of `buffers.POOL` among it are given back."""
-        for k, v in delta.items():
-            self.delta[k].add_(v.float())
-        POOL.give(delta.values())
-        self.steps += meta.steps
-        self.tokens += meta.tokens
-        self.base_version = min(self.base_version, meta.base_version)
-        self.order = max(self.order, meta.order())
-        self.ids.append(meta.update_id())
-        self.norms = None  # the sum's norms are not the parts'
+        self.add(Contribution.of(meta, delta))
 
     def add(self, newer: Contribution) -> Contribution:
         """This contribution with a newer one of the same learner added in (in place;
-        `newer`'s buffers go back to `buffers.POOL`): a refused merge's contribution put
-        back beside the one its learner sent while the merge ran."""
+        `newer`'s buffers go back to `buffers.POOL`): another update, or a refused merge's
+        contribution put back beside the one its learner sent while the merge ran."""
         for k, v in newer.delta.items():
             self.delta[k].add_(v)
         POOL.give(newer.delta.values())
@@ -276,7 +268,7 @@ class Contribution:
         self.base_version = min(self.base_version, newer.base_version)
         self.order = max(self.order, newer.order)
         self.ids.extend(newer.ids)
-        self.norms = None
+        self.norms = None  # the sum's norms are not the parts'
         return self
 
 

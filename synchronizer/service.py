@@ -619,7 +619,7 @@ class Synchronizer:
         high_water = dict(fs.high_water)
         for learner_id, c in taken.items():
             high_water[learner_id] = max(c.order, high_water.get(learner_id, c.order))
-        new = dataclasses.replace(fs, high_water=high_water, norms=list(fs.norms))
+        new = dataclasses.replace(fs, high_water=high_water)
         if outcome is not None:
             new.params, new.momentum = outcome.params, outcome.momentum
             new.version += 1
@@ -628,7 +628,7 @@ class Synchronizer:
             new.contributions += outcome.contributors
         try:
             self.store.save_fragment(p, new)
-        except OSError:
+        except Exception:
             if outcome is not None:
                 POOL.give([*outcome.params.values(), *outcome.momentum.values()])
             raise

@@ -243,11 +243,8 @@ class FragmentLog:
 
     def __init__(self, root: Path, p: int) -> None:
         self.root, self.p = root, p
-        found = sorted(
-            (int(f.name.split(".")[1]), f)
-            for f in root.glob(f"pending-{p:04d}.*.log")
-            if f.name.split(".")[1].isdigit()
-        )
+        seqs = ((f.name.split(".")[1], f) for f in root.glob(f"pending-{p:04d}.*.log"))
+        found = sorted((int(n), f) for n, f in seqs if n.isdigit())
         legacy = root / f"pending-{p:04d}.log"
         self.sealed: list[PendingLog] = [PendingLog(f) for f in [legacy] if f.exists()]
         self.sealed += [PendingLog(f) for _, f in found]
@@ -277,11 +274,12 @@ class FragmentLog:
     def append(self, payload: bytes | bytearray) -> None:
         self.sync(self.write(payload))
 
+    def _segments(self) -> list[PendingLog]:
+        return [*self.sealed, *([self.open] if self.open else [])]
+
     def read(self) -> list[bytes]:
         """Every whole record of every segment, in the order written."""
-        return [
-            r for log in [*self.sealed, *([self.open] if self.open else [])] for r in log.read()
-        ]
+        return [r for log in self._segments() for r in log.read()]
 
     def seal(self) -> list[PendingLog]:
         """Close the open segment to writes; every segment not yet dropped, for the merge
@@ -299,7 +297,7 @@ class FragmentLog:
         self.sealed = [log for log in self.sealed if id(log) not in gone]
 
     def close(self) -> None:
-        for log in [*self.sealed, *([self.open] if self.open else [])]:
+        for log in self._segments():
             log.close()
 
 
