@@ -34,7 +34,9 @@ shows the per-shard cost, not a speed-up). `--state-on tmpfs` puts the state dir
 directory's file system). `--offered G` paces the clients to G GB/s together (each starts
 its posts on a schedule, as learners that finish their H steps on time do): at saturation
 (0, the default) a merge competes with every update for the cores, so its time there is a
-queueing figure; below it, the merge's own.
+queueing figure; below it, the merge's own. `--snapshot-lag 0,4` runs each arm with the
+merge made durable by its fragment file before serving (0) and by a merge journal record,
+the file written after (4, the default; synchronizer/journal.py).
 """
 
 from __future__ import annotations
@@ -267,11 +269,15 @@ class Arm:
     shards: int
     offered: float = 0.0
     """GB/s the M clients offer together, paced (0: each posts as fast as it is answered)."""
+    lag: int | None = None
+    """The synchronizer's `--snapshot-lag` (None: its default, 4): 0 writes each merge's
+    fragment file before serving it, > 0 journals the merge and writes the file after."""
 
     @property
     def name(self) -> str:
         paced = f" @{self.offered:g}" if self.offered else ""
-        return f"{self.transport} {self.encoding} S={self.shards}{paced}"
+        lag = f" L={self.lag}" if self.lag is not None else ""
+        return f"{self.transport} {self.encoding} S={self.shards}{lag}{paced}"
 
 
 def start_shard(
@@ -289,6 +295,8 @@ def start_shard(
            "--upload-port", str(free_port()), "--state-dir", str(root / f"s-{i}")]  # fmt: skip
     if arm.shards > 1:
         cmd += ["--shard", str(i), "--shards", str(arm.shards)]
+    if arm.lag is not None:
+        cmd += ["--snapshot-lag", str(arm.lag)]
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}", log
 
@@ -386,6 +394,7 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
         "encoding": arm.encoding,
         "shards": arm.shards,
         "offered_gbps": arm.offered,
+        "snapshot_lag": arm.lag,
         "state_on": args.state_on,
         "accepted_gbps": acc_bytes / wall / 1e9,
         "per_shard_gbps": acc_bytes / wall / 1e9 / arm.shards,
@@ -474,15 +483,23 @@ def main(argv: list[str] | None = None) -> int:
         "answered; e.g. 0,0.15 measures the merge's times at saturation and at a load below it)",
     )
     ap.add_argument(
+        "--snapshot-lag",
+        default="",
+        help="synchronizer --snapshot-lag values, comma-separated (e.g. 0,4: each merge's "
+        "file before serving against journaled merges; empty: the default only)",
+    )
+    ap.add_argument(
         "--state-on",
         choices=["disk", "tmpfs"],
         default="disk",
         help="state directories on the temp directory's disk, or in /dev/shm (no fsync bound)",
     )
     args = ap.parse_args(argv)
+    lags = [int(x) for x in args.snapshot_lag.split(",")] if args.snapshot_lag else [None]
     arms = [
-        Arm(t, e, int(s), float(o))
+        Arm(t, e, int(s), float(o), lag)
         for o in args.offered.split(",")
+        for lag in lags
         for s in args.shards.split(",")
         for e in args.encodings.split(",")
         for t in args.arms.split(",")

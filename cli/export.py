@@ -94,6 +94,7 @@ def from_shard_dirs(paths: list[str]) -> GlobalModel:
 def from_state_dir(path: str | os.PathLike[str], *, shard_ok: bool = False) -> GlobalModel:
     """The global model in a synchronizer's state directory (a comma list: a sharded
     synchronizer's, `from_shard_dirs`)."""
+    from ddiloco.synchronizer.journal import recovered
     from ddiloco.synchronizer.protocol import shard_map
     from ddiloco.synchronizer.state import StateStore
 
@@ -120,8 +121,10 @@ def from_state_dir(path: str | os.PathLike[str], *, shard_ok: bool = False) -> G
                 "state dir, comma-separated"
             )
         owners = shard_map(layout, shards)
-        fragments = [
-            store.load_fragment(f.index) if owners[f.index] == int(info.get("shard", 0)) else None
+        fragments = [  # with the merges its journal holds and its file not yet
+            recovered(root, f, store.load_fragment(f.index))
+            if owners[f.index] == int(info.get("shard", 0))
+            else None
             for f in layout.fragments
         ]
         spec = store.load_model() or ModelSpec()

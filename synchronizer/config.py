@@ -59,6 +59,13 @@ class SyncSettings(BaseSettings):
     state_dir: Path = Path("ddiloco-state")
     """Where global fragments, outer momentum, versions, pending updates and the learner
     ledger persist."""
+    snapshot_lag: int = Field(4, ge=0, le=64)
+    """How many merges a fragment's file may trail the version it serves. A merge is durable
+    once a small record of its inputs is in the merge journal (synchronizer/journal.py): the
+    updates it took are in the pending log already, and a restart redoes it from them. The
+    128 MB file of a 16M-parameter fragment is then written in the background, and that
+    many merges' updates stay on disk until it is. 0: every merge writes its fragment file
+    before its version is served (the old path, half of the merge's time)."""
     max_init_bytes: int = Field(16 << 30, ge=1 << 10)
     """The largest initial-model upload accepted, before the layout is known (413 above).
     Update bodies are capped by their fragment's size in float32, from the layout."""

@@ -61,6 +61,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--state-dir", help="durable state directory (env DDILOCO_STATE_DIR)")
     ap.add_argument(
+        "--snapshot-lag",
+        type=int,
+        help="merges a fragment's file may trail its served version; 0 writes it before "
+        "serving (env DDILOCO_SNAPSHOT_LAG, default 4; synchronizer/journal.py)",
+    )
+    ap.add_argument(
         "--quorum", type=int, help="K, minimum contributors per merge (env DDILOCO_QUORUM)"
     )
     ap.add_argument("--no-grace", action="store_true", help="merge at the quorum, no grace window")
@@ -120,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             "port": args.port,
             "upload_port": args.upload_port,
             "state_dir": args.state_dir,
+            "snapshot_lag": args.snapshot_lag,
             "quorum": args.quorum,
             "merge": args.merge,
             "shard": args.shard,

@@ -26,7 +26,6 @@ elsewhere holds an empty placeholder at version 0 and no round ever opens on it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import statistics
@@ -41,6 +40,15 @@ from ddiloco.synchronizer import admission, codec, ledger, shards, wire
 from ddiloco.synchronizer.buffers import POOL
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
+from ddiloco.synchronizer.journal import (
+    MergeJournal,
+    MergeRecord,
+    Snapshots,
+    digest,
+    next_state,
+    policy_fields,
+    replay,
+)
 from ddiloco.synchronizer.ledger import LearnerRecord
 from ddiloco.synchronizer.merge import (
     Contribution,
@@ -135,6 +143,19 @@ class Synchronizer:
         """Per fragment, the contributions a merge has taken and not yet installed: their
         high-water marks still count (a re-send of one is a duplicate)."""
         self.served: list[tuple[int, bytes]] = []
+        self.journals: list[MergeJournal] = []
+        """Per fragment, the merges its file does not hold yet (journal.py)."""
+        self.file_versions: list[int] = []
+        """Per fragment, the version its file holds (`snapshot_lag` behind at most)."""
+        self.writing: list[FragmentState | None] = []
+        """Per fragment, the state being written to its file: not recycled meanwhile."""
+        self.unsnapped: list[list[tuple[int, list[PendingLog]]]] = []
+        """Per fragment, (version, the log segments its merge sealed) of each journaled
+        merge: deleted once the file holds that version."""
+        self.resync: list[bool] = []
+        """Per fragment, a refused merge's round was put back: its sums are not in the
+        log's order, so the next merge writes its file before serving (journal.py)."""
+        self.snapshots: Snapshots | None = None
         self.upload_port: int | None = None
         """The bound port of the upload listener (bulk.py), told to learners at join."""
         self.on_change: Callable[[], None] = lambda: None
@@ -186,19 +207,39 @@ class Synchronizer:
         self.merging = [{} for _ in fragments]
         self.served = [self._encode(fs) for fs in fragments]
         self.rounds = self._rounds(len(fragments))
+        n = len(fragments)
+        self.journals = [MergeJournal(self.store.root, p) for p in range(n)]
+        self.file_versions = [fs.version for fs in fragments]
+        self.writing = [None] * n
+        self.unsnapped = [[] for _ in range(n)]
+        self.resync = [False] * n
+        if self.snapshots is not None:
+            self.snapshots.close()
+        self.snapshots = Snapshots(self._write_file, n)
 
     def _replay(self) -> int:
-        """Put every accepted, not yet merged update from the pending logs back in its round."""
+        """Redo the journaled merges a fragment file lacks (then write it), and put every
+        accepted, not yet merged update from the pending logs back in its round."""
+        assert self.layout is not None
         count = 0
-        for p, fs in enumerate(self.fragments):
-            for payload in self.store.pending(p).read():
-                header = codec.read_header(payload, codes=True)
-                meta = UpdateMeta.from_metadata(header.metadata)
-                merged = fs.high_water.get(meta.learner_id)
-                if merged is not None and meta.order() <= merged:
-                    continue  # merged before the crash; the log was not emptied yet
-                spec = self.layout.fragments[p]  # accepted once: replayed in any encoding
-                self._hold(p, meta, wire.decode_update(payload, header, spec, wire.ALL))
+        for p in self.owned:
+            spec = self.layout.fragments[p]
+            journaled = self.journals[p].records()
+            done = replay(self.fragments[p], spec, self.store.pending(p).read(), journaled)
+            if done.merges:
+                fs = self.fragments[p] = done.state
+                self.served[p] = self._encode(fs)
+                self.store.save_fragment(p, fs)
+                self.file_versions[p] = fs.version
+                self.journals[p].compact(fs.version)
+                log.info(
+                    "Redid %d journaled merges of fragment %d: version %d",
+                    done.merges,
+                    p,
+                    fs.version,
+                )
+            for meta, delta, norms in done.rest:
+                self._hold(p, meta, delta, norms=norms)
                 count += 1
         return count
 
@@ -546,9 +587,12 @@ class Synchronizer:
                     self.merging[p] = taken
                 segments = plog.seal()  # every record of `taken` (and none newer) is in these
                 fs = self.fragments[p]
+                resync = self.resync[p]
             t_merge = self.clock()
             try:
-                outcome, new, served = self._merged(p, spec, fs, taken, live_tokens)
+                outcome, new, served, journaled = self._merged(
+                    p, spec, fs, taken, live_tokens, resync
+                )
             except NonFiniteMerge as e:
                 self._put_back(p, taken)
                 with self.lock:
@@ -564,8 +608,17 @@ class Synchronizer:
                 self.served[p] = served
                 with self.lock:
                     self.merging[p] = {}
-            plog.drop(segments)  # only now: the merge that consumed them is durable
-            if outcome is not None:  # the superseded fragment and the merged rounds: reused
+                recycle = outcome is not None and self.writing[p] is not fs
+                if journaled:  # its segments wait for the file (journal.py)
+                    self.unsnapped[p].append((new.version, segments))
+            assert self.snapshots is not None
+            if journaled:
+                self.snapshots.request(p)
+            else:  # the file holds it: the journal's records and the segments let go
+                self._let_go(p, new.version, segments)
+                self.resync[p] = False
+                self.snapshots.locks[p].release()
+            if recycle:  # the superseded fragment (unless its file is being written from it)
                 POOL.give([*fs.params.values(), *fs.momentum.values()])
             for c in taken.values():
                 POOL.give(c.delta.values())
@@ -610,29 +663,76 @@ class Synchronizer:
         fs: FragmentState,
         taken: dict[str, Contribution],
         live_tokens: float,
-    ) -> tuple[MergeOutcome | None, FragmentState, tuple[int, bytes]]:
-        """The next state of fragment p from `taken`, durable in its file, and its served
-        encoding; `fs` and the contributions are only read."""
+        resync: bool = False,
+    ) -> tuple[MergeOutcome | None, FragmentState, tuple[int, bytes], bool]:
+        """The next state of fragment p from `taken`, durable, and its served encoding;
+        `fs` and the contributions are only read. Durable as a merge journal record (True
+        last), or (False) in the fragment file, written here: then the caller holds
+        `snapshots.locks[p]` on return and releases it once it has let go of the journal."""
         outcome = self.policy.merge(
             spec, fs.params, fs.momentum, fs.version, list(taken.values()), live_tokens
         )
-        high_water = dict(fs.high_water)
-        for learner_id, c in taken.items():
-            high_water[learner_id] = max(c.order, high_water.get(learner_id, c.order))
-        new = dataclasses.replace(fs, high_water=high_water)
-        if outcome is not None:
-            new.params, new.momentum = outcome.params, outcome.momentum
-            new.version += 1
-            new.merges += 1
-            new.tokens_merged += outcome.tokens
-            new.contributions += outcome.contributors
+        new = next_state(fs, taken, outcome)
+        journaled = (
+            outcome is not None
+            and not resync
+            and new.version - self.file_versions[p] <= self.settings.snapshot_lag
+        )
+        assert self.snapshots is not None
         try:
-            self.store.save_fragment(p, new)
+            if journaled:
+                record = MergeRecord(
+                    version=fs.version,
+                    ids=list(taken),
+                    high_water={i: c.order for i, c in taken.items()},
+                    live_tokens=float(live_tokens),
+                    policy=policy_fields(self.policy),
+                    digest=digest(new),
+                )
+                self.journals[p].append(record)
+            else:
+                self.snapshots.locks[p].acquire()  # no older state's write lands after it
+                try:
+                    self.store.save_fragment(p, new)
+                except BaseException:
+                    self.snapshots.locks[p].release()
+                    raise
         except Exception:
             if outcome is not None:
                 POOL.give([*outcome.params.values(), *outcome.momentum.values()])
             raise
-        return outcome, new, self._encode(new)
+        return outcome, new, self._encode(new), journaled
+
+    def _write_file(self, p: int) -> None:
+        """Write fragment p's served state to its file if the file is behind, then let go of
+        what the file now holds (`Snapshots`, which holds `snapshots.locks[p]`)."""
+        with self.frag_locks[p]:
+            cur = self.fragments[p]
+            if cur.version <= self.file_versions[p]:
+                return
+            self.writing[p] = cur
+        try:
+            self.store.save_fragment(p, cur)
+        finally:
+            with self.frag_locks[p]:
+                self.writing[p] = None
+        self._let_go(p, cur.version, [])
+
+    def _let_go(self, p: int, version: int, segments: list[PendingLog]) -> None:
+        """Fragment p's file holds `version`: its journal's records up to it, and the log
+        segments of the merges up to it, go (the caller holds `snapshots.locks[p]`)."""
+        self.file_versions[p] = version
+        self.journals[p].compact(version)
+        with self.frag_locks[p]:
+            done = [seg for v, segs in self.unsnapped[p] if v <= version for seg in segs]
+            self.unsnapped[p] = [(v, segs) for v, segs in self.unsnapped[p] if v > version]
+        unique = {id(seg): seg for seg in [*done, *segments]}
+        self.store.pending(p).drop(list(unique.values()))
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Return once every fragment file holds its served version (tests, export)."""
+        if self.snapshots is not None:
+            self.snapshots.flush(timeout)
 
     def _put_back(self, p: int, taken: dict[str, Contribution]) -> None:
         """A merge that changed nothing: its contributions wait in p's round again, beside
@@ -640,6 +740,7 @@ class Synchronizer:
         with self.frag_locks[p], self.lock:
             self.rounds.restore(p, taken, Contribution.add)
             self.merging[p] = {}
+            self.resync[p] = True
 
     # ---- status ------------------------------------------------------------------
     def _mean_merge_scale(self) -> float:
@@ -706,4 +807,11 @@ class Synchronizer:
             )
 
     def close(self) -> None:
+        """Write every fragment file that trails its served version, then close the files."""
+        if self.snapshots is not None:
+            self.snapshots.close()
+            for p in self.owned:
+                self.snapshots.write(p)
+        for j in self.journals:
+            j.close()
         self.store.close()

@@ -170,8 +170,9 @@ class PendingLog:
     def append(self, payload: bytes | bytearray) -> None:
         self.sync(self.write(payload))
 
-    def read(self) -> list[bytes]:
-        """Every whole record; a torn tail (a crash mid-append) is cut off the file."""
+    def read(self, *, repair: bool = True) -> list[bytes]:
+        """Every whole record; a torn tail (a crash mid-append) is cut off the file, unless
+        `repair` is False (a reader beside a running synchronizer: `ddiloco export`)."""
         if not self.path.exists():
             return []
         data = self.path.read_bytes()
@@ -185,7 +186,7 @@ class PendingLog:
                 break
             out.append(body)
             pos += _RECORD.size + n
-        if pos < len(data):
+        if pos < len(data) and repair:
             with open(self.path, "rb+") as f:
                 f.truncate(pos)
                 os.fsync(f.fileno())
@@ -250,6 +251,8 @@ class FragmentLog:
         self.sealed += [PendingLog(f) for _, f in found]
         self.next_seq = found[-1][0] + 1 if found else 1
         self.open: PendingLog | None = None
+        self.segments_lock = threading.Lock()
+        """Guards `sealed`: `drop` may come from the snapshot thread (journal.py)."""
 
     @property
     def path(self) -> Path:
@@ -275,26 +278,29 @@ class FragmentLog:
         self.sync(self.write(payload))
 
     def _segments(self) -> list[PendingLog]:
-        return [*self.sealed, *([self.open] if self.open else [])]
+        with self.segments_lock:
+            return [*self.sealed, *([self.open] if self.open else [])]
 
-    def read(self) -> list[bytes]:
+    def read(self, *, repair: bool = True) -> list[bytes]:
         """Every whole record of every segment, in the order written."""
-        return [r for log in self._segments() for r in log.read()]
+        return [r for log in self._segments() for r in log.read(repair=repair)]
 
     def seal(self) -> list[PendingLog]:
         """Close the open segment to writes; every segment not yet dropped, for the merge
         that takes every record written so far (the caller holds the fragment's lock)."""
-        if self.open is not None:
-            self.sealed.append(self.open)
-            self.open = None
-        return list(self.sealed)
+        with self.segments_lock:
+            if self.open is not None:
+                self.sealed.append(self.open)
+                self.open = None
+            return list(self.sealed)
 
     def drop(self, segments: list[PendingLog]) -> None:
         """Delete segments whose every record is merged into a durable fragment file."""
+        gone = {id(log) for log in segments}
+        with self.segments_lock:
+            self.sealed = [log for log in self.sealed if id(log) not in gone]
         for log in segments:
             log.remove()
-        gone = {id(log) for log in segments}
-        self.sealed = [log for log in self.sealed if id(log) not in gone]
 
     def close(self) -> None:
         for log in self._segments():

@@ -20,6 +20,7 @@ import pytest
 from ddiloco.local.processes import terminate_all
 from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.client import SyncUnavailable
+from ddiloco.synchronizer.journal import recovered
 from ddiloco.synchronizer.protocol import UpdateMeta
 from ddiloco.synchronizer.state import StateStore
 
@@ -65,8 +66,12 @@ def test_synchronizer_killed_and_restarted_resumes_exactly(
             c.start()
         wait_for(lambda: client.status().global_version >= 12, 180, "a dozen merges")
         sync.kill()
-        durable = [
-            fs.version for fs in StateStore(state).load_fragments(StateStore(state).load_layout())
+        store = StateStore(state)
+        layout = store.load_layout()
+        assert layout is not None
+        durable = [  # the fragment files, with the merges their journals hold (journal.py)
+            recovered(state, f, fs).version
+            for f, fs in zip(layout.fragments, store.load_fragments(layout), strict=True)
         ]
         seen_before = {}
         for c in learners:
@@ -109,7 +114,8 @@ def test_synchronizer_killed_and_restarted_resumes_exactly(
     store = StateStore(state)
     layout = store.load_layout()
     assert layout is not None
-    for p, fs in enumerate(store.load_fragments(layout)):
+    for p, f in enumerate(layout.fragments):
+        fs = recovered(state, f, store.load_fragment(p))  # a clean stop wrote them: no-op
         assert fs.version == fs.merges  # one version per merge: none skipped, none doubled
         assert fs.version >= durable[p]
         # both learners' work reached every fragment: merged, or accepted and durably waiting

@@ -169,7 +169,7 @@ def test_a_crash_between_merge_and_emptying_the_log_merges_nothing_twice(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     clock = Clock()
-    sync = make(tmp_path, clock)
+    sync = make(tmp_path, clock, snapshot_lag=0)  # the file before serving (journal: journal.py)
     start(sync)
     sync.submit(update("a", 1, A, step=10))
     log = sync.store.pending(1)
@@ -180,7 +180,7 @@ def test_a_crash_between_merge_and_emptying_the_log_merges_nothing_twice(
     monkeypatch.setattr(log, "drop", crash)
     with pytest.raises(SystemExit):
         sync.merge(1)
-    again = make(tmp_path, clock)  # the log still holds the merged update
+    again = make(tmp_path, clock, snapshot_lag=0)  # the log still holds the merged update
     assert again.versions() == [0, 1]
     assert again.status().fragments[1].tokens_pending == 0  # skipped: the file says merged
     assert again.submit(update("a", 1, A, step=10)).status == "duplicate"
@@ -289,19 +289,23 @@ def test_refusals_are_counted_by_reason_and_exported(tmp_path: Path) -> None:
     assert 'ddiloco_tokens_pending{fragment="1"} 100.0' in text
 
 
+@pytest.mark.parametrize("lag", [0, 4], ids=["file-before-serving", "journal"])
 def test_a_merge_that_cannot_be_written_changes_nothing_and_its_work_waits(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lag: int
 ) -> None:
     clock = Clock()
-    sync = make(tmp_path, clock)
+    sync = make(tmp_path, clock, snapshot_lag=lag)
     start(sync)
     sync.submit(update("a", 1, A, step=10))
     before = sync.fragment(1)
 
-    def disk_full(p: int, fs: object) -> None:
+    def disk_full(*_: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(sync.store, "save_fragment", disk_full)
+    if lag:  # what makes the merge durable is its journal record
+        monkeypatch.setattr(sync.journals[1], "append", disk_full)
+    else:
+        monkeypatch.setattr(sync.store, "save_fragment", disk_full)
     with pytest.raises(OSError):
         sync.merge(1)
     assert sync.fragment(1) == before and sync.fragments[1].version == 0

@@ -6,7 +6,9 @@ or merged twice whatever instant a crash picks.
 
 Real files and real threads; a "crash" is an exception at a chosen instant of the merge
 (the synchronizer object is then dropped and a new one opens the same state directory,
-as a restart after SIGKILL does).
+as a restart after SIGKILL does). Each test runs for both ways a merge becomes durable:
+its fragment file written before it is served (`snapshot_lag = 0`), and a merge journal
+record (the default; synchronizer/journal.py), the file written after.
 """
 
 from __future__ import annotations
@@ -23,20 +25,55 @@ from ddiloco.synchronizer.service import Synchronizer
 from tests.unit.test_contract import A, B, Clock, make, served, start, update
 
 
+@pytest.fixture(params=[0, 4], ids=["file-before-serving", "journal"])
+def lag(request: pytest.FixtureRequest) -> int:
+    return int(request.param)
+
+
 def hold_save(sync: Synchronizer, during: Any) -> None:
-    """Run `during()` (in the merging thread) once the merge has computed, just before its
-    fragment file is written."""
-    real = sync.store.save_fragment
+    """Run `during()` (in the merging thread) once the merge has computed, just before what
+    makes it durable is written: its fragment file, or its journal record."""
+    if sync.settings.snapshot_lag == 0:
+        real = sync.store.save_fragment
 
-    def save(p: int, fs: Any) -> None:
+        def save(p: int, fs: Any) -> None:
+            during()
+            real(p, fs)
+
+        sync.store.save_fragment = save  # type: ignore[method-assign]
+        return
+    journal = sync.journals[1]
+    append = journal.append
+
+    def record(rec: Any) -> None:
         during()
-        real(p, fs)
+        append(rec)
 
-    sync.store.save_fragment = save  # type: ignore[method-assign]
+    journal.append = record  # type: ignore[method-assign]
 
 
-def test_posts_are_admitted_while_a_merge_persists(tmp_path: Path) -> None:
-    sync = make(tmp_path, Clock())
+def crash_after_durable(sync: Synchronizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Raise SystemExit once the merge is durable, before anything is let go of: the log's
+    segments (file mode), or before it is even served (journal mode: the file not written)."""
+
+    def crash(*_: object) -> None:
+        raise SystemExit("killed once the merge was durable")
+
+    if sync.settings.snapshot_lag == 0:
+        monkeypatch.setattr(sync.store.pending(1), "drop", crash)
+        return
+    journal = sync.journals[1]
+    append = journal.append
+
+    def record(rec: Any) -> None:
+        append(rec)
+        crash()
+
+    monkeypatch.setattr(journal, "append", record)
+
+
+def test_posts_are_admitted_while_a_merge_persists(tmp_path: Path, lag: int) -> None:
+    sync = make(tmp_path, Clock(), snapshot_lag=lag)
     start(sync)
     first = update("a", 1, A, step=10)
     assert sync.submit(first).status == "accepted"
@@ -75,9 +112,9 @@ def test_posts_are_admitted_while_a_merge_persists(tmp_path: Path) -> None:
     assert moved[0] == 0 and moved[1] > 0
 
 
-def test_a_crash_before_the_fragment_file_loses_neither_round(tmp_path: Path) -> None:
+def test_a_crash_before_the_merge_is_durable_loses_neither_round(tmp_path: Path, lag: int) -> None:
     clock = Clock()
-    sync = make(tmp_path, clock)
+    sync = make(tmp_path, clock, snapshot_lag=lag)
     start(sync)
     assert sync.submit(update("a", 1, A, step=10)).status == "accepted"
 
@@ -89,7 +126,7 @@ def test_a_crash_before_the_fragment_file_loses_neither_round(tmp_path: Path) ->
     with pytest.raises(SystemExit):
         sync.merge(1)
     assert len(list(tmp_path.glob("pending-0001.*.log"))) == 2  # the sealed one and the new
-    again = make(tmp_path, clock)
+    again = make(tmp_path, clock, snapshot_lag=lag)
     assert again.versions() == [0, 0]
     status = again.status().fragments[1]
     assert (status.contributors_pending, status.tokens_pending) == (2, 200)
@@ -99,22 +136,19 @@ def test_a_crash_before_the_fragment_file_loses_neither_round(tmp_path: Path) ->
     assert merged.norm() > 0 and not torch.allclose(merged, A)  # b is in it too
 
 
-def test_a_crash_after_the_fragment_file_merges_nothing_twice(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_crash_once_the_merge_is_durable_merges_nothing_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lag: int
 ) -> None:
     clock = Clock()
-    sync = make(tmp_path, clock)
+    sync = make(tmp_path, clock, snapshot_lag=lag)
     start(sync)
     assert sync.submit(update("a", 1, A, step=10)).status == "accepted"
     hold_save(sync, lambda: sync.submit(update("b", 1, B, step=10)))
-
-    def crash(segments: object) -> None:
-        raise SystemExit("killed before the merged segments were deleted")
-
-    monkeypatch.setattr(sync.store.pending(1), "drop", crash)
+    crash_after_durable(sync, monkeypatch)
     with pytest.raises(SystemExit):
         sync.merge(1)
-    again = make(tmp_path, clock)
+    assert sync.versions() == [0, 0 if lag else 1]  # a journaled merge: not served yet
+    again = make(tmp_path, clock, snapshot_lag=lag)
     assert again.versions() == [0, 1]
     assert torch.allclose(served(again, 1), A)
     status = again.status().fragments[1]
@@ -122,12 +156,16 @@ def test_a_crash_after_the_fragment_file_merges_nothing_twice(
     assert again.submit(update("a", 1, A, step=10)).status == "duplicate"
     assert again.merge(1) == 2
     assert torch.allclose(served(again, 1), A + B)
+    again.flush()
     assert len(list(tmp_path.glob("pending-0001*.log"))) == 0  # every segment merged
+    assert again.store.load_fragment(1).version == 2
 
 
-def test_a_refused_merge_puts_its_round_back_beside_what_came_meanwhile(tmp_path: Path) -> None:
+def test_a_refused_merge_puts_its_round_back_beside_what_came_meanwhile(
+    tmp_path: Path, lag: int
+) -> None:
     clock = Clock()
-    sync = make(tmp_path, clock)
+    sync = make(tmp_path, clock, snapshot_lag=lag)
     start(sync)
     assert sync.submit(update("a", 1, A, step=10)).status == "accepted"
     real = sync.policy

@@ -1,0 +1,322 @@
+"""The merge journal: a merge made durable by a record of its inputs, before it is served.
+
+A merge used to be durable once its fragment file (64 MB of Theta and 64 MB of momentum
+for a 16M-parameter fragment) was written and fsynced, and that write was half of the
+merge's time (bench/RESULTS.md, issue 15). The merge's inputs are already durable: every
+update it took is a record in the fragment's pending log. So a merge now appends one small
+record here and fsyncs it (`MergeRecord`: the fragment's version before, which learners'
+updates up to which order it took, in the round's order, the live token mass, the merge
+policy, and a digest of the result) and its version is served; the fragment file is
+written after, by `Snapshots` in the background, and only then are the journal's records
+and the log's segments it covers let go.
+
+A restart (and `ddiloco export`) rebuilds what the fragment file lacks with `replay`: from
+the file's state, each journaled merge in order, its contributions rebuilt from the log's
+records exactly as admission built them (same decode, same norms, the same learner order
+and absorption order), merged by the policy the record names (not today's settings). The
+result is checked against the record's digest: the same code on the same kind of machine
+gives the same bits. If it does not (another CPU's vector unit, another torch), the
+contributions are still merged exactly once, but the bytes differ from those served under
+that version, so the fragment takes one version more than the journal names, and learners
+fetch it: no two different states are ever served under one number.
+
+Fallbacks to the old, synchronous write: a merge whose round holds a contribution put back
+by a refused merge (its sum was formed in another order than the log's), one that changed
+no version (nothing weighed), and any merge that would leave the file more than
+`SyncSettings.snapshot_lag` merges behind (0: every merge writes its file before it is
+served, as before).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from ddiloco.synchronizer import admission, codec, wire
+from ddiloco.synchronizer.merge import Contribution, MergeOutcome, MergePolicy, OuterNesterov
+from ddiloco.synchronizer.protocol import FragmentSpec, UpdateMeta
+from ddiloco.synchronizer.state import FragmentLog, FragmentState, Order, PendingLog, _fsync_dir
+
+log = logging.getLogger(__name__)
+
+
+def digest(fs: FragmentState) -> str:
+    """XXH3-64 over Theta's and then the momentum's bytes, by tensor name (~10 GB/s)."""
+    h = xxhash.xxh3_64()
+    for tensors in (fs.params, fs.momentum):
+        for name in sorted(tensors):
+            h.update(tensors[name].contiguous().view(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def policy_fields(policy: MergePolicy) -> dict[str, Any]:
+    o = policy.outer
+    return {
+        "rule": policy.rule,
+        "granularity": policy.granularity,
+        "weighting": policy.weighting,
+        "counter_cap_steps": policy.counter_cap_steps,
+        "scale": policy.scale,
+        "outer": {"lr": o.lr, "momentum": o.momentum, "nesterov": o.nesterov},
+    }
+
+
+def policy_from(fields: dict[str, Any]) -> MergePolicy:
+    f = dict(fields)
+    outer = OuterNesterov(**f.pop("outer"))
+    return MergePolicy(outer=outer, **f)
+
+
+@dataclass(frozen=True)
+class MergeRecord:
+    version: int
+    """The fragment's version the merge started from (its result is `version + 1`)."""
+    ids: list[str]
+    """The learners whose contributions the merge took, in the round's order."""
+    high_water: dict[str, Order]
+    """Per learner taken, the highest update order in its contribution."""
+    live_tokens: float
+    policy: dict[str, Any]
+    digest: str
+    """`digest` of the merged state."""
+
+    def encode(self) -> bytes:
+        d = dataclasses.asdict(self)
+        d["high_water"] = {k: list(v) for k, v in self.high_water.items()}
+        return json.dumps(d, sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> MergeRecord:
+        d = json.loads(raw)
+        d["high_water"] = {k: (int(v[0]), int(v[1])) for k, v in d["high_water"].items()}
+        return cls(**d)
+
+
+class MergeJournal:
+    """`merges-PPPP.log`: the fragment's merges not yet in its file, `PendingLog` records."""
+
+    def __init__(self, root: Path, p: int) -> None:
+        self.path = root / f"merges-{p:04d}.log"
+        self.log = PendingLog(self.path)
+        self.lock = threading.Lock()
+
+    def records(self, *, repair: bool = True) -> list[MergeRecord]:
+        with self.lock:
+            return [MergeRecord.decode(r) for r in self.log.read(repair=repair)]
+
+    def append(self, rec: MergeRecord) -> None:
+        """Durable on return (one small write and one fsync)."""
+        with self.lock:
+            self.log.append(rec.encode())
+
+    def compact(self, version: int) -> None:
+        """Let go of the records of merges the fragment file at `version` holds."""
+        with self.lock:
+            keep = [r for r in self.log.read() if MergeRecord.decode(r).version >= version]
+            if not keep:
+                if self.path.exists():
+                    self.log.clear()
+                return
+            self.log.close()
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            with open(tmp, "wb") as f:
+                for r in keep:
+                    f.write(PendingLog.record(r) + r)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            _fsync_dir(self.path.parent)
+            self.log = PendingLog(self.path)
+
+    def close(self) -> None:
+        with self.lock:
+            self.log.close()
+
+
+def next_state(
+    fs: FragmentState, taken: dict[str, Contribution], outcome: MergeOutcome | None
+) -> FragmentState:
+    """The fragment after a merge of `taken` (`fs` only read)."""
+    high_water = dict(fs.high_water)
+    for learner_id, c in taken.items():
+        high_water[learner_id] = max(c.order, high_water.get(learner_id, c.order))
+    new = dataclasses.replace(fs, high_water=high_water)
+    if outcome is not None:
+        new.params, new.momentum = outcome.params, outcome.momentum
+        new.version += 1
+        new.merges += 1
+        new.tokens_merged += outcome.tokens
+        new.contributions += outcome.contributors
+    return new
+
+
+@dataclass
+class Replayed:
+    state: FragmentState
+    rest: list[tuple[UpdateMeta, dict[str, torch.Tensor], dict[str, float]]]
+    """The log's updates no merge took, decoded, with their norms, in log order."""
+    merges: int = 0
+    exact: bool = True
+
+
+def decode_records(
+    payloads: Sequence[bytes], spec: FragmentSpec, merged: dict[str, Order]
+) -> list[tuple[UpdateMeta, dict[str, torch.Tensor], dict[str, float]]]:
+    """The log's updates not in `merged` (the file's high-water marks), decoded as admission
+    decoded them (any encoding: each was accepted once), with admission's norms."""
+    out = []
+    for payload in payloads:
+        header = codec.read_header(payload, codes=True)
+        meta = UpdateMeta.from_metadata(header.metadata)
+        done = merged.get(meta.learner_id)
+        if done is not None and meta.order() <= done:
+            continue  # in the file already; the log was not let go of yet
+        delta = wire.decode_update(payload, header, spec, wire.ALL)
+        out.append((meta, delta, admission.delta_norms(delta, spec)))
+    return out
+
+
+def replay(
+    fs: FragmentState,
+    spec: FragmentSpec,
+    payloads: Sequence[bytes],
+    journal: Sequence[MergeRecord],
+) -> Replayed:
+    """`fs` (from the fragment file) with every journaled merge it lacks redone, in order,
+    and the log's updates left over for the open round."""
+    updates = decode_records(payloads, spec, fs.high_water)
+    out = Replayed(fs, [])
+    for rec in journal:
+        if rec.version < out.state.version:
+            continue  # in the file
+        if rec.version > out.state.version:  # a merge missing between: never written so
+            raise ValueError(
+                f"fragment {spec.index}: journaled merge from version {rec.version}, the "
+                f"state is at {out.state.version}"
+            )
+        taken: dict[str, Contribution] = {i: None for i in rec.ids}  # type: ignore[misc]
+        left = []
+        for meta, delta, norms in updates:
+            hw = rec.high_water.get(meta.learner_id)
+            if hw is None or meta.order() > hw:
+                left.append((meta, delta, norms))
+            elif (c := taken[meta.learner_id]) is None:
+                taken[meta.learner_id] = Contribution.of(meta, delta, norms)
+            else:
+                c.absorb(meta, delta)
+        missing = [i for i, c in taken.items() if c is None]
+        if missing:  # the log lacks what the journal says was merged: never written so
+            raise ValueError(
+                f"fragment {spec.index}: journaled merge {rec.version} lacks {missing}"
+            )
+        outcome = policy_from(rec.policy).merge(
+            spec, out.state.params, out.state.momentum, out.state.version,
+            list(taken.values()), rec.live_tokens,
+        )  # fmt: skip
+        new = next_state(out.state, taken, outcome)
+        if digest(new) != rec.digest:
+            out.exact = False
+        out.state, updates = new, left
+        out.merges += 1
+    if not out.exact:
+        out.state.version += 1
+        log.error(
+            "fragment %d: replayed merges differ in their bits from those served (another "
+            "machine or torch?); every contribution is merged once, served as version %d",
+            spec.index,
+            out.state.version,
+        )
+    out.rest = updates
+    return out
+
+
+class Snapshots:
+    """Writes each fragment's latest state to its file, off the merge's path, one thread.
+
+    `request(p)` after a journaled merge; `write(p)` is also called by a merge that must
+    write synchronously, by `flush`, and at close. Per fragment a lock orders the writes,
+    so an older state never replaces a newer file."""
+
+    def __init__(self, write: Callable[[int], None], n: int) -> None:
+        self._write = write
+        self.locks = [threading.Lock() for _ in range(n)]
+        self._want: set[int] = set()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._busy = False
+        self._thread = threading.Thread(target=self._run, name="ddiloco-snapshots", daemon=True)
+        self._thread.start()
+
+    def request(self, p: int) -> None:
+        with self._cv:
+            self._want.add(p)
+            self._cv.notify_all()
+
+    def write(self, p: int) -> None:
+        with self.locks[p]:
+            self._write(p)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._want and not self._stop:
+                    self._cv.wait()
+                if self._stop and not self._want:
+                    return
+                p = min(self._want)
+                self._want.discard(p)
+                self._busy = True
+            try:
+                self.write(p)
+            except Exception:  # a full disk: the journal still holds it; try again
+                log.exception("writing the file of fragment %d failed; retrying in 1 s", p)
+                time.sleep(1.0)
+                with self._cv:
+                    self._want.add(p)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Return once every requested file is written (or `timeout` passed)."""
+        end = time.monotonic() + timeout
+        with self._cv:
+            while (self._want or self._busy) and time.monotonic() < end:
+                self._cv.wait(0.05)
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=120)
+
+    def abandon(self) -> None:
+        """Stop without writing what is requested: what a SIGKILL leaves (tests); a write
+        under way finishes first."""
+        with self._cv:
+            self._stop = True
+            self._want.clear()
+            self._cv.notify_all()
+        self._thread.join(timeout=120)
+
+
+def recovered(root: Path, spec: FragmentSpec, fs: FragmentState) -> FragmentState:
+    """Fragment `spec.index` as a restart would resume it: its file's state `fs` with the
+    journaled merges it lacks redone; reads only (beside a running synchronizer too)."""
+    journaled = MergeJournal(root, spec.index).records(repair=False)
+    if not journaled:
+        return fs
+    payloads = FragmentLog(root, spec.index).read(repair=False)
+    return replay(fs, spec, payloads, journaled).state

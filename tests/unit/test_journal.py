@@ -1,0 +1,231 @@
+"""The merge journal: a merge is durable as a record of its inputs before it is served, its
+fragment file written after (synchronizer/journal.py), and a restart redoes what the file
+lacks to the same bits.
+
+    pytest tests/unit/test_journal.py
+
+Real files; the background writer is stopped (`Snapshots.abandon`, what a SIGKILL leaves)
+so the files stay behind the served versions, and a new `Synchronizer` on the same
+directory is the restart. Default merge settings (RDA per tensor, Nesterov 0.7 / 0.9,
+`merge_scale = live`) on tensors with vector tails (37 x 53, 1031), bf16 and fp32 updates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ddiloco.cli.export import from_state_dir
+from ddiloco.synchronizer import codec
+from ddiloco.synchronizer.config import SyncSettings
+from ddiloco.synchronizer.journal import MergeJournal
+from ddiloco.synchronizer.merge import NonFiniteMerge
+from ddiloco.synchronizer.protocol import (
+    LAYOUT_KEY,
+    FragmentSpec,
+    JoinRequest,
+    Layout,
+    TensorSpec,
+    UpdateMeta,
+)
+from ddiloco.synchronizer.service import Synchronizer
+from tests.unit.test_contract import Clock
+
+SHAPES = {"a": [37, 53], "b": [1031]}
+LAYOUT = Layout(
+    fragments=[
+        FragmentSpec(index=0, tensors=[TensorSpec(name=k, shape=v) for k, v in SHAPES.items()])
+    ]
+)
+
+
+def make(state: Path, clock: Clock, **kw: object) -> Synchronizer:
+    base: dict[str, object] = {"token": "t", "state_dir": state, "quorum": 1, "grace": False}
+    return Synchronizer(SyncSettings(**(base | kw)), clock=clock)  # type: ignore[arg-type]
+
+
+def start(sync: Synchronizer) -> None:
+    for lid in "abc":
+        sync.join(JoinRequest(learner_id=lid))
+    g = torch.Generator().manual_seed(0)
+    init = {k: torch.randn(v, generator=g) for k, v in SHAPES.items()}
+    sync.init(codec.encode(init, {LAYOUT_KEY: LAYOUT.model_dump_json()}))
+
+
+def update(lid: str, step: int, base: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    delta = {k: (0.01 * torch.randn(v, generator=g)).to(dtype) for k, v in SHAPES.items()}
+    meta = UpdateMeta(
+        learner_id=lid,
+        fragment=0,
+        base_version=base,
+        steps=10 + seed % 7,
+        tokens=100 + 13 * seed,
+        learner_step=step,
+        incarnation=1,
+    )
+    return codec.encode(delta, meta.to_metadata())
+
+
+def stop_writer(sync: Synchronizer) -> None:
+    assert sync.snapshots is not None
+    sync.snapshots.abandon()
+
+
+def rounds(sync: Synchronizer) -> list[dict[str, Any]]:
+    """Three merges: two learners, one update absorbed into another, a stale one, and an
+    update left waiting after the last merge. Returns what was served after each."""
+    out = []
+    v = sync.versions()[0]
+    assert sync.submit(update("a", 10, v, 1)).status == "accepted"
+    assert sync.submit(update("b", 10, v, 2, torch.float32)).status == "accepted"
+    assert sync.merge(0) == v + 1
+    out.append(snapshot(sync))
+    assert sync.submit(update("a", 20, v + 1, 3)).status == "accepted"
+    assert sync.submit(update("a", 21, v + 1, 4)).status == "accepted"  # absorbed
+    assert sync.submit(update("c", 10, v, 5)).status == "accepted"  # one version stale
+    assert sync.merge(0) == v + 2
+    out.append(snapshot(sync))
+    assert sync.submit(update("c", 20, v + 2, 6)).status == "accepted"
+    assert sync.submit(update("b", 20, v + 2, 7)).status == "accepted"
+    assert sync.merge(0) == v + 3
+    out.append(snapshot(sync))
+    assert sync.submit(update("a", 30, v + 3, 8)).status == "accepted"  # waits
+    return out
+
+
+def snapshot(sync: Synchronizer) -> dict[str, Any]:
+    fs = sync.fragments[0]
+    return {
+        "served": sync.fragment(0),
+        "params": {k: t.clone() for k, t in fs.params.items()},
+        "momentum": {k: t.clone() for k, t in fs.momentum.items()},
+        "tokens": fs.tokens_merged,
+    }
+
+
+def same_bits(x: dict[str, torch.Tensor], y: dict[str, torch.Tensor]) -> bool:
+    return x.keys() == y.keys() and all(
+        torch.equal(x[k].view(torch.int32), y[k].view(torch.int32)) for k in x
+    )
+
+
+def test_journaled_merges_are_served_before_their_file_and_replay_to_the_same_bits(
+    tmp_path: Path,
+) -> None:
+    clock = Clock()
+    sync = make(tmp_path, clock)
+    start(sync)
+    stop_writer(sync)
+    served = rounds(sync)
+    assert sync.versions() == [3]
+    assert sync.store.load_fragment(0).version == 0  # the file is behind: not yet written
+    assert [r.version for r in sync.journals[0].records()] == [0, 1, 2]
+    # the crash: the object is dropped; the restart redoes the three merges from the log
+    again = make(tmp_path, clock)
+    assert again.versions() == [3]
+    assert again.fragment(0) == served[-1]["served"]  # the bytes served before the crash
+    fs = again.fragments[0]
+    assert same_bits(fs.params, served[-1]["params"])
+    assert same_bits(fs.momentum, served[-1]["momentum"])
+    assert fs.tokens_merged == served[-1]["tokens"] and fs.merges == 3
+    assert again.store.load_fragment(0).version == 3  # written at startup
+    assert again.journals[0].records() == []
+    st = again.status().fragments[0]
+    assert (st.contributors_pending, st.tokens_pending) == (1, 100 + 13 * 8)  # a's last
+    for lid, step, seed in (("a", 21, 4), ("c", 10, 5), ("a", 30, 8)):  # all still held
+        assert again.submit(update(lid, step, 0, seed)).status == "duplicate"
+
+
+def test_the_file_trails_its_served_version_by_at_most_snapshot_lag(tmp_path: Path) -> None:
+    sync = make(tmp_path, Clock(), snapshot_lag=2)
+    start(sync)
+    stop_writer(sync)
+    rounds(sync)
+    # merges 1 and 2 journaled; the third would leave the file 3 behind: written first
+    assert sync.store.load_fragment(0).version == 3
+    assert sync.journals[0].records() == []
+    remaining = sync.store.pending(0).read()
+    assert len(remaining) == 1  # the merged segments are gone; a's waiting update is kept
+
+
+def test_the_writer_lets_go_of_journal_and_segments_once_the_file_is_written(
+    tmp_path: Path,
+) -> None:
+    sync = make(tmp_path, Clock())
+    start(sync)
+    rounds(sync)
+    sync.flush()
+    assert sync.store.load_fragment(0).version == 3
+    assert sync.journals[0].records() == []
+    assert len(sync.store.pending(0).read()) == 1
+
+
+def test_a_replay_that_differs_in_its_bits_takes_one_version_more(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = Clock()
+    sync = make(tmp_path, clock)
+    start(sync)
+    stop_writer(sync)
+    served = rounds(sync)
+    journal = MergeJournal(tmp_path, 0)
+    records = journal.records()
+    journal.close()
+    (tmp_path / "merges-0000.log").unlink()
+    forged = MergeJournal(tmp_path, 0)  # as if another machine's vector unit had merged
+    for rec in records:
+        forged.append(dataclasses.replace(rec, digest="0" * 16) if rec.version == 1 else rec)
+    forged.close()
+    with caplog.at_level(logging.ERROR):
+        again = make(tmp_path, clock)
+    assert "differ in their bits" in caplog.text
+    assert again.versions() == [4]  # never the bytes served as 3 under the number 3
+    fs = again.fragments[0]
+    assert fs.tokens_merged == served[-1]["tokens"]  # every contribution merged once
+    assert same_bits(fs.params, served[-1]["params"])  # the same bits after all, here
+
+
+def test_after_a_put_back_round_the_next_merge_writes_its_file_first(tmp_path: Path) -> None:
+    sync = make(tmp_path, Clock())
+    start(sync)
+    stop_writer(sync)
+    assert sync.submit(update("a", 10, 0, 1)).status == "accepted"
+    real = sync.policy
+
+    class Refusing:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def merge(self, *args: Any, **kw: Any) -> Any:
+            assert sync.submit(update("a", 11, 0, 2)).status == "accepted"
+            raise NonFiniteMerge("as if the sum overflowed")
+
+    sync.policy = Refusing()  # type: ignore[assignment]
+    assert sync.merge(0) is None
+    sync.policy = real
+    assert sync.merge(0) == 1  # a's two updates summed in another order than the log's
+    assert sync.store.load_fragment(0).version == 1  # so this one is in its file already
+    assert sync.journals[0].records() == []
+    assert sync.submit(update("b", 10, 1, 3)).status == "accepted"
+    assert sync.merge(0) == 2
+    assert sync.journals[0].records() != []  # and the next is journaled again
+
+
+def test_export_and_a_clean_close_see_the_journaled_merges(tmp_path: Path) -> None:
+    sync = make(tmp_path, Clock())
+    start(sync)
+    stop_writer(sync)
+    served = rounds(sync)
+    model = from_state_dir(tmp_path)  # beside the running synchronizer, reading only
+    assert model.versions == [3]
+    assert same_bits(model.params, served[-1]["params"])
+    assert sync.store.load_fragment(0).version == 0  # export wrote nothing
+    sync.close()
+    assert sync.store.load_fragment(0).version == 3
+    assert MergeJournal(tmp_path, 0).records() == []
