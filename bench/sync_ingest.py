@@ -483,6 +483,13 @@ def main(argv: list[str] | None = None) -> int:
         "answered; e.g. 0,0.15 measures the merge's times at saturation and at a load below it)",
     )
     ap.add_argument(
+        "--warmup",
+        type=float,
+        default=10.0,
+        help="seconds of the first arm run first and discarded (0: none); the first arm of a "
+        "run on a fresh machine measured 0.25 GB/s where the same arm later gave 0.63",
+    )
+    ap.add_argument(
         "--snapshot-lag",
         default="",
         help="synchronizer --snapshot-lag values, comma-separated (e.g. 0,4: each merge's "
@@ -521,6 +528,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.state_on}; cores {os.cpu_count()}, load {os.getloadavg()[0]:.1f}"
     )
     mem = memcpy_gbps(n * 2)
+    if args.warmup > 0:
+        warm = run_arm(arms[0], argparse.Namespace(**{**vars(args), "seconds": args.warmup}), lay)
+        print(f"  warm-up, {arms[0].name}: {warm['accepted_gbps']:.3f} GB/s (discarded)")
     rows = []
     for a in arms:
         rows.append(run_arm(a, args, lay))
