@@ -48,17 +48,17 @@ def bytes_per_value(encoding: str, block: int = DEFAULT_BLOCK) -> float:
 @dataclass(frozen=True, kw_only=True)
 class SyncerConfig:
     shard_gbps: dict[str, float] = field(
-        default_factory=lambda: {"bf16": 0.408, "int8": 0.203, "int4": 0.112}
+        default_factory=lambda: {"bf16": 0.462, "int8": 0.403, "int4": 0.189}
     )
     """Update bytes one shard ingests per second, GB/s, by encoding (bench/sync_ingest.py,
-    one shard). The default is this project's measurement on its 2-core machine (bench/
-    RESULTS.md "Synchronizer ingest: the merge off the fragment's lock"), the three
-    encodings side by side in one run (HTTP/1.1 into the upload port, the learners' path;
-    M = 16 clients on the same cores, 64M parameters, state on disk): bf16 0.408 GB/s (0.348
-    with the merge holding the fragment's lock, 0.119 before the group commit and the upload
-    port, 0.077 at the start of issue 15), int8 0.203, int4 0.112 of wire bytes (0.97x and
-    1.03x bf16's updates per second: their decode costs more per wire byte). The machine's
-    run-to-run spread is about +-15%. Measure on the target machine and pass --shard-gbps."""
+    one shard). The default is this project's measurement on a 2-core machine (bench/
+    RESULTS.md "Synchronizer ingest: the merge journal"), the three encodings side by side
+    in one run (HTTP/1.1 into the upload port, the learners' path; M = 16 clients on the
+    same cores, 64M parameters, state on disk): bf16 0.462 GB/s, int8 0.403, int4 0.189 of
+    wire bytes. That run's machine copied memory at 9.8 GB/s; the previous table's (bf16
+    0.408, int8 0.203, int4 0.112) at 5.8: across machines the figures move more than
+    across the last changes, and within one run by +-15%. Measure on the target machine
+    and pass --shard-gbps."""
     max_shards: int = 64
     round_fraction: float = 0.25
     """Share of tau x step a round's ingest may take (the issue's goal for the merge path)."""

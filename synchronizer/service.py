@@ -12,8 +12,10 @@ The contract: an update answered `accepted` is in the fragment's pending log on 
 the answer, and is merged exactly once, whatever crashes: a restarted synchronizer replays
 the log into the open rounds, skipping what the fragment file says it already merged, and
 the per-learner order high-water marks make any re-send a `duplicate`. A merge is durable
-(fragment file written, log emptied after) before its version is served, and a merge whose
-result is not finite is refused: the fragment stays as it was and its contributions wait.
+before its version is served: a merge journal record of its inputs (journal.py; the file
+written after, in the background) or its fragment file; the log's segments go once the
+file holds it. A merge whose result is not finite is refused: the fragment stays as it
+was and its contributions wait.
 Anything refused (malformed, non-finite, implausible norm, too stale, unknown learner)
 raises a `SyncError` whose message says why, and changes nothing.
 

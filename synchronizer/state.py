@@ -5,6 +5,7 @@
     <state_dir>/fragment-0003.safetensors   Theta_p, momentum b_p, version, stats, high-water marks
     <state_dir>/pending-0003.000007.log     updates of p accepted since its last merge (the WAL),
                                             in segments; `pending-0003.log` is an older one's
+    <state_dir>/merges-0003.log             merges of p its file does not hold yet (journal.py)
     <state_dir>/ledger.json                 learners (incarnations, contributions), totals
 
 Whole files are replaced atomically (write a temporary file, fsync, rename, fsync the
@@ -12,13 +13,15 @@ directory), so a SIGKILL at any instant leaves the previous or the next version 
 never a torn one. The pending log is append-only: an accepted update is appended and
 fsynced before the synchronizer answers `accepted`. A merge seals the segments that hold
 its round's records (new records go to a new segment while it computes and persists) and
-deletes them only after the merge that consumed them is durable in the fragment file; a
-restart replays every segment left, skipping what the fragment file's high-water marks say
-is merged. A record torn by a crash (it was never acknowledged) is cut off when the log is
+deletes them only once the fragment file holds the merge that consumed them; a merge is
+durable before that, as a merge journal record of its inputs (journal.py), and a restart
+redoes the journaled merges the file lacks, then replays every segment left, skipping
+what the high-water marks say is merged. A record torn by a crash (it was never acknowledged) is cut off when the log is
 read back.
 
 A fragment file is written from the tensors' own memory (`codec.pieces`: header, then each
-tensor's bytes, no serialized copy in between), then fsynced, before its version is served.
+tensor's bytes, no serialized copy in between), then fsynced: in the background, up to
+`snapshot_lag` merges behind the version served (journal.py), or before it is served.
 
 A fragment file carries, per learner, the highest (incarnation, learner_step) merged into
 it: with the pending log's records it tells a restarted synchronizer exactly which
