@@ -14,6 +14,7 @@ Every knob of the merge service lives here, with the paper's symbol where it has
 from __future__ import annotations
 
 import json
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
@@ -66,6 +67,14 @@ class SyncSettings(BaseSettings):
     128 MB file of a 16M-parameter fragment is then written in the background, and that
     many merges' updates stay on disk until it is. 0: every merge writes its fragment file
     before its version is served (the old path, half of the merge's time)."""
+    torch_threads: int = Field(0, ge=0, le=1024)
+    """Threads one tensor operation may use (`torch.set_num_threads`, set by `ddiloco
+    synchronizer`). The synchronizer runs many operations at once (a thread per upload, a
+    merge per fragment), so threads inside each mostly wait on each other: with 1 on 2
+    cores, 16 clients, the merge's p99 at 0.1 GB/s was 0.49-0.75 of tau x step against
+    0.99 with torch's default of one per core, and CPU per GB 3.1-3.7 against 3.8-4.3
+    (bench/RESULTS.md). 0 (default): a quarter of the cores, at least 1 (1 here; 4 on 16
+    cores, where one fragment's merge alone gains from a few)."""
     max_init_bytes: int = Field(16 << 30, ge=1 << 10)
     """The largest initial-model upload accepted, before the layout is known (413 above).
     Update bodies are capped by their fragment's size in float32, from the layout."""
@@ -144,6 +153,10 @@ class SyncSettings(BaseSettings):
     int8, int4; `DDILOCO_UPDATE_ENCODINGS=int4,bfloat16` (a comma list, or JSON). An update in
     any other is refused (415) before anything is written; a learner learns the list at join
     and stops with one line if its own is not in it."""
+
+    def op_threads(self) -> int:
+        """`torch_threads`, or its default: a quarter of the cores, at least one."""
+        return self.torch_threads or max(1, (os.cpu_count() or 1) // 4)
 
     @field_validator("update_encodings", mode="before")
     @classmethod

@@ -144,10 +144,16 @@ def main(argv: list[str] | None = None) -> int:
         settings.tokens()  # refuse a missing or empty token file now, by name
         Path(settings.state_dir).mkdir(parents=True, exist_ok=True)  # else at startup, traced
         check_state_dir(settings)  # another shard's (or another S's) state dir: one line
+    import torch
+
     from ddiloco.synchronizer.app import create_app  # torch: after the settings are checked
 
+    torch.set_num_threads(settings.op_threads())
+
     shown = settings.model_dump(exclude={"token"})  # paths only: never a token or a key
-    logging.getLogger("ddiloco.synchronizer").info("Starting synchronizer config=%s", shown)
+    logging.getLogger("ddiloco.synchronizer").info(
+        "Starting synchronizer config=%s op_threads=%d", shown, torch.get_num_threads()
+    )
     http: dict[str, Any] = {"http": "h11"} if args.http1 else {"http": "zttp", "http2": True}
     if settings.tls:
         http["ssl_context_factory"] = tls_factory(settings, http1_only=args.http1)
