@@ -623,9 +623,11 @@ class Synchronizer:
             if journaled:
                 self.snapshots.request(p)
             else:  # the file holds it: the journal's records and the segments let go
-                self._let_go(p, new.version, segments)
-                self.resync[p] = False
-                self.snapshots.locks[p].release()
+                try:
+                    self._let_go(p, new.version, segments)
+                    self.resync[p] = False
+                finally:
+                    self.snapshots.locks[p].release()
             if recycle:  # the superseded fragment (unless its file is being written from it)
                 POOL.give([*fs.params.values(), *fs.momentum.values()])
             for c in taken.values():

@@ -16,8 +16,8 @@ its round's records (new records go to a new segment while it computes and persi
 deletes them only once the fragment file holds the merge that consumed them; a merge is
 durable before that, as a merge journal record of its inputs (journal.py), and a restart
 redoes the journaled merges the file lacks, then replays every segment left, skipping
-what the high-water marks say is merged. A record torn by a crash (it was never acknowledged) is cut off when the log is
-read back.
+what the high-water marks say is merged. A record torn by a crash (it was never
+acknowledged) is cut off when the log is read back.
 
 A fragment file is written from the tensors' own memory (`codec.pieces`: header, then each
 tensor's bytes, no serialized copy in between), then fsynced: in the background, up to
