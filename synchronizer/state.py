@@ -317,14 +317,19 @@ class StateStore:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.logs: dict[int, FragmentLog] = {}
+        self.logs_lock = threading.Lock()
+        """First posts of a fragment come concurrently: two `FragmentLog`s of one fragment
+        would each number segments on their own (one's writes invisible to the other's
+        seal and read; a CI run read 23 of 24 accepted records back from the live log)."""
 
     def _fragment_path(self, p: int) -> Path:
         return self.root / f"fragment-{p:04d}.safetensors"
 
     def pending(self, p: int) -> FragmentLog:
-        if p not in self.logs:
-            self.logs[p] = FragmentLog(self.root, p)
-        return self.logs[p]
+        with self.logs_lock:
+            if p not in self.logs:
+                self.logs[p] = FragmentLog(self.root, p)
+            return self.logs[p]
 
     def close(self) -> None:
         for log in self.logs.values():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -166,3 +167,27 @@ def test_fragment_log_segments_replay_in_order_and_a_merge_drops_only_what_it_se
     again.append(b"r4")  # every segment merged and deleted: numbering starts again
     assert again.path.name == "pending-0002.000001.log"
     assert FragmentLog(tmp_path, 2).read() == [b"r4"]
+
+
+def test_concurrent_first_posts_of_a_fragment_share_one_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two `FragmentLog`s of one fragment number their segments each on its own: one's
+    records are then missing from the other's seal and read (a CI run read 23 of 24)."""
+    from ddiloco.synchronizer import state
+
+    real = state.FragmentLog.__init__
+
+    def slow(self: state.FragmentLog, root: Path, p: int) -> None:
+        time.sleep(0.05)  # widen the window between the check and the insert
+        real(self, root, p)
+
+    monkeypatch.setattr(state.FragmentLog, "__init__", slow)
+    store = state.StateStore(tmp_path)
+    got: list[state.FragmentLog] = []
+    threads = [threading.Thread(target=lambda: got.append(store.pending(1))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({id(x) for x in got}) == 1
