@@ -94,15 +94,15 @@ def test_synchronizer_killed_and_restarted_resumes_exactly(
         target = sum(durable) + 8
         wait_for(lambda: client.status().global_version >= target, 120, "merges after the restart")
         # the backlog held through the outage can make those merges before any learner's next
-        # fetch; wait (bounded) until a learner has adopted one of them
+        # fetch; wait (bounded) until every learner has adopted one of them (what the checks
+        # below ask of each; waiting for any one let the other's fetch lose the race)
         wait_for(
-            lambda: any(
-                rec["version"] > max(durable)
+            lambda: all(
+                any(rec["version"] > max(durable) for rec in adopted(tmp_path / f"{c.name}.jsonl"))
                 for c in learners
-                for rec in adopted(tmp_path / f"{c.name}.jsonl")
             ),
             120,
-            "a learner adopting a post-restart merge",
+            "every learner adopting a post-restart merge",
         )
         assert all(c.alive() and len(c.starts) == 1 for c in learners)  # never restarted
     except SyncUnavailable as e:
