@@ -115,12 +115,14 @@ class Payload:
         self.extra = {k: v for k, v in header.metadata.items() if k == wire.BLOCK_KEY}
         self.data = payload[len(payload) - header.data_bytes :]
 
-    def body(self, meta: UpdateMeta) -> bytes:
+    def body(self, meta: UpdateMeta) -> list[bytes]:
+        """The post's parts, header then data, sent without joining them (as a learner posts
+        `codec.pieces`: a joined 32 MB body per post cost the clients 3x the CPU)."""
         meta = meta.model_copy(update={"encoding": self.encoding})
         header = {**self.entries, "__metadata__": {**meta.to_metadata(), **self.extra}}
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
-        return struct.pack("<Q", len(raw)) + raw + self.data
+        return [struct.pack("<Q", len(raw)) + raw, self.data]
 
 
 @dataclass
@@ -183,10 +185,11 @@ def client_loop(
                 learner_step=step, incarnation=joins[owner[p]].incarnation,
             )  # fmt: skip
             body = payloads[p].body(meta)
+            size = sum(map(len, body))
             if rate:
                 if stop.wait(max(0.0, due - time.monotonic())):
                     break
-                due = max(due, time.monotonic() - 1.0) + len(body) / rate
+                due = max(due, time.monotonic() - 1.0) + size / rate
             t0 = time.perf_counter()
             try:
                 r = c.post_update(p, body)
@@ -201,7 +204,7 @@ def client_loop(
                 t.latencies.append(time.perf_counter() - t0)
                 if r.status == "accepted":
                     t.accepted += 1
-                    t.accepted_bytes += len(body)
+                    t.accepted_bytes += size
                     versions[p] = max(versions[p], r.round_version - 1)
                 else:
                     t.duplicate += 1

@@ -18,7 +18,9 @@ hand it whatever it is done with. The pool keeps at most `max_bytes` idle.
 `bytearray(32 MB)` is zero-filled under the GIL, page by page, before `recv_into` writes it
 again (10% of the synchronizer's samples at 16 clients, bench/RESULTS.md); a body of a size
 seen before lands in a buffer already touched. Capacities are whole MiB, so bodies whose
-headers differ by a few bytes share them.
+headers differ by a few bytes share them. The buffers are page-aligned, with room for the
+pending log's record header in front of the body: the log writes it to the disk from there
+(`frame`, `O_DIRECT`), with no copy into the page cache.
 
     body = BODIES.take(size)           # a memoryview of exactly `size` bytes
     ...                                # read into it, submit it (nothing may keep it)
@@ -27,12 +29,13 @@ headers differ by a few bytes share them.
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections.abc import Iterable
 
 import torch
 
-__all__ = ["BODIES", "POOL", "BytePool", "Float32Pool"]
+__all__ = ["ALIGN", "BODIES", "POOL", "BytePool", "Float32Pool", "aligned"]
 
 
 class Float32Pool:
@@ -82,45 +85,70 @@ POOL = Float32Pool()
 """The process's pool (the synchronizer's update path: codec.decode_float32, merge.py)."""
 
 
+ALIGN = 4096
+"""The unit of direct I/O (`O_DIRECT`): buffer addresses, file offsets and lengths are
+multiples of it (a 4 KiB-sector disk's; 512-byte ones accept it too)."""
+
+
+def aligned(n: int) -> int:
+    """`n` rounded up to a multiple of `ALIGN`."""
+    return -(-n // ALIGN) * ALIGN
+
+
 class BytePool:
-    """Idle bytearrays by capacity (a whole number of `grain`s); thread-safe. Bodies under
-    one grain are not pooled (a fresh small buffer costs little)."""
+    """Idle page-aligned buffers (anonymous `mmap`s) by capacity (a whole number of
+    `grain`s); thread-safe. A body sits `ALIGN` bytes into its buffer, so the pending log
+    can write the record header in front of it and the body, padded, straight to the disk
+    (`frame`, state.py: `O_DIRECT`, no copy into the page cache). Bodies under one grain are
+    not pooled (a fresh small buffer costs little)."""
 
     def __init__(self, max_bytes: int = 1 << 30, grain: int = 1 << 20) -> None:
         self.max_bytes, self.grain = max_bytes, grain
-        self.idle: dict[int, list[bytearray]] = {}
+        self.idle: dict[int, list[mmap.mmap]] = {}
         self.idle_bytes = 0
-        self.ours: set[int] = set()
+        self.ours: dict[int, mmap.mmap] = {}
         """id() of every buffer handed out and not yet given back."""
         self.lock = threading.Lock()
 
     def take(self, size: int) -> memoryview:
         """A writable view of `size` bytes, contents undefined (the caller fills them all)."""
-        if size < self.grain:
-            return memoryview(bytearray(size))
-        capacity = -(-size // self.grain) * self.grain
-        with self.lock:
-            free = self.idle.get(capacity)
-            buf = free.pop() if free else None
-            if buf is not None:
-                self.idle_bytes -= capacity
+        need = ALIGN + aligned(size)
+        capacity = -(-need // self.grain) * self.grain
+        buf = None
+        if size >= self.grain:
+            with self.lock:
+                free = self.idle.get(capacity)
+                buf = free.pop() if free else None
+                if buf is not None:
+                    self.idle_bytes -= capacity
         if buf is None:
-            buf = bytearray(capacity)
+            buf = mmap.mmap(-1, capacity if size >= self.grain else need)
         with self.lock:
-            self.ours.add(id(buf))
-        return memoryview(buf)[:size]
+            self.ours[id(buf)] = buf
+        return memoryview(buf)[ALIGN : ALIGN + size]
+
+    def frame(self, view: memoryview | bytes | bytearray) -> memoryview | None:
+        """For a view `take` gave and not yet taken back: its buffer from offset 0 to the
+        body's end rounded up to `ALIGN` (`ALIGN` bytes of room in front, the body, then
+        slack); None for anything else."""
+        if not isinstance(view, memoryview):
+            return None
+        with self.lock:
+            buf = self.ours.get(id(view.obj))
+        if buf is None or view.obj is not buf or len(buf) < ALIGN + aligned(len(view)):
+            return None
+        return memoryview(buf)[: ALIGN + aligned(len(view))]
 
     def give(self, view: memoryview) -> None:
         """Take back a view `take` gave (anything else is left alone); the caller and every
         view or tensor over it are done with it."""
         buf = view.obj
-        if not isinstance(buf, bytearray):
+        if not isinstance(buf, mmap.mmap):
             return
         with self.lock:
-            if id(buf) not in self.ours:
+            if self.ours.pop(id(buf), None) is not buf:
                 return
-            self.ours.discard(id(buf))
-            if self.idle_bytes + len(buf) > self.max_bytes:
+            if len(buf) < self.grain or self.idle_bytes + len(buf) > self.max_bytes:
                 return
             self.idle.setdefault(len(buf), []).append(buf)
             self.idle_bytes += len(buf)

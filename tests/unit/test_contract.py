@@ -213,6 +213,7 @@ def test_a_re_send_is_a_duplicate_however_many_updates_came_since(tmp_path: Path
         sync.merge(1)
     version = sync.versions()[1]
     assert sync.submit(first).status == "duplicate"
+    sync.snapshots.abandon()  # killed: its writer writes no more (nor beside the restart)
     restarted = make(tmp_path, clock)
     assert restarted.submit(first).status == "duplicate"  # the guard survives a restart
     assert restarted.versions()[1] == version

@@ -9,6 +9,7 @@ Each fast function must give what the plain one gave: `decode_float32` what `dec
 
 from __future__ import annotations
 
+import ctypes
 import json
 import struct
 
@@ -17,7 +18,7 @@ import torch
 from safetensors.torch import load as st_load
 
 from ddiloco.synchronizer import codec
-from ddiloco.synchronizer.buffers import BytePool, Float32Pool
+from ddiloco.synchronizer.buffers import ALIGN, BytePool, Float32Pool, aligned
 from ddiloco.synchronizer.errors import PayloadError
 from ddiloco.synchronizer.merge import OuterNesterov, finite
 
@@ -116,10 +117,31 @@ def test_byte_pool_hands_a_given_buffer_to_the_next_body_of_its_capacity() -> No
 
 def test_byte_pool_keeps_at_most_max_bytes_idle() -> None:
     pool = BytePool(max_bytes=4 << 20, grain=1 << 20)
-    views = [pool.take(3 << 20) for _ in range(2)]
+    views = [pool.take(3 << 20) for _ in range(2)]  # 3 MiB and the header block: 4 MiB each
     for v in views:
         pool.give(v)
-    assert pool.idle_bytes == 3 << 20
+    assert pool.idle_bytes == 4 << 20
+
+
+@pytest.mark.parametrize("size", [1, 100, 4096, 5000, (1 << 20) - 1, 3_000_000])
+def test_a_body_sits_one_block_into_a_page_aligned_buffer_with_room_for_its_frame(
+    size: int,
+) -> None:
+    pool = BytePool(grain=1 << 20)
+    body = pool.take(size)
+    body[:] = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
+    frame = pool.frame(body)
+    assert frame is not None
+    address = ctypes.addressof(ctypes.c_char.from_buffer(frame))
+    assert address % ALIGN == 0 and len(frame) % ALIGN == 0  # what O_DIRECT needs
+    assert len(frame) == ALIGN + aligned(size)
+    assert frame[ALIGN : ALIGN + size] == body  # the body itself, not a copy
+    body[0] ^= 0xFF
+    assert frame[ALIGN] == body[0]
+    assert pool.frame(memoryview(bytearray(size))) is None  # not the pool's
+    assert pool.frame(bytes(size)) is None
+    pool.give(body)
+    assert pool.frame(body) is None  # given back: no longer the caller's to frame
 
 
 @pytest.mark.parametrize("nesterov", [True, False])

@@ -12,7 +12,11 @@ answer when the log's fsync fails.
 - a fragment's log is a series of segments: a merge seals the ones holding its round, posts
   meanwhile go to a new one, a restart replays them all in order (an older synchronizer's
   single file first), and a merge deletes only the segments it sealed;
-- a failed fsync stops the process (`on_fatal`) instead of answering `accepted`.
+- a failed fsync stops the process (`on_fatal`) instead of answering `accepted`;
+- direct I/O: a body in a `BODIES` buffer is written from it with O_DIRECT, other payloads
+  through the page cache, in one block format, read back in order; where O_DIRECT is
+  refused (at open or at the first write) the same records go through the page cache; a
+  fragment file streamed in direct blocks reads back exactly, at its true length.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddiloco.synchronizer import state
+from ddiloco.synchronizer import codec, state
+from ddiloco.synchronizer.buffers import ALIGN, BODIES
 from ddiloco.synchronizer.state import FragmentLog, PendingLog
 from tests.unit.test_contract import Clock, make, start, update
 
@@ -87,7 +92,7 @@ def test_an_older_synchronizers_records_replay_before_and_among_new_ones(
     log.append(b"new-1")
     assert PendingLog(path).read() == [b"old-1", b"old-2", b"new-1"]
     raw = bytearray(path.read_bytes())
-    raw[-1] ^= 0xFF  # the new record's last byte: its checksum no longer matches
+    raw[raw.rindex(b"new-1") + 4] ^= 0xFF  # its payload's last byte: the checksum fails
     path.write_bytes(bytes(raw))
     assert PendingLog(path).read() == [b"old-1", b"old-2"]
     assert path.stat().st_size == 2 * (12 + 5)  # the bad record was cut off
@@ -191,3 +196,132 @@ def test_concurrent_first_posts_of_a_fragment_share_one_log(
     for t in threads:
         t.join()
     assert len({id(x) for x in got}) == 1
+
+
+def direct_fds(log: PendingLog) -> bool:
+    """Whether the log holds a descriptor opened with O_DIRECT (its flags in /proc)."""
+    if log.direct is None:
+        return False
+    flags = Path(f"/proc/self/fdinfo/{log.direct}").read_text().split("flags:")[1].split()[0]
+    return bool(int(flags, 8) & os.O_DIRECT)
+
+
+def test_pool_bodies_go_to_the_log_with_o_direct_and_read_back_among_packed_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A body the upload port read into a `BODIES` buffer is written from that buffer with
+    O_DIRECT (no page cache copy); any other payload through the page cache, in the same
+    block format, in the same file; all read back in order, and a corrupt one ends the log."""
+    wrote: list[int] = []
+    real_write = os.write
+
+    def write(fd: int, data: object) -> int:
+        wrote.append(fd)
+        return real_write(fd, data)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(state.os, "write", write)
+    path = tmp_path / "p.log"
+    log = PendingLog(path)
+    sizes = [5000, 1, 4096, 3 << 20, 123_457]
+    want = []
+    for i, size in enumerate(sizes):
+        data = os.urandom(size)
+        want.append(data)
+        if i % 2 == 0:
+            body = BODIES.take(size)
+            body[:] = data
+            log.sync(log.write(body, PendingLog.record(body)))
+            assert BODIES.frame(body) is not None
+            BODIES.give(body)
+        else:
+            log.append(data)  # bytes: the page cache
+    assert direct_fds(log)
+    assert wrote.count(log.direct) == 3  # the three pool bodies, one write each
+    assert path.stat().st_size % ALIGN == 0
+    assert PendingLog(path).read() == want
+    raw = bytearray(path.read_bytes())
+    at = raw.index(want[2])
+    raw[at + 100] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    assert PendingLog(path).read() == want[:2]
+    assert path.stat().st_size % ALIGN == 0  # cut at a record's start: appends stay aligned
+
+
+@pytest.mark.parametrize("when", ["open", "write"])
+def test_a_file_system_that_refuses_o_direct_gets_the_same_records_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    real_open, real_write = os.open, os.write
+    direct: set[int] = set()
+
+    def refuse_open(path: object, flags: int, *args: object) -> int:
+        if flags & os.O_DIRECT and when == "open":
+            raise OSError(22, "Invalid argument")
+        fd = real_open(path, flags, *args)  # type: ignore[arg-type]
+        (direct.add if flags & os.O_DIRECT else direct.discard)(fd)  # numbers are reused
+        return fd
+
+    def refuse_write(fd: int, data: object) -> int:
+        if fd in direct:
+            raise OSError(22, "Invalid argument")
+        return real_write(fd, data)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(state.os, "open", refuse_open)
+    monkeypatch.setattr(state.os, "write", refuse_write)
+    log = PendingLog(tmp_path / "p.log")
+    want = [os.urandom(n) for n in (10, 70_000, 2 << 20)]
+    for data in want:
+        body = BODIES.take(len(data))
+        body[:] = data
+        log.sync(log.write(body))
+        BODIES.give(body)
+    assert log.direct is None
+    assert PendingLog(tmp_path / "p.log").read() == want
+    # the fragment file too: written through the page cache, read back the same
+    g = torch.Generator().manual_seed(1)
+    fs = state.FragmentState({"w": torch.randn(300, 70, generator=g)}, {"w": torch.zeros(300, 70)})
+    store = state.StateStore(tmp_path / "s")
+    store.save_fragment(0, fs)
+    back = store.load_fragment(0)
+    assert torch.equal(back.params["w"], fs.params["w"])
+
+
+def test_a_fragment_file_written_in_direct_blocks_reads_back_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through a staging buffer smaller than the file (parts cross its edges), O_DIRECT,
+    the last block cut back to the file's true length."""
+    monkeypatch.setattr(state, "STAGE", 3 * ALIGN)
+    monkeypatch.setattr(state, "_stages", [])
+    opened: list[int] = []
+    real_open = os.open
+
+    def spy(path: object, flags: int, *args: object) -> int:
+        opened.append(flags)
+        return real_open(path, flags, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(state.os, "open", spy)
+    g = torch.Generator().manual_seed(2)
+    params = {"a": torch.randn(1031, generator=g), "b": torch.randn(7, 3, generator=g)}
+    params["c"] = torch.randn(4096, generator=g)
+    fs = state.FragmentState(
+        params, {k: torch.randn(v.shape, generator=g) for k, v in params.items()}, version=9
+    )
+    store = state.StateStore(tmp_path)
+    store.save_fragment(2, fs)
+    assert any(f & os.O_DIRECT for f in opened)
+    back = store.load_fragment(2)
+    assert back.version == 9
+    for k in params:
+        assert torch.equal(back.params[k], fs.params[k])
+        assert torch.equal(back.momentum[k], fs.momentum[k])
+    file = tmp_path / "fragment-0002.safetensors"
+    parts = codec.pieces(
+        {f"param/{k}": v for k, v in params.items()}
+        | {f"momentum/{k}": v for k, v in fs.momentum.items()},
+        {},
+    )
+    assert parts is not None
+    header_len = int.from_bytes(file.read_bytes()[:8], "little")
+    data = sum(len(memoryview(p).cast("B")) for p in parts[1:])
+    assert file.stat().st_size == 8 + header_len + data  # no padding left at the end

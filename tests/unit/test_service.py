@@ -191,6 +191,7 @@ def test_restart_resumes_versions_momentum_and_ledger(tmp_path: Path) -> None:
         send(sync, "a", 0.5, base=sync.versions()[0], step=step)
         sync.merge(0)
     before = sync.fragments[0]
+    sync.snapshots.abandon()  # killed: its writer writes no more (nor beside the restart)
     again = make(tmp_path, clock, outer_momentum=0.9)
     after = again.fragments[0]
     assert again.versions() == [3]
