@@ -144,6 +144,7 @@ def client_loop(
     stop: threading.Event,
     t: Tally,
     rate: float = 0.0,
+    joined: bool = False,
 ) -> None:
     """One learner: joins every shard, heartbeats to each once a second, posts fragment p
     to its owner `owner[p]` against the version that shard last said; with `rate` (bytes
@@ -184,8 +185,9 @@ def client_loop(
                 learner_id=lid, fragment=p, base_version=versions[p], steps=1, tokens=1000,
                 learner_step=step, incarnation=joins[owner[p]].incarnation,
             )  # fmt: skip
-            body = payloads[p].body(meta)
-            size = sum(map(len, body))
+            parts = payloads[p].body(meta)
+            body: bytes | list[bytes] = b"".join(parts) if joined else parts
+            size = sum(map(len, parts))
             if rate:
                 if stop.wait(max(0.0, due - time.monotonic())):
                     break
@@ -275,12 +277,18 @@ class Arm:
     lag: int | None = None
     """The synchronizer's `--snapshot-lag` (None: its default, 4): 0 writes each merge's
     fragment file before serving it, > 0 journals the merge and writes the file after."""
+    server: str = ""
+    """The label of the interpreter that runs the synchronizer (`--servers`; "": this one)."""
+    bodies: str = "parts"
+    """How the clients post a body: its parts (header, data) or `joined` into one buffer."""
 
     @property
     def name(self) -> str:
         paced = f" @{self.offered:g}" if self.offered else ""
         lag = f" L={self.lag}" if self.lag is not None else ""
-        return f"{self.transport} {self.encoding} S={self.shards}{lag}{paced}"
+        server = f" [{self.server}]" if self.server else ""
+        bodies = " joined" if self.bodies == "joined" else ""
+        return f"{self.transport} {self.encoding} S={self.shards}{lag}{paced}{bodies}{server}"
 
 
 def start_shard(
@@ -294,7 +302,8 @@ def start_shard(
         "DDILOCO_UPDATE_ENCODINGS": ",".join(wire.ALL),
     }
     log = open(root / f"sync-{i}.log", "w")  # noqa: SIM115 - closed by the caller
-    cmd = [sys.executable, "-m", "ddiloco.cli.main", "synchronizer", "--port", str(port),
+    python = args.pythons.get(arm.server, sys.executable)
+    cmd = [python, "-m", "ddiloco.cli.main", "synchronizer", "--port", str(port),
            "--upload-port", str(free_port()), "--state-dir", str(root / f"s-{i}")]  # fmt: skip
     if arm.shards > 1:
         cmd += ["--shard", str(i), "--shards", str(arm.shards)]
@@ -342,7 +351,10 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
             threading.Thread(
                 target=client_loop,
                 args=(urls, owner, f"l-{i}", arm.transport, payloads, stop, tallies[i]),
-                kwargs={"rate": arm.offered * 1e9 / args.learners},
+                kwargs={
+                    "rate": arm.offered * 1e9 / args.learners,
+                    "joined": arm.bodies == "joined",
+                },
                 daemon=True,
             )
             for i in range(args.learners)
@@ -433,14 +445,14 @@ def pair(r: dict[str, Any], key: str) -> str:
 
 def table(rows: list[dict[str, Any]], mem: float) -> str:
     head = (
-        f"{'arm':<18} {'GB/s':>6} {'/shard':>6} {'x memcpy':>8} {'upd/s':>6} {'merge/s':>7} "
+        f"{'arm':<30} {'GB/s':>6} {'/shard':>6} {'x memcpy':>8} {'upd/s':>6} {'merge/s':>7} "
         f"{'CPU s/GB':>8} {'cores srv/cli':>13} {'post p50':>8} {'merge p50/p99':>15} {'quorum->served':>15} "
         f"{'publish p50/p99':>16} {'mean merge/served':>17} {'grace s':>7}"
     )
     lines = [head]
     for r in rows:
         lines.append(
-            f"{r['arm']:<18} {r['accepted_gbps']:6.3f} {r['per_shard_gbps']:6.3f} "
+            f"{r['arm']:<30} {r['accepted_gbps']:6.3f} {r['per_shard_gbps']:6.3f} "
             f"{r['accepted_gbps'] / mem:8.3f} {r['updates_per_s']:6.1f} {r['merges_per_s']:7.2f} "
             f"{fmt(r['cpu_s_per_gb'], '8.2f')} "
             f"{r['server_cpu_share']:6.2f}/{r['client_cpu_share']:<6.2f} "
@@ -450,7 +462,7 @@ def table(rows: list[dict[str, Any]], mem: float) -> str:
             f"{fmt(r['grace_mean_s'], '7.3f')}"
         )
         if r["refused"] or r["errors"]:
-            lines.append(f"{'':<18} refused {r['refused']}, errors {r['errors']}")
+            lines.append(f"{'':<30} refused {r['refused']}, errors {r['errors']}")
     return "\n".join(lines)
 
 
@@ -504,12 +516,28 @@ def main(argv: list[str] | None = None) -> int:
         default="disk",
         help="state directories on the temp directory's disk, or in /dev/shm (no fsync bound)",
     )
+    ap.add_argument(
+        "--servers",
+        default="",
+        help="label=python pairs, comma-separated: each arm runs once per interpreter, "
+        "alternated (e.g. new=.venv/bin/python,old=/tmp/old/.venv/bin/python: two trees' "
+        "synchronizers side by side, the same clients); empty: this interpreter",
+    )
+    ap.add_argument(
+        "--bodies",
+        default="parts",
+        help="how clients post a body, comma-separated: parts (header and data, not "
+        "joined: as `SyncClient.post_update` takes `codec.pieces`) or joined (one buffer)",
+    )
     args = ap.parse_args(argv)
+    args.pythons = dict(x.split("=", 1) for x in args.servers.split(",")) if args.servers else {}
     lags = [int(x) for x in args.snapshot_lag.split(",")] if args.snapshot_lag else [None]
     arms = [
-        Arm(t, e, int(s), float(o), lag)
+        Arm(t, e, int(s), float(o), lag, server, bodies)
         for o in args.offered.split(",")
         for lag in lags
+        for bodies in args.bodies.split(",")
+        for server in (list(args.pythons) or [""])
         for s in args.shards.split(",")
         for e in args.encodings.split(",")
         for t in args.arms.split(",")
@@ -520,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
             or a.encoding not in wire.ALL
             or a.shards < 1
             or a.offered < 0
+            or a.bodies not in ("parts", "joined")
         ):
             ap.error(f"unknown arm {a.name!r}: transports up/h1/h2, encodings {sorted(wire.ALL)}")
     lay = layout(int(args.params), args.fragments)

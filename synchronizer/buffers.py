@@ -82,7 +82,7 @@ class Float32Pool:
 
 
 POOL = Float32Pool()
-"""The process's pool (the synchronizer's update path: codec.decode_float32, merge.py)."""
+"""The process's pool (the synchronizer's update path: quantized decodes, merge.py)."""
 
 
 ALIGN = 4096
@@ -108,6 +108,10 @@ class BytePool:
         self.idle_bytes = 0
         self.ours: dict[int, mmap.mmap] = {}
         """id() of every buffer handed out and not yet given back."""
+        self.pins: dict[int, int] = {}
+        """id() of a buffer whose body a round still reads -> how many hold it (`pin`)."""
+        self.given: set[int] = set()
+        """Pinned buffers already given back: idle once the last pin goes."""
         self.lock = threading.Lock()
 
     def take(self, size: int) -> memoryview:
@@ -141,17 +145,47 @@ class BytePool:
 
     def give(self, view: memoryview) -> None:
         """Take back a view `take` gave (anything else is left alone); the caller and every
-        view or tensor over it are done with it."""
+        view or tensor over it are done with it, unless it is pinned: then it waits for the
+        last `unpin`."""
         buf = view.obj
         if not isinstance(buf, mmap.mmap):
             return
         with self.lock:
-            if self.ours.pop(id(buf), None) is not buf:
+            if self.ours.get(id(buf)) is not buf or id(buf) in self.given:
                 return
-            if len(buf) < self.grain or self.idle_bytes + len(buf) > self.max_bytes:
+            if self.pins.get(id(buf)):
+                self.given.add(id(buf))
                 return
-            self.idle.setdefault(len(buf), []).append(buf)
-            self.idle_bytes += len(buf)
+            self._idle(buf)
+
+    def pin(self, view: memoryview | bytes | bytearray) -> None:
+        """Keep the buffer of `view` (a body `take` gave) out of the pool until `unpin`,
+        whenever it is given back: a round holds tensors that read it (merge.py)."""
+        buf = view.obj if isinstance(view, memoryview) else None
+        with self.lock:
+            if buf is not None and self.ours.get(id(buf)) is buf:
+                self.pins[id(buf)] = self.pins.get(id(buf), 0) + 1
+
+    def unpin(self, view: memoryview | bytes | bytearray) -> None:
+        buf = view.obj if isinstance(view, memoryview) else None
+        with self.lock:
+            if buf is None or self.ours.get(id(buf)) is not buf or not self.pins.get(id(buf)):
+                return
+            self.pins[id(buf)] -= 1
+            if self.pins[id(buf)]:
+                return
+            del self.pins[id(buf)]
+            if id(buf) in self.given:
+                self.given.discard(id(buf))
+                self._idle(buf)
+
+    def _idle(self, buf: mmap.mmap) -> None:
+        """`buf` is nobody's now (the caller holds the lock)."""
+        del self.ours[id(buf)]
+        if len(buf) < self.grain or self.idle_bytes + len(buf) > self.max_bytes:
+            return
+        self.idle.setdefault(len(buf), []).append(buf)
+        self.idle_bytes += len(buf)
 
 
 BODIES = BytePool()

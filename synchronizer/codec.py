@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ddiloco.synchronizer.buffers import POOL
+from ddiloco.synchronizer import passes
 from ddiloco.synchronizer.errors import PayloadError
 from ddiloco.synchronizer.protocol import LAYOUT_KEY, FragmentSpec, Layout
 
@@ -31,10 +31,10 @@ __all__ = [
     "PayloadError",
     "check_fragment",
     "decode",
-    "decode_float32",
     "encode",
     "finite_norm",
     "finite_norms",
+    "header_bytes",
     "pieces",
     "read_header",
     "read_metadata",
@@ -106,33 +106,42 @@ _NAMES: Final[dict[torch.dtype, str]] = {
 safetensors library."""
 
 
+def header_bytes(
+    entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None
+) -> tuple[bytes, list[tuple[int, int]]]:
+    """A safetensors header (its 8-byte length first) for tensors of these names, dtypes
+    and shapes laid out in this order, and each one's (begin, end) in the data after it."""
+    header: dict[str, Any] = {}
+    offsets: list[tuple[int, int]] = []
+    at = 0
+    for name, dtype, shape in entries:
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {
+            "dtype": _NAMES[dtype],
+            "shape": list(shape),
+            "data_offsets": [at, at + size],
+        }
+        offsets.append((at, at + size))
+        at += size
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw, offsets
+
+
 def pieces(
     tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
 ) -> list[memoryview | bytes] | None:
     """A safetensors file as its parts: the header, then each tensor's bytes as a view of
     the tensor itself (no copy). None if a dtype is not in `_NAMES`. The views keep the
     tensors alive; write or join them before the tensors change."""
-    header: dict[str, Any] = {}
-    parts: list[memoryview | bytes] = []
-    at = 0
-    for name in sorted(tensors):
-        t = tensors[name].detach().cpu().contiguous()
-        if t.dtype not in _NAMES:
-            return None
-        size = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": _NAMES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [at, at + size],
-        }
-        if size:
-            parts.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-        at += size
-    if metadata:
-        header["__metadata__"] = dict(metadata)
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return [len(raw).to_bytes(8, "little") + raw, *parts]
+    ts = {name: tensors[name].detach().cpu().contiguous() for name in sorted(tensors)}
+    if any(t.dtype not in _NAMES for t in ts.values()):
+        return None
+    head, _ = header_bytes([(n, t.dtype, tuple(t.shape)) for n, t in ts.items()], metadata)
+    views = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in ts.values() if t.numel()]
+    return [head, *views]
 
 
 def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
@@ -269,33 +278,6 @@ def decode(payload: bytes, header: Header | None = None) -> dict[str, torch.Tens
     return tensors
 
 
-def decode_float32(
-    payload: bytes | bytearray | memoryview, header: Header | None = None
-) -> dict[str, torch.Tensor]:
-    """The float tensors of a payload whose header passed `read_header`, as float32 of their
-    shapes: each read in place from the body (`torch.frombuffer`, no copy) and converted
-    once, into a buffer of `buffers.POOL` (already touched: no page faults). The body is
-    never written nor kept. Raises PayloadError for a non-float tensor."""
-    header = header or read_header(payload)
-    view = memoryview(payload)
-    if view.ndim != 1 or view.itemsize != 1:
-        view = view.cast("B")
-    start = len(view) - header.data_bytes
-    out: dict[str, torch.Tensor] = {}
-    with warnings.catch_warnings():  # a bytes body is read-only; it is only ever read
-        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
-        for name, t in header.tensors.items():
-            if t.dtype not in ST_DTYPES:
-                raise PayloadError(f"tensor {name!r} has dtype {t.dtype}; not a float tensor")
-            dst = POOL.take(t.shape)
-            if t.end > t.begin:
-                dtype = ST_DTYPES[t.dtype][0]
-                src = view[start + t.begin : start + t.end]
-                dst.view(-1).copy_(torch.frombuffer(src, dtype=dtype))
-            out[name] = dst
-    return out
-
-
 def tensor_views(
     payload: bytes | bytearray | memoryview, header: Header
 ) -> dict[str, torch.Tensor]:
@@ -357,9 +339,9 @@ def layout_from_metadata(meta: dict[str, str]) -> Layout:
 
 
 def tensor_norms(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Each tensor's L2 norm, accumulated in float32 (one pass each, no float32 copy of a
-    bf16 tensor)."""
-    return {k: float(torch.linalg.vector_norm(t, dtype=torch.float32)) for k, t in tensors.items()}
+    """Each tensor's L2 norm (`passes.norm`: one pass each, no float32 copy of a bf16
+    tensor)."""
+    return {k: passes.norm(t) for k, t in tensors.items()}
 
 
 def total_norm(norms: dict[str, float]) -> float:

@@ -161,10 +161,15 @@ def next_state(
     return new
 
 
+Decoded = tuple[UpdateMeta, dict[str, torch.Tensor], dict[str, float], bytes | None]
+"""An update of the log as admission decoded it: meta, tensors, their norms, and the
+payload the tensors view (None: float32 buffers of `POOL`)."""
+
+
 @dataclass
 class Replayed:
     state: FragmentState
-    rest: list[tuple[UpdateMeta, dict[str, torch.Tensor], dict[str, float]]]
+    rest: list[Decoded]
     """The log's updates no merge took, decoded, with their norms, in log order."""
     merges: int = 0
     exact: bool = True
@@ -172,7 +177,7 @@ class Replayed:
 
 def decode_records(
     payloads: Sequence[bytes], spec: FragmentSpec, merged: dict[str, Order]
-) -> list[tuple[UpdateMeta, dict[str, torch.Tensor], dict[str, float]]]:
+) -> list[Decoded]:
     """The log's updates not in `merged` (the file's high-water marks), decoded as admission
     decoded them (any encoding: each was accepted once), with admission's norms."""
     out = []
@@ -183,7 +188,8 @@ def decode_records(
         if done is not None and meta.order() <= done:
             continue  # in the file already; the log was not let go of yet
         delta = wire.decode_update(payload, header, spec, wire.ALL)
-        out.append((meta, delta, admission.delta_norms(delta, spec)))
+        body = payload if wire.views_body(header) else None
+        out.append((meta, delta, admission.delta_norms(delta, spec), body))
     return out
 
 
@@ -207,14 +213,14 @@ def replay(
             )
         taken: dict[str, Contribution] = {i: None for i in rec.ids}  # type: ignore[misc]
         left = []
-        for meta, delta, norms in updates:
+        for meta, delta, norms, body in updates:
             hw = rec.high_water.get(meta.learner_id)
             if hw is None or meta.order() > hw:
-                left.append((meta, delta, norms))
+                left.append((meta, delta, norms, body))
             elif (c := taken[meta.learner_id]) is None:
-                taken[meta.learner_id] = Contribution.of(meta, delta, norms)
+                taken[meta.learner_id] = Contribution.of(meta, delta, norms, body)
             else:
-                c.absorb(meta, delta)
+                c.absorb(meta, delta, body)
         missing = [i for i, c in taken.items() if c is None]
         if missing:  # the log lacks what the journal says was merged: never written so
             raise ValueError(

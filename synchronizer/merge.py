@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from ddiloco.synchronizer.buffers import POOL
+from ddiloco.synchronizer import passes
+from ddiloco.synchronizer.buffers import BODIES, POOL
 from ddiloco.synchronizer.protocol import FragmentSpec, MergeRule, UpdateMeta
 
 if TYPE_CHECKING:
@@ -73,8 +74,17 @@ def _normalized(weights: Sequence[float]) -> list[float]:
     return [w / total for w in weights]
 
 
-def _zeros(like: torch.Tensor) -> torch.Tensor:
-    return POOL.take(like.shape).zero_()
+def _weighted_sum(terms: Sequence[tuple[torch.Tensor, float]], like: torch.Tensor) -> torch.Tensor:
+    """sum of alpha * t into a new float32 tensor: the first term written, the others added
+    (passes.py: a bf16 term is read once, in cache-sized chunks)."""
+    out = POOL.take(like.shape)
+    if not terms:
+        return out.zero_()
+    (first, alpha), *rest = terms
+    passes.scale_into(out, first, alpha)
+    for t, a in rest:
+        passes.axpy(out, t, a)
+    return out
 
 
 def weighted_mean(
@@ -82,11 +92,8 @@ def weighted_mean(
 ) -> torch.Tensor:
     """scale * sum_m w_m delta_m / sum_m w_m (a new float32 tensor; `scale` folded into
     the weights, no pass of its own)."""
-    out = _zeros(deltas[0])
-    for d, w in zip(deltas, _normalized(weights), strict=True):
-        if w:
-            out.add_(d.float(), alpha=w * scale)
-    return out
+    terms = [(d, w * scale) for d, w in zip(deltas, _normalized(weights), strict=True) if w]
+    return _weighted_sum(terms, deltas[0])
 
 
 def rda(
@@ -107,15 +114,15 @@ def rda(
     ws = _normalized(weights)
     known = list(norms) if norms is not None else [None] * len(deltas)
     radius = 0.0
-    direction = _zeros(deltas[0])
+    terms = []
     for d, w, measured in zip(deltas, ws, known, strict=True):
         if not w:
             continue
-        d32 = d.float()
-        n = float(torch.linalg.vector_norm(d32)) if measured is None else measured
+        n = passes.norm(d) if measured is None else measured
         radius += w * n
         if n > _EPS:
-            direction.add_(d32, alpha=w / n)
+            terms.append((d, w / n))
+    direction = _weighted_sum(terms, deltas[0])
     dn = float(torch.linalg.vector_norm(direction))
     if dn <= 1e-6 * max(radius, _EPS) or dn <= _EPS:
         POOL.give([direction])
@@ -225,7 +232,12 @@ class NonFiniteMerge(ArithmeticError):
 class Contribution:
     """One learner's contribution to an open round: the sum of its updates since the last
     merge (they carry progress since the previous hand-over, so deltas and counters add),
-    the oldest base among them, and the highest order (incarnation, learner_step)."""
+    the oldest base among them, and the highest order (incarnation, learner_step).
+
+    One update's `delta` is what admission decoded: views of its body in the wire's dtype
+    (bf16 or float32; the body's `BODIES` buffer is pinned until `release`), or float32
+    buffers of `POOL` (a quantized update's, or a sum). A sum is always float32 of `POOL`
+    (`owned`), written in place by the next `add`."""
 
     delta: Tensors
     steps: int
@@ -236,33 +248,56 @@ class Contribution:
     norms: dict[str, float] | None = None
     """Each tensor's norm of `delta`, when admission measured it (one update; None once
     another is absorbed): the merge's `rda` then needs no norm pass of its own."""
+    body: memoryview | bytes | None = None
+    """The payload `delta` views, pinned in `BODIES` (None once `delta` is `owned`)."""
+    owned: bool = False
+    """`delta` is float32 of `POOL`, this contribution's to write and to give back."""
 
     @classmethod
     def of(
-        cls, meta: UpdateMeta, delta: Tensors, norms: dict[str, float] | None = None
+        cls,
+        meta: UpdateMeta,
+        delta: Tensors,
+        norms: dict[str, float] | None = None,
+        body: memoryview | bytes | None = None,
     ) -> Contribution:
+        """`delta` as decoded: float32 of `POOL` if `body` is None, else views of `body`
+        (pinned here until `release`)."""
+        if body is not None:
+            BODIES.pin(body)
         return cls(
-            {k: v.float() for k, v in delta.items()},
+            dict(delta),
             meta.steps,
             meta.tokens,
             meta.base_version,
             meta.order(),
             [meta.update_id()],
             norms,
+            body,
+            owned=body is None,
         )
 
-    def absorb(self, meta: UpdateMeta, delta: Tensors) -> None:
-        """Add another update of the same learner (in place). `delta` is consumed: buffers
-        of `buffers.POOL` among it are given back."""
-        self.add(Contribution.of(meta, delta))
+    def absorb(
+        self, meta: UpdateMeta, delta: Tensors, body: memoryview | bytes | None = None
+    ) -> None:
+        """Add another update of the same learner (in place). `delta` is consumed: its
+        `POOL` buffers go back, its body is let go."""
+        self.add(Contribution.of(meta, delta, body=body))
 
     def add(self, newer: Contribution) -> Contribution:
         """This contribution with a newer one of the same learner added in (in place;
-        `newer`'s buffers go back to `buffers.POOL`): another update, or a refused merge's
-        contribution put back beside the one its learner sent while the merge ran."""
+        `newer`'s buffers go back): another update, or a refused merge's contribution put
+        back beside the one its learner sent while the merge ran."""
+        if not self.owned:  # views of a body: the sum goes into float32 of our own
+            summed = {}
+            for k, v in self.delta.items():
+                summed[k] = POOL.take(v.shape)
+                passes.scale_into(summed[k], v, 1.0)
+            self.release()
+            self.delta, self.owned = summed, True
         for k, v in newer.delta.items():
-            self.delta[k].add_(v)
-        POOL.give(newer.delta.values())
+            passes.axpy(self.delta[k], v, 1.0)
+        newer.release()
         self.steps += newer.steps
         self.tokens += newer.tokens
         self.base_version = min(self.base_version, newer.base_version)
@@ -270,6 +305,15 @@ class Contribution:
         self.ids.extend(newer.ids)
         self.norms = None  # the sum's norms are not the parts'
         return self
+
+    def release(self) -> None:
+        """Done with `delta`: `POOL` buffers go back, the body is unpinned."""
+        if self.owned:
+            POOL.give(self.delta.values())
+        if self.body is not None:
+            BODIES.unpin(self.body)
+            self.body = None
+        self.delta = {}
 
 
 @dataclass(frozen=True)
@@ -343,7 +387,7 @@ class MergePolicy:
             # on an older version it is the delayed pseudo-gradient (async Local-SGD), which
             # keeps the rounds merged since instead of pulling Theta back towards its base.
             # (negated in the outer step: no copy of any contribution here)
-            deltas.append({k: v.float() for k, v in c.delta.items()})
+            deltas.append(c.delta)  # float32, or bf16 views of the body (passes.py)
             norms.append(c.norms)
             weights.append(w)
             tokens += c.tokens

@@ -77,6 +77,7 @@ from ddiloco.synchronizer.protocol import (
     UpdateResponse,
 )
 from ddiloco.synchronizer.rounds import GracePolicy, Rounds
+from ddiloco.synchronizer.served import Served
 from ddiloco.synchronizer.state import (
     FragmentLog,
     FragmentState,
@@ -144,7 +145,9 @@ class Synchronizer:
         self.merging: list[dict[str, Contribution]] = []
         """Per fragment, the contributions a merge has taken and not yet installed: their
         high-water marks still count (a re-send of one is a duplicate)."""
-        self.served: list[tuple[int, bytes]] = []
+        self.served: list[tuple[int, memoryview]] = []
+        """Per fragment, the version served and its payload (served.py's buffers)."""
+        self.payloads = Served(s.broadcast_dtype)
         self.journals: list[MergeJournal] = []
         """Per fragment, the merges its file does not hold yet (journal.py)."""
         self.file_versions: list[int] = []
@@ -210,7 +213,8 @@ class Synchronizer:
         self.frag_locks = [threading.Lock() for _ in fragments]
         self.merge_locks = [threading.Lock() for _ in fragments]
         self.merging = [{} for _ in fragments]
-        self.served = [self._encode(fs) for fs in fragments]
+        self.payloads = Served(self.settings.broadcast_dtype, len(fragments))
+        self.served = [self._encode(p, fs) for p, fs in enumerate(fragments)]
         self.rounds = self._rounds(len(fragments))
         n = len(fragments)
         self.journals = [MergeJournal(self.store.root, p) for p in range(n)]
@@ -234,7 +238,8 @@ class Synchronizer:
             done = replay(self.fragments[p], spec, self.store.pending(p).read(), journaled)
             if done.merges:
                 fs = self.fragments[p] = done.state
-                self.served[p] = self._encode(fs)
+                self.payloads.retire(p, self.served[p][1])
+                self.served[p] = self._encode(p, fs)
                 self.store.save_fragment(p, fs)
                 self.file_versions[p] = fs.version
                 self.journals[p].compact(fs.version)
@@ -244,14 +249,13 @@ class Synchronizer:
                     p,
                     fs.version,
                 )
-            for meta, delta, norms in done.rest:
-                self._hold(p, meta, delta, norms=norms)
+            for meta, delta, norms, body in done.rest:
+                self._hold(p, meta, delta, norms=norms, body=body)
                 count += 1
         return count
 
-    def _encode(self, fs: FragmentState) -> tuple[int, bytes]:
-        dtype = codec.WIRE_DTYPES[self.settings.broadcast_dtype]
-        return fs.version, codec.encode({k: v.to(dtype) for k, v in fs.params.items()})
+    def _encode(self, p: int, fs: FragmentState) -> tuple[int, memoryview]:
+        return fs.version, self.payloads.encode(p, fs.params)
 
     def versions(self) -> list[int]:
         """Published versions: durable on disk and served (a merge in progress is not)."""
@@ -361,7 +365,7 @@ class Synchronizer:
                 created=True, layout_digest=layout.digest(), versions=self.versions()
             )
 
-    def fragment(self, p: int) -> tuple[int, bytes]:
+    def fragment(self, p: int) -> tuple[int, memoryview]:
         if self.layout is None:
             raise SyncError(
                 Refusal.NOT_INITIALIZED, "no global model yet: the first learner uploads it"
@@ -417,6 +421,7 @@ class Synchronizer:
         # of one fragment decode side by side: float32 of the layout's shapes in an
         # accepted encoding (415 else, wire.py), its finite norm, the log record's checksum.
         delta = wire.decode_update(payload, header, spec, self.accepted)
+        body = payload if wire.views_body(header) else None  # pinned while a round holds it
         held = False
         try:
             norms = admission.delta_norms(delta, spec)
@@ -443,7 +448,7 @@ class Synchronizer:
                 )
                 ticket = plog.write(payload, record)
                 fs.norms = [*fs.norms, n][-admission.NORM_HISTORY :]
-                self._hold(p, meta, delta, opens=verdict == "fresh", norms=norms)
+                self._hold(p, meta, delta, opens=verdict == "fresh", norms=norms, body=body)
                 held = True
                 # the round after the one a merge in flight took, if any
                 round_version = fs.version + (2 if self.merging[p] else 1)
@@ -492,16 +497,18 @@ class Synchronizer:
         delta: dict[str, torch.Tensor],
         opens: bool | None = None,
         norms: dict[str, float] | None = None,
+        body: memoryview | bytes | None = None,
     ) -> None:
-        """Add an accepted update to p's open round (the caller holds p or is starting up)."""
+        """Add an accepted update to p's open round (the caller holds p or is starting up);
+        `body`: the payload `delta` views (None: `delta` is float32 of `POOL`)."""
         if opens is None:
             opens = meta.base_version == self.fragments[p].version
         with self.lock:
             pending = self.rounds.rounds[p].contributions.get(meta.learner_id)
             if pending is None:
-                pending = Contribution.of(meta, delta, norms)
+                pending = Contribution.of(meta, delta, norms, body)
             else:
-                pending.absorb(meta, delta)
+                pending.absorb(meta, delta, body)
             self.rounds.add(p, meta.learner_id, pending, opens=opens)
             if (rec := self.learners.get(meta.learner_id)) is not None:
                 rec.period_tokens = cap_counters(
@@ -611,6 +618,7 @@ class Synchronizer:
             with self.frag_locks[p]:  # installed: served, and what posts are checked against
                 new.norms = fs.norms  # the guard's history, with the posts admitted meanwhile
                 self.fragments[p] = new
+                self.payloads.retire(p, self.served[p][1])
                 self.served[p] = served
                 with self.lock:
                     self.merging[p] = {}
@@ -631,7 +639,7 @@ class Synchronizer:
             if recycle:  # the superseded fragment (unless its file is being written from it)
                 POOL.give([*fs.params.values(), *fs.momentum.values()])
             for c in taken.values():
-                POOL.give(c.delta.values())
+                c.release()
             fs = new
             if outcome is not None:  # published: its histograms, each observed once
                 self.metrics.merged(
@@ -674,7 +682,7 @@ class Synchronizer:
         taken: dict[str, Contribution],
         live_tokens: float,
         resync: bool = False,
-    ) -> tuple[MergeOutcome | None, FragmentState, tuple[int, bytes], bool]:
+    ) -> tuple[MergeOutcome | None, FragmentState, tuple[int, memoryview], bool]:
         """The next state of fragment p from `taken`, durable, and its served encoding;
         `fs` and the contributions are only read. Durable as a merge journal record (True
         last), or (False) in the fragment file, written here: then the caller holds
@@ -711,7 +719,7 @@ class Synchronizer:
             if outcome is not None:
                 POOL.give([*outcome.params.values(), *outcome.momentum.values()])
             raise
-        return outcome, new, self._encode(new), journaled
+        return outcome, new, self._encode(p, new), journaled
 
     def _write_file(self, p: int) -> None:
         """Write fragment p's served state to its file if the file is behind, then let go of

@@ -48,6 +48,7 @@ __all__ = [
     "encode_update",
     "encoding_of",
     "require",
+    "views_body",
 ]
 
 FLOAT_ENCODINGS: Final[dict[str, torch.dtype]] = {
@@ -124,12 +125,21 @@ def require(encoding: str, accepted: frozenset[str]) -> None:
     )
 
 
+def views_body(header: codec.Header) -> bool:
+    """Whether `decode_update` gives views of the payload (a float encoding) rather than
+    float32 buffers of `buffers.POOL` (a quantized one)."""
+    return encoding_of(header) in FLOAT_ENCODINGS
+
+
 def decode_update(
     payload: bytes, header: codec.Header, spec: FragmentSpec, accepted: frozenset[str]
 ) -> dict[str, torch.Tensor]:
-    """float32 tensors of `spec`'s names and shapes from an update whose header passed
-    `codec.read_header(payload, codes=True)`. Raises SyncError(ENCODING) for an encoding not
-    in `accepted`, PayloadError for anything malformed (the module docstring lists it)."""
+    """Tensors of `spec`'s names and shapes from an update whose header passed
+    `codec.read_header(payload, codes=True)`: a float encoding's as read-only views of the
+    payload in their own dtype (no copy: passes.py reads them where they are; the caller
+    keeps the payload alive and unwritten while it holds them), a quantized one's as float32
+    buffers of `buffers.POOL`. Raises SyncError(ENCODING) for an encoding not in
+    `accepted`, PayloadError for anything malformed (the module docstring lists it)."""
     encoding = encoding_of(header)
     require(encoding, accepted)
     if encoding in FLOAT_ENCODINGS:
@@ -146,7 +156,7 @@ def _decode_float(
             raise PayloadError(
                 f"tensor {name!r} has dtype {t.dtype}; a float update allows {allowed}"
             )
-    return codec.decode_float32(payload, header)  # shapes and finiteness: admission.py
+    return codec.tensor_views(payload, header)  # shapes and finiteness: admission.py
 
 
 def _block(header: codec.Header) -> int:

@@ -2,8 +2,8 @@
 
     pytest tests/unit/test_ingest_path.py
 
-Each fast function must give what the plain one gave: `decode_float32` what `decode` then
-`.float()` gives, `encode` a payload safetensors reads back as it was, `step_into` what
+Each fast function must give what the plain one gave: the passes over views of a body in
+its own dtype (passes.py) what float32 copies give, `encode` a payload safetensors reads back as it was, `step_into` what
 `step` does on copies, `finite` what `isfinite(...).all()` says.
 """
 
@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import struct
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load as st_load
 
-from ddiloco.synchronizer import codec
-from ddiloco.synchronizer.buffers import ALIGN, BytePool, Float32Pool, aligned
-from ddiloco.synchronizer.errors import PayloadError
+from ddiloco.synchronizer import codec, passes
+from ddiloco.synchronizer.buffers import ALIGN, BODIES, BytePool, Float32Pool, aligned
 from ddiloco.synchronizer.merge import OuterNesterov, finite
+from tests.unit.test_contract import A, B, Clock, make, served, start, update
 
 
 def tensors() -> dict[str, torch.Tensor]:
@@ -35,32 +37,75 @@ def tensors() -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("kind", [bytes, bytearray, memoryview])
-def test_decode_float32_equals_decode_then_float(kind: type) -> None:
+def test_passes_over_views_of_the_body_give_the_float32_math(kind: type) -> None:
+    """What admission and the merge compute from views of the body in the wire's dtype is
+    what they computed from float32 copies: the same sums to the bit, norms within 1e-4."""
     x = tensors()
-    payload = codec.encode(x, {"k": "v"})
-    got = codec.decode_float32(kind(payload))
-    assert set(got) == set(x)
+    payload = kind(codec.encode(x, {"k": "v"}))
+    views = codec.tensor_views(payload, codec.read_header(payload))
+    assert set(views) == set(x)
+    g = torch.Generator().manual_seed(9)
     for name, t in x.items():
-        assert got[name].dtype == torch.float32 and got[name].shape == t.shape
-        assert torch.equal(got[name], t.float()), name
+        v = views[name]
+        assert v.dtype == t.dtype and v.shape == t.shape
+        want = float(torch.linalg.vector_norm(t.double()))
+        assert passes.norm(v) == pytest.approx(want, rel=1e-4, abs=1e-30), name
+        acc = torch.randn(t.shape, generator=g)
+        expect = acc.clone().add_(t.float(), alpha=0.37)  # the old path: a float32 copy
+        passes.axpy(acc, v, 0.37)
+        assert torch.equal(acc, expect), name
+        out = torch.empty(t.shape)
+        passes.scale_into(out, v, -1.5)
+        assert torch.equal(out, t.float() * -1.5), name
 
 
-def test_decode_float32_reads_a_body_at_any_offset_and_never_writes_it() -> None:
+@pytest.mark.parametrize(
+    "n", [1, 4095, passes.CHUNK + 3, 2 * passes.CHUNK, passes.BMM_MIN, passes.BMM_MIN + 4101]
+)
+def test_bf16_passes_cross_block_and_chunk_edges(n: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    t = torch.randn(n, generator=g).to(torch.bfloat16)
+    want = float(torch.linalg.vector_norm(t.double()))
+    assert passes.norm(t) == pytest.approx(want, rel=1e-4)
+    acc = torch.randn(n, generator=g)
+    expect = acc.clone().add_(t.float(), alpha=0.25)
+    passes.axpy(acc, t, 0.25)
+    assert torch.equal(acc, expect)
+    out = torch.full((n,), float("nan"))  # every value written
+    passes.scale_into(out, t, 2.0)
+    assert torch.equal(out, 2.0 * t.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_norm_over_a_non_finite_value_is_not_finite(dtype: torch.dtype, bad: float) -> None:
+    t = torch.ones(passes.BMM_MIN + 7, dtype=dtype)
+    t[5000] = bad
+    assert not math.isfinite(passes.norm(t))
+    t = torch.ones(10, dtype=dtype)  # under a block: the tail's dot
+    t[3] = bad
+    assert not math.isfinite(passes.norm(t))
+
+
+def test_a_bf16_norm_that_overflows_float32_is_not_finite() -> None:
+    for n in (8192, passes.BMM_MIN):
+        t = torch.full((n,), 3e38).to(torch.bfloat16)
+        assert not math.isfinite(passes.norm(t))
+
+
+def test_views_read_a_body_at_any_offset_and_never_write_it() -> None:
     header = json.dumps({"w": {"dtype": "BF16", "shape": [3], "data_offsets": [0, 6]}}).encode()
     header += b" " * (1 - len(header) % 2)  # odd length: the data starts at an odd offset
     raw = torch.tensor([1.0, -2.0, 3.0]).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
     body = bytearray(struct.pack("<Q", len(header)) + header + raw)
     before = bytes(body)
-    out = codec.decode_float32(body)
-    assert out["w"].tolist() == [1.0, -2.0, 3.0]
-    out["w"].add_(1.0)  # the result is its own memory, not the body's
+    v = codec.tensor_views(body, codec.read_header(body))["w"]
+    out = torch.empty(3)
+    passes.scale_into(out, v, 1.0)
+    assert out.tolist() == [1.0, -2.0, 3.0]
+    passes.axpy(out, v, 1.0)
+    assert out.tolist() == [2.0, -4.0, 6.0]
     assert bytes(body) == before
-
-
-def test_decode_float32_refuses_integer_tensors() -> None:
-    payload = codec.encode({"q": torch.zeros(4, dtype=torch.int8)})
-    with pytest.raises(PayloadError, match="not a float tensor"):
-        codec.decode_float32(payload, codec.read_header(payload, codes=True))
 
 
 def test_encode_is_safetensors_the_library_reads_back() -> None:
@@ -185,3 +230,65 @@ def test_finite_sees_any_nan_or_inf(bad: float) -> None:
     assert finite(t) and finite(torch.zeros(0))
     t[617] = bad
     assert not finite(t)
+
+
+def test_a_pinned_body_goes_back_to_the_pool_only_after_its_last_unpin() -> None:
+    pool = BytePool(grain=1 << 20)
+    body = pool.take(2 << 20)
+    pool.pin(body)
+    pool.pin(body)  # e.g. a round's contribution and a merge's
+    pool.give(body)  # the upload port is done with it: the round is not
+    assert pool.idle_bytes == 0 and pool.take(2 << 20).obj is not body.obj
+    pool.unpin(body)
+    assert pool.idle_bytes == 0
+    pool.unpin(body)
+    assert pool.idle_bytes == 3 << 20  # idle now, once
+    pool.unpin(body)
+    pool.give(body)
+    assert pool.idle_bytes == 3 << 20
+    again = pool.take(2 << 20)
+    assert again.obj is body.obj
+    pool.pin(again)
+    pool.unpin(again)  # unpinned before it is given: given back as usual
+    pool.give(again)
+    assert pool.idle_bytes == 3 << 20
+    pool.pin(memoryview(bytearray(10)))  # not the pool's: ignored
+    pool.unpin(b"x")
+    assert not pool.pins
+
+
+def test_a_round_reads_bf16_updates_where_they_arrived_and_lets_their_bodies_go_at_the_merge(
+    tmp_path: Path,
+) -> None:
+    """Two learners' bf16 updates held as views of their `BODIES` buffers (pinned while the
+    round holds them, whatever the upload port does), a third absorbed (the sum goes to
+    float32 of the pool, both bodies let go), merged into what float32 copies give."""
+    clock = Clock()
+    sync = make(tmp_path, clock, quorum=2, merge="mean")
+    start(sync, "abc")
+    values = {"a": A * 0.5, "b": B * 0.25, "c": (A + B) * 0.125}
+    bodies = {}
+    for i, (lid, v) in enumerate(values.items()):
+        payload = update(lid, 1, v.to(torch.bfloat16), step=1 + i)
+        body = BODIES.take(len(payload))
+        body[:] = payload
+        assert sync.submit(body, 1).status == "accepted"
+        BODIES.give(body)  # as bulk.py does once submit returns
+        bodies[lid] = body
+    held = sync.rounds.rounds[1].contributions
+    assert all(id(b.obj) in BODIES.pins for b in bodies.values())
+    assert held["a"].body is bodies["a"] and held["a"].delta["w"].dtype == torch.bfloat16
+    extra = update("a", 1, (B * 0.5).to(torch.bfloat16), step=9)
+    body = BODIES.take(len(extra))
+    body[:] = extra
+    assert sync.submit(body, 1).status == "accepted"
+    BODIES.give(body)
+    assert held["a"].owned and held["a"].delta["w"].dtype == torch.float32
+    assert id(bodies["a"].obj) not in BODIES.pins and id(body.obj) not in BODIES.pins
+    assert sync.merge(1) == 1
+    assert not {id(b.obj) for b in bodies.values()} & set(BODIES.pins)
+    parts = [values["a"].to(torch.bfloat16).float() + (B * 0.5).to(torch.bfloat16).float()]
+    parts += [values[k].to(torch.bfloat16).float() for k in "bc"]
+    weights = [200 * 200 / 20, 100 * 100 / 10, 100 * 100 / 10]  # tokens^2 / steps
+    want = sum(w * d for w, d in zip(weights, parts, strict=True)) / sum(weights)
+    assert torch.allclose(served(sync, 1).float(), want.to(torch.bfloat16).float(), atol=1e-3)

@@ -1,0 +1,105 @@
+"""Passes over an update in its own dtype: a bf16 update is never copied whole into float32.
+
+    n = norm(delta_bf16)                     # fp32-accumulated dots of blocks, summed in fp64
+    axpy(direction, delta_bf16, w / n)       # direction += w / n * delta, in L2-sized chunks
+    scale_into(out, delta_bf16, w)           # out = w * delta (a merge's first term)
+
+An accepted bf16 update used to be converted at admission into a float32 buffer (32 MB read,
+64 MB written for 16M parameters), read again for its norm (64 MB), and read again by the
+merge (64 MB, plus the accumulator read and written): four full-size passes, two of them
+over twice the update's bytes, on a machine whose memory bandwidth is the synchronizer's
+bound (bench/RESULTS.md, issue 15). Now the update stays where the upload port read it
+(buffers.BODIES, pinned until its merge), its norm reads it once, and the merge reads it
+once more, converting `CHUNK` values at a time into a float32 scratch buffer that stays in
+the core's L2 cache.
+
+The norm of a large bf16 tensor: torch's `bmm` over blocks of `BLOCK` values accumulates
+each block's sum of squares in float32 (oneDNN's bf16 dot product) and rounds it to bf16;
+the blocks are summed in float64 (`BMM_MIN` says how exact); 2 ms for 16M values, where
+`vector_norm(bf16, dtype=float32)` took 40-70 ms and a float32 copy and its norm 11.
+NaN and Inf reach the result as before (the guard refuses them, admission.py). float32
+tensors take the same torch calls as before (their results are bit-identical).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Final
+
+import torch
+
+__all__ = ["BLOCK", "CHUNK", "axpy", "norm", "scale_into"]
+
+CHUNK: Final = 1 << 18
+"""Values converted at a time: 1 MiB of float32, resident in a core's L2 (2 MiB here);
+measured 9.9 ms for an axpy of 16M bf16 values against 12.9 at 128 Ki and 15.4 at 64 Ki."""
+BLOCK: Final = 4096
+"""Values per float32-accumulated dot in a bf16 norm."""
+BMM_MIN: Final = 1 << 22
+"""The smallest bf16 tensor normed by blocks (1024 of them and more): measured on random
+values, its relative error is 6e-5 at 4M values and 2e-5 at 16M, where the float32
+reduction over a float32 copy it replaces gave 6e-5 and 4e-4. A smaller one (a few blocks
+would keep more of bf16's 2^-9 rounding) is converted a chunk at a time (~1e-7)."""
+
+_local = threading.local()
+
+
+def _scratch() -> torch.Tensor:
+    buf = getattr(_local, "scratch", None)
+    if buf is None:
+        buf = _local.scratch = torch.empty(CHUNK, dtype=torch.float32)
+    return buf
+
+
+def norm(t: torch.Tensor) -> float:
+    """The L2 norm of `t` (any float dtype); NaN or Inf if it holds one or overflows."""
+    if t.dtype == torch.float32:
+        return float(torch.linalg.vector_norm(t))
+    flat = t.reshape(-1)
+    if t.dtype == torch.bfloat16 and flat.numel() >= BMM_MIN:
+        k = flat.numel() // BLOCK
+        head, rest = flat[: k * BLOCK], flat[k * BLOCK :]
+        total = 0.0
+        if k:
+            dots = torch.bmm(head.view(k, 1, BLOCK), head.view(k, BLOCK, 1))
+            total += float(dots.to(torch.float64).sum())
+        if rest.numel():
+            total += float(torch.dot(rest, rest).to(torch.float64))
+        return math.sqrt(total) if total >= 0 else math.nan
+    sq = 0.0  # chunks converted, float32 norms, float64 across them
+    scratch = _scratch()
+    for i in range(0, flat.numel(), CHUNK):
+        part = flat[i : i + CHUNK]
+        tmp = scratch[: part.numel()]
+        tmp.copy_(part)
+        sq += float(torch.linalg.vector_norm(tmp)) ** 2
+    return math.sqrt(sq)
+
+
+def axpy(dst: torch.Tensor, src: torch.Tensor, alpha: float) -> None:
+    """dst += alpha * src, `dst` contiguous float32, `src` any float dtype of its shape."""
+    if src.dtype == torch.float32:
+        dst.add_(src, alpha=alpha)
+        return
+    d, s = dst.view(-1), src.reshape(-1)
+    scratch = _scratch()
+    for i in range(0, d.numel(), CHUNK):
+        part = s[i : i + CHUNK]
+        tmp = scratch[: part.numel()]
+        tmp.copy_(part)
+        d[i : i + CHUNK].add_(tmp, alpha=alpha)
+
+
+def scale_into(dst: torch.Tensor, src: torch.Tensor, alpha: float) -> None:
+    """dst = alpha * src (`dst` contiguous float32): a sum's first term, with no zero-filled
+    pass before it."""
+    if src.dtype == torch.float32:
+        torch.mul(src, alpha, out=dst)
+        return
+    d, s = dst.view(-1), src.reshape(-1)
+    for i in range(0, d.numel(), CHUNK):
+        out = d[i : i + CHUNK]
+        out.copy_(s[i : i + CHUNK])
+        if alpha != 1.0:
+            out.mul_(alpha)

@@ -1,0 +1,89 @@
+"""What downloads get: each fragment's safetensors bytes in the broadcast dtype, encoded
+into buffers that are reused once no download holds them.
+
+    served = Served("bfloat16", fragments=4)
+    view = served.encode(p, fs.params)     # a memoryview of the whole payload
+    ...                                     # install it; the one it replaces:
+    served.retire(p, old_view)              # reused by a later encode once nobody reads it
+
+A merge used to encode its fragment with `v.to(bfloat16)` and then `b"".join`: two fresh
+allocations of the payload's size (32 MB for 16M parameters) whose every page faults on
+first touch, 44 ms a merge on the bench machine, more than the outer step's arithmetic.
+Here the header is laid out first and each tensor converted straight into its place in the
+payload (one pass, torch's copy, the GIL released), in the buffer of a superseded version
+when one is idle: 3.4 ms (bench/RESULTS.md, issue 15).
+
+A retired buffer is idle when nothing but this object refers to it: a download that took
+the view (`Synchronizer.fragment`) keeps a reference until its response is sent, and every
+memoryview over the buffer holds one, so a buffer still being read is never written.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import torch
+
+from ddiloco.synchronizer import codec
+
+__all__ = ["Served"]
+
+KEEP = 2
+"""Retired buffers kept per fragment (a slow download holds one; the next merge takes the other)."""
+
+
+class Served:
+    """Encodes fragments in `dtype` into recycled buffers; thread-safe."""
+
+    def __init__(self, dtype: str, fragments: int = 0) -> None:
+        self.dtype = codec.WIRE_DTYPES[dtype]
+        self.spares: list[list[bytearray]] = [[] for _ in range(fragments)]
+        self.lock = threading.Lock()
+        self.reused = 0
+        """Encodes that found an idle buffer (tests and the bench read it)."""
+
+    def encode(
+        self, p: int, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+    ) -> memoryview:
+        """The safetensors payload of `tensors` in the broadcast dtype."""
+        entries = [(name, self.dtype, tuple(tensors[name].shape)) for name in sorted(tensors)]
+        head, offsets = codec.header_bytes(entries, metadata)
+        size = len(head) + (offsets[-1][1] if offsets else 0)
+        buf = self._idle(p, size)
+        if buf is None:
+            buf = bytearray(size)
+        else:
+            self.reused += 1
+        buf[: len(head)] = head
+        for (name, _, _), (begin, end) in zip(entries, offsets, strict=True):
+            if end > begin:
+                out = torch.frombuffer(
+                    buf, dtype=self.dtype, count=(end - begin) // self.dtype.itemsize,
+                    offset=len(head) + begin,
+                )  # fmt: skip
+                out.copy_(tensors[name].detach().reshape(-1))
+                del out
+        return memoryview(buf)
+
+    def retire(self, p: int, view: memoryview | bytes) -> None:
+        """`view` (an `encode` result) is no longer served: its buffer may be reused once
+        nothing reads it."""
+        buf = view.obj if isinstance(view, memoryview) else None
+        if not isinstance(buf, bytearray) or p >= len(self.spares):
+            return
+        with self.lock:
+            spares = self.spares[p]
+            spares.append(buf)
+            del spares[:-KEEP]
+
+    def _idle(self, p: int, size: int) -> bytearray | None:
+        with self.lock:
+            if p >= len(self.spares):
+                return None
+            spares = self.spares[p]
+            for i in range(len(spares)):
+                # references: the list's, and getrefcount's argument; any other is a reader
+                if len(spares[i]) == size and sys.getrefcount(spares[i]) == 2:
+                    return spares.pop(i)
+        return None
