@@ -22,6 +22,7 @@ from safetensors.torch import load as st_load
 from ddiloco.synchronizer import codec, passes
 from ddiloco.synchronizer.buffers import ALIGN, BODIES, BytePool, Float32Pool, aligned
 from ddiloco.synchronizer.merge import OuterNesterov, finite
+from ddiloco.synchronizer.served import Served
 from tests.unit.test_contract import A, B, Clock, make, served, start, update
 
 
@@ -292,3 +293,29 @@ def test_a_round_reads_bf16_updates_where_they_arrived_and_lets_their_bodies_go_
     weights = [200 * 200 / 20, 100 * 100 / 10, 100 * 100 / 10]  # tokens^2 / steps
     want = sum(w * d for w, d in zip(weights, parts, strict=True)) / sum(weights)
     assert torch.allclose(served(sync, 1).float(), want.to(torch.bfloat16).float(), atol=1e-3)
+
+
+def test_served_payloads_are_safetensors_of_the_broadcast_dtype_in_reused_buffers() -> None:
+    """Byte for byte what `codec.encode` of the converted tensors gives; a retired buffer
+    is written again only once nothing reads it (a download holds its view)."""
+    served_ = Served("bfloat16", fragments=2)
+    g = torch.Generator().manual_seed(4)
+    frag = {"w": torch.randn(300, 7, generator=g), "b": torch.randn(7, generator=g)}
+    first = served_.encode(1, frag)
+    assert first == codec.encode({k: v.to(torch.bfloat16) for k, v in frag.items()})
+    held = first  # a download in flight
+    keep = bytes(first)
+    served_.retire(1, first)
+    del first
+    second = served_.encode(1, {k: v * 2 for k, v in frag.items()})
+    assert served_.reused == 0 and held == keep  # read by someone: not written
+    served_.retire(1, second)
+    del second, held
+    third = served_.encode(1, {k: v * 3 for k, v in frag.items()})
+    assert served_.reused == 1  # the first's, or the second's: nobody reads them now
+    want = codec.encode({k: (v * 3).to(torch.bfloat16) for k, v in frag.items()})
+    assert third == want
+    assert served_.encode(0, frag) == codec.encode(
+        {k: v.to(torch.bfloat16) for k, v in frag.items()}
+    )  # another fragment's spares are its own
+    assert served_.reused == 1
