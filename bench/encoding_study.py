@@ -132,7 +132,9 @@ def controlled(
             payload, _ = wire.encode_update(delta, meta, encoding, block)
             nbytes += len(payload)
             header = codec.read_header(payload, codes=True)
-            got = wire.decode_update(payload, header, spec, wire.ALL)
+            got = {  # float32 of what the synchronizer reads (a bf16 update stays bf16 there)
+                k: v.float() for k, v in wire.decode_update(payload, header, spec, wire.ALL).items()
+            }
             for k in names:
                 anchors[m][k] += got[k]
             received.append(got)

@@ -132,7 +132,7 @@ class MergeJournal:
             tmp = self.path.with_name(f".{self.path.name}.tmp")
             with open(tmp, "wb") as f:
                 for r in keep:
-                    f.write(PendingLog.record(r) + r)
+                    f.write(PendingLog.encoded(r))
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)

@@ -285,6 +285,12 @@ class PendingLog:
     def _packed(head: bytes, payload: bytes | bytearray | memoryview, n: int) -> list[Any]:
         return [head + bytes(ALIGN - len(head)), payload, bytes(aligned(n) - n)]
 
+    @classmethod
+    def encoded(cls, payload: bytes) -> bytes:
+        """One whole record of `payload`, as `write` lays it out (for a file written in
+        one go: the merge journal's compaction)."""
+        return b"".join(cls._packed(cls.record(payload), payload, len(payload)))
+
     def sync(self, ticket: tuple[int, int]) -> None:
         """Return once the record behind `ticket` is durable: in the log (one fsync for
         every record written before it started) or merged into a durable fragment file."""

@@ -229,3 +229,26 @@ def test_export_and_a_clean_close_see_the_journaled_merges(tmp_path: Path) -> No
     sync.close()
     assert sync.store.load_fragment(0).version == 3
     assert MergeJournal(tmp_path, 0).records() == []
+
+
+def test_a_compaction_that_keeps_records_leaves_a_journal_that_reads_back_whole(
+    tmp_path: Path,
+) -> None:
+    """The writer may write a file behind the journal (the merges after it keep coming):
+    compacting then rewrites the records it keeps, in the log's own record format, and
+    appends after it stay readable (a compaction that wrote another layout lost every
+    record after the first kept: a restart then lacked the last merges)."""
+    sync = make(tmp_path, Clock())
+    start(sync)
+    stop_writer(sync)
+    rounds(sync)
+    journal = MergeJournal(tmp_path, 0)
+    records = journal.records()
+    assert [r.version for r in records] == [0, 1, 2]
+    journal.compact(1)  # a file at version 1 holds the first merge
+    assert journal.records() == records[1:]
+    journal.append(dataclasses.replace(records[-1], version=3))
+    journal.close()
+    again = MergeJournal(tmp_path, 0)
+    assert [r.version for r in again.records()] == [1, 2, 3]
+    again.close()
