@@ -254,10 +254,18 @@ class Snapshots:
     write synchronously, by `flush`, and at close. Per fragment a lock orders the writes,
     so an older state never replaces a newer file."""
 
-    def __init__(self, write: Callable[[int], None], n: int) -> None:
+    def __init__(
+        self, write: Callable[[int], None], n: int, lag: Callable[[int], int] = lambda p: 0
+    ) -> None:
         self._write = write
+        self._lag = lag
+        """How many merges fragment p's file trails its served version."""
         self.locks = [threading.Lock() for _ in range(n)]
-        self._want: set[int] = set()
+        self._want: dict[int, None] = {}
+        """Fragments whose file is behind, in the order asked. The writer takes the one
+        that trails most, the first asked among equals: taking the lowest-numbered starved
+        the others at saturation, whose merges then hit `snapshot_lag` and wrote their
+        128 MB files themselves (the merge's p99, bench/RESULTS.md)."""
         self._cv = threading.Condition()
         self._stop = False
         self._busy = False
@@ -266,7 +274,7 @@ class Snapshots:
 
     def request(self, p: int) -> None:
         with self._cv:
-            self._want.add(p)
+            self._want.setdefault(p)
             self._cv.notify_all()
 
     def write(self, p: int) -> None:
@@ -280,8 +288,8 @@ class Snapshots:
                     self._cv.wait()
                 if self._stop and not self._want:
                     return
-                p = min(self._want)
-                self._want.discard(p)
+                p = max(self._want, key=self._lag)
+                del self._want[p]
                 self._busy = True
             try:
                 self.write(p)
@@ -289,7 +297,7 @@ class Snapshots:
                 log.exception("writing the file of fragment %d failed; retrying in 1 s", p)
                 time.sleep(1.0)
                 with self._cv:
-                    self._want.add(p)
+                    self._want.setdefault(p)
             finally:
                 with self._cv:
                     self._busy = False

@@ -11,7 +11,7 @@ over twice the update's bytes, on a machine whose memory bandwidth is the synchr
 bound (bench/RESULTS.md, issue 15). Now the update stays where the upload port read it
 (buffers.BODIES, pinned until its merge), its norm reads it once, and the merge reads it
 once more, converting `CHUNK` values at a time into a float32 scratch buffer that stays in
-the core's L2 cache.
+cache.
 
 The norm of a large bf16 tensor: torch's `bmm` over blocks of `BLOCK` values accumulates
 each block's sum of squares in float32 (oneDNN's bf16 dot product) and rounds it to bf16;
@@ -31,9 +31,13 @@ import torch
 
 __all__ = ["BLOCK", "CHUNK", "axpy", "norm", "scale_into"]
 
-CHUNK: Final = 1 << 18
-"""Values converted at a time: 1 MiB of float32, resident in a core's L2 (2 MiB here);
-measured 9.9 ms for an axpy of 16M bf16 values against 12.9 at 128 Ki and 15.4 at 64 Ki."""
+CHUNK: Final = 1 << 20
+"""Values converted at a time: 4 MiB of float32, in the L3 cache (32 MiB here). An axpy of
+16M bf16 values: 5.1 ms, 5.5 at 256 Ki (L2-sized), 12.9 at 128 Ki, 15.4 at 64 Ki, and 14.8
+for the float32 copy and add it replaces. Few chunks matter under load: each torch call
+gives up the GIL and waits to take it back behind the upload threads, and a merge of ten
+bf16 contributions in chunks of 256 Ki made 1,280 such round trips (its p90 fell from 1.08
+to 0.68 s with chunks of 1 Mi and the shorter switch interval, server.py)."""
 BLOCK: Final = 4096
 """Values per float32-accumulated dot in a bf16 norm."""
 BMM_MIN: Final = 1 << 22

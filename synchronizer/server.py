@@ -33,6 +33,7 @@ import argparse
 import logging
 import os
 import ssl
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,9 @@ from ddiloco.cli.errors import usage_errors
 from ddiloco.synchronizer import tls
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.shards import check_state_dir
+
+SWITCH_INTERVAL_S = 0.001
+"""The synchronizer's `sys.setswitchinterval` (Python's default is 0.005; `main` says why)."""
 
 
 def init_logging(level: str = "INFO") -> None:
@@ -166,5 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         timeout_graceful_shutdown=5,
         **http,
     )
+    # Threads hand the GIL over every 1 ms rather than Python's 5: a merge's torch calls
+    # each give the GIL up and queue to take it back behind 16 upload threads; at the
+    # default a merge of ten bf16 contributions spent most of its 1-2 s tail waiting
+    # (bench/RESULTS.md, issue 15).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     uvicorn.Server(config).run()
     return 0

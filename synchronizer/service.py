@@ -225,7 +225,9 @@ class Synchronizer:
         self.resync = [False] * n
         if self.snapshots is not None:
             self.snapshots.close()
-        self.snapshots = Snapshots(self._write_file, n)
+        self.snapshots = Snapshots(
+            self._write_file, n, lambda p: self.fragments[p].version - self.file_versions[p]
+        )
 
     def _replay(self) -> int:
         """Redo the journaled merges a fragment file lacks (then write it), and put every

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ import torch
 from ddiloco.cli.export import from_state_dir
 from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.config import SyncSettings
-from ddiloco.synchronizer.journal import MergeJournal
+from ddiloco.synchronizer.journal import MergeJournal, Snapshots
 from ddiloco.synchronizer.merge import NonFiniteMerge
 from ddiloco.synchronizer.protocol import (
     LAYOUT_KEY,
@@ -252,3 +254,28 @@ def test_a_compaction_that_keeps_records_leaves_a_journal_that_reads_back_whole(
     again = MergeJournal(tmp_path, 0)
     assert [r.version for r in again.records()] == [1, 2, 3]
     again.close()
+
+
+def test_the_writer_takes_the_file_that_trails_most_first() -> None:
+    """Fragments asked for while the writer is busy are written most-trailing first (the
+    first asked among equals): always the lowest-numbered first starved the others, whose
+    merges then wrote their files themselves."""
+    release = threading.Event()
+    order: list[int] = []
+    lags = {0: 1, 1: 3, 2: 2, 3: 3}
+
+    def write(p: int) -> None:
+        order.append(p)
+        if p == 9:
+            release.wait(5)  # the writer is busy while the others are asked for
+
+    snaps = Snapshots(write, 10, lambda p: lags.get(p, 0))
+    snaps.request(9)
+    while not order:
+        time.sleep(0.01)
+    for p in (0, 3, 2, 1):
+        snaps.request(p)
+    release.set()
+    snaps.flush(5)
+    snaps.close()
+    assert order == [9, 3, 1, 2, 0]
