@@ -20,8 +20,10 @@ from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.streaming import Streamer
 from ddiloco.learner.uploads import upload_overrides, with_port
 from ddiloco.local.processes import free_port
+from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.client import SyncClient
 from ddiloco.synchronizer.protocol import (
+    LAYOUT_KEY,
     FragmentSpec,
     Heartbeat,
     JoinRequest,
@@ -130,3 +132,39 @@ def test_upload_url_list_must_match_the_shards() -> None:
         LearnerConfig(sync_url="http://a:1,http://b:2", upload_url="http://c:3")
     assert with_port("https://[::1]:8470/", 8471) == "https://[::1]:8471"
     assert with_port("http://sync-0.sync.ns.svc:8470", 9) == "http://sync-0.sync.ns.svc:9"
+
+
+@pytest.mark.parametrize("port", ["upload", "main h2", "main h1"])
+def test_an_update_posted_as_its_parts_is_the_update_posted_whole(make_sync_server, port) -> None:
+    """`post_update` takes `codec.pieces` (header, then the tensor's own memory) and sends
+    them one after the other: the synchronizer takes the same update, a re-send of the same
+    parts is a duplicate, and the client counts the body's bytes once."""
+    server = make_sync_server(quorum=1, grace=False, upload_port=0)
+    boss = SyncClient(server.url, server.token)
+    boss.join(JoinRequest(learner_id="l0"))
+    boss.init(codec.encode(TENSORS, {LAYOUT_KEY: LAYOUT.model_dump_json()}))
+    url = with_port(server.url, server.sync.upload_port) if port == "upload" else server.url
+    c = SyncClient(url, server.token, http2=port == "main h2")
+    meta = UpdateMeta(
+        learner_id="l0", fragment=1, base_version=0, steps=10, tokens=100, learner_step=1
+    )
+    delta = {"w1": torch.arange(6, dtype=torch.float32) / 10}
+    parts = codec.pieces(delta, meta.to_metadata())
+    assert parts is not None and len(parts) == 2
+    whole = b"".join(parts)
+    assert c.post_update(1, parts).status == "accepted"
+    assert c.bytes_up == len(whole)
+    assert c.post_update(1, parts).status == "duplicate"
+    assert c.post_update(1, whole).status == "duplicate"
+    deadline = time.time() + 10  # the server's own loop merges it (K = 1)
+    while server.sync.versions()[1] < 1 and time.time() < deadline:
+        time.sleep(0.02)
+    version, tensors = boss.fragment(1)
+    assert version == 1
+    outer = server.sync.policy.outer  # one update from zero momentum: lr (1 + mu) delta
+    step = outer.lr * (1 + outer.momentum) * delta["w1"]
+    assert torch.allclose(tensors["w1"], TENSORS["w1"] + step, atol=1e-2)
+    if port == "upload":
+        assert uploads_of(server) == 3
+    c.close()
+    boss.close()
