@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import errno
 import json
-import mmap
 import os
 import struct
 import threading
@@ -48,6 +47,7 @@ from safetensors.torch import save_file
 
 from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.buffers import ALIGN, BODIES, aligned
+from ddiloco.synchronizer.direct import write_direct
 from ddiloco.synchronizer.protocol import Layout, ModelSpec
 
 Tensors = dict[str, torch.Tensor]
@@ -98,77 +98,6 @@ def _write_all(path: Path, parts: list[memoryview | bytes]) -> None:
                 view = view[os.write(fd, view[: 1 << 30]) :]
     finally:
         os.close(fd)
-
-
-STAGE = 8 << 20
-"""The direct-I/O staging buffer of a file write (`_write_direct`)."""
-_stages: list[mmap.mmap] = []
-_stages_lock = threading.Lock()
-
-
-def _copy(dst: memoryview, src: memoryview) -> None:
-    """dst[:] = src, with the GIL released for large copies (torch's copy)."""
-    if len(src) < 1 << 20 or src.readonly:
-        dst[:] = src
-        return
-    out = torch.frombuffer(dst, dtype=torch.uint8)
-    out.copy_(torch.frombuffer(src, dtype=torch.uint8))
-
-
-def _write_direct(path: Path, parts: list[memoryview | bytes]) -> bool:
-    """Write `parts` into a new file with `O_DIRECT` through a page-aligned staging buffer
-    (not yet fsynced): one memory copy instead of the page cache's allocation, copy and
-    writeback (a 128 MB fragment file cost the synchronizer ~36 ms of CPU through the page
-    cache, bench/RESULTS.md). False, with nothing written, where the file system refuses
-    `O_DIRECT` (the caller writes through the page cache)."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
-    except (OSError, AttributeError):
-        return False
-    with _stages_lock:
-        stage = _stages.pop() if _stages else mmap.mmap(-1, STAGE)
-    try:
-        _stream(fd, memoryview(stage), parts)
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-        os.close(fd)  # opened, but the I/O refused: the page cache it is
-        fd = -1
-        path.unlink(missing_ok=True)
-        return False
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        with _stages_lock:
-            if len(_stages) < 2:
-                _stages.append(stage)
-    return True
-
-
-def _stream(fd: int, buf: memoryview, parts: list[memoryview | bytes]) -> None:
-    """`parts` into `fd` (opened `O_DIRECT`) through `buf`, in whole blocks; the file is
-    then cut to the parts' length."""
-
-    def flush(n: int) -> None:
-        view = buf[:n]
-        while view:
-            view = view[os.write(fd, view) :]
-
-    fill = total = 0
-    for part in parts:
-        src = memoryview(part).cast("B")
-        while src:
-            take = min(len(src), len(buf) - fill)
-            _copy(buf[fill : fill + take], src[:take])
-            fill, total, src = fill + take, total + take, src[take:]
-            if fill == len(buf):
-                flush(fill)
-                fill = 0
-    if fill:
-        end = aligned(fill)
-        buf[fill:end] = bytes(end - fill)
-        flush(end)
-    os.ftruncate(fd, total)  # the last block's padding goes
 
 
 def _replace(tmp: Path, final: Path) -> None:
@@ -508,7 +437,7 @@ class StateStore:
         parts = codec.pieces(tensors, meta)  # the tensors' own bytes: no serialized copy
         if parts is None:
             save_file(tensors, str(tmp), metadata=meta)
-        elif not _write_direct(tmp, parts):
+        elif not write_direct(tmp, parts):
             _write_all(tmp, parts)
         _replace(tmp, final)
 

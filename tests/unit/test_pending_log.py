@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddiloco.synchronizer import codec, state
+from ddiloco.synchronizer import codec, direct, state
 from ddiloco.synchronizer.buffers import ALIGN, BODIES
 from ddiloco.synchronizer.state import FragmentLog, PendingLog
 from tests.unit.test_contract import Clock, make, start, update
@@ -291,8 +291,8 @@ def test_a_fragment_file_written_in_direct_blocks_reads_back_exactly(
 ) -> None:
     """Through a staging buffer smaller than the file (parts cross its edges), O_DIRECT,
     the last block cut back to the file's true length."""
-    monkeypatch.setattr(state, "STAGE", 3 * ALIGN)
-    monkeypatch.setattr(state, "_stages", [])
+    monkeypatch.setattr(direct, "STAGE", 3 * ALIGN)
+    monkeypatch.setattr(direct, "_stages", [])
     opened: list[int] = []
     real_open = os.open
 
