@@ -21,7 +21,9 @@ from a round's first update to its merged fragment being served (p50 and p99, fr
 synchronizer's own /metrics histograms) as a fraction of tau x step time for a 1 s step
 (tau = 2), and, in the same run, the memcpy rate of one update's bytes: the physical limit.
 Also the time from a round's quorum to its merged fragment being served (the grace window,
-the merge and persisting it). Arms are every combination of a transport (`--arms`: up,
+the merge and persisting it), and from the round's close (its window's end) to served: the
+synchronizer's own part, which the window (Eq. 3: half the slack, at most one step) does not
+hold; and each part of a merge in ms (compute, durable, encode, install, finish). Arms are every combination of a transport (`--arms`: up,
 HTTP/1.1 into the synchronizer's upload port, which learners use (synchronizer/bulk.py); h1,
 HTTP/1.1 into the main port's ASGI server; h2, HTTP/2 cleartext by prior knowledge into the
 main port), an update encoding
@@ -77,6 +79,8 @@ TOKEN = "bench-ingest"
 COLS = 4096
 TAU = 2
 STEP_S = 1.0
+PHASES = ("compute", "durable", "encode", "install", "finish")
+"""The parts of a merge (ddiloco_merge_phase_seconds), printed in ms at p50 / p99."""
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -216,10 +220,13 @@ def client_loop(
             c.close()
 
 
-def histogram(text: str, name: str) -> dict[float, float]:
-    """le -> cumulative count, summed over label sets, of a Prometheus histogram."""
+def histogram(text: str, name: str, label: str = "") -> dict[float, float]:
+    """le -> cumulative count, summed over label sets (those holding `label`, e.g.
+    'phase="compute"', when given), of a Prometheus histogram."""
     out: dict[float, float] = {}
     for m in re.finditer(rf"^{name}_bucket{{([^}}]*)}} ([0-9.e+-]+)$", text, re.M):
+        if label not in m.group(1):
+            continue
         le = re.search(r'le="([^"]+)"', m.group(1))
         if le:
             key = float("inf") if le.group(1) == "+Inf" else float(le.group(1))
@@ -425,9 +432,18 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
         "merge_p99_frac": frac("ddiloco_merge_duration_seconds", 0.99),
         "served_p50_frac": frac("ddiloco_round_served_seconds", 0.5),
         "served_p99_frac": frac("ddiloco_round_served_seconds", 0.99),
+        "close_p50_frac": frac("ddiloco_round_close_served_seconds", 0.5),
+        "close_p99_frac": frac("ddiloco_round_close_served_seconds", 0.99),
         "publish_p50_frac": frac("ddiloco_round_publish_seconds", 0.5),
         "publish_p99_frac": frac("ddiloco_round_publish_seconds", 0.99),
         "merge_mean_frac": ratio(mean(metrics, "ddiloco_merge_duration_seconds")),
+        "phases": {
+            ph: (
+                quantile(histogram(metrics, "ddiloco_merge_phase_seconds", f'phase="{ph}"'), 0.5),
+                quantile(histogram(metrics, "ddiloco_merge_phase_seconds", f'phase="{ph}"'), 0.99),
+            )
+            for ph in PHASES
+        },
         "served_mean_frac": ratio(mean(metrics, "ddiloco_round_served_seconds")),
         "grace_mean_s": mean(metrics, "ddiloco_grace_window_seconds"),
         "refused": refused,
@@ -447,6 +463,7 @@ def table(rows: list[dict[str, Any]], mem: float) -> str:
     head = (
         f"{'arm':<30} {'GB/s':>6} {'/shard':>6} {'x memcpy':>8} {'upd/s':>6} {'merge/s':>7} "
         f"{'CPU s/GB':>8} {'cores srv/cli':>13} {'post p50':>8} {'merge p50/p99':>15} {'quorum->served':>15} "
+        f"{'close->served':>15} "
         f"{'publish p50/p99':>16} {'mean merge/served':>17} {'grace s':>7}"
     )
     lines = [head]
@@ -457,12 +474,25 @@ def table(rows: list[dict[str, Any]], mem: float) -> str:
             f"{fmt(r['cpu_s_per_gb'], '8.2f')} "
             f"{r['server_cpu_share']:6.2f}/{r['client_cpu_share']:<6.2f} "
             f"{fmt(r['post_p50_s'], '8.3f')} "
-            f"{pair(r, 'merge'):>15} {pair(r, 'served'):>15} {pair(r, 'publish'):>16} "
+            f"{pair(r, 'merge'):>15} {pair(r, 'served'):>15} {pair(r, 'close'):>15} "
+            f"{pair(r, 'publish'):>16} "
             f"{fmt(r['merge_mean_frac'], '.3f'):>8}/{fmt(r['served_mean_frac'], '.3f'):<8} "
             f"{fmt(r['grace_mean_s'], '7.3f')}"
         )
         if r["refused"] or r["errors"]:
             lines.append(f"{'':<30} refused {r['refused']}, errors {r['errors']}")
+    return "\n".join(lines)
+
+
+def phase_table(rows: list[dict[str, Any]]) -> str:
+    """Each part of a merge, in ms at p50 / p99: where its time goes."""
+    lines = [f"{'arm':<30} " + " ".join(f"{ph:>13}" for ph in PHASES)]
+    for r in rows:
+        cells = [
+            f"{fmt(None if a is None else a * 1e3, '.0f')}/{fmt(None if b is None else b * 1e3, '.0f')}"
+            for a, b in (r["phases"][ph] for ph in PHASES)
+        ]
+        lines.append(f"{r['arm']:<30} " + " ".join(f"{c:>13}" for c in cells))
     return "\n".join(lines)
 
 
@@ -569,10 +599,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {a.name}: {rows[-1]['accepted_gbps']:.3f} GB/s, load {os.getloadavg()[0]:.1f}")
     print(f"\nmemcpy of one update's bytes: {mem:.2f} GB/s (the physical limit)")
     print(
-        "merge, quorum->served and publish: p50 / p99 (interpolated in the histograms' buckets)"
-        " and means, as fractions of tau x step (1 s step); grace: the mean window in seconds"
+        "merge, quorum->served, close->served (the window's end to served: the synchronizer's"
+        " own part) and publish: p50 / p99 (interpolated in the histograms' buckets) and means,"
+        " as fractions of tau x step (1 s step); grace: the mean window in seconds"
     )
     print(table(rows, mem))
+    print("\nparts of a merge (ddiloco_merge_phase_seconds), ms p50/p99:")
+    print(phase_table(rows))
     for line in h2_ratios(rows):
         print(line)
     print(json.dumps({"memcpy_gbps": mem, "rows": rows}))

@@ -110,7 +110,8 @@ class SyncMetrics:
         self._protocols: Mapping[tuple[str, str], int] = {}
         self._uploads: Mapping[tuple[str, str], int] = {}
         if not enabled:
-            self.merge_duration = self.round_quorum = self.round_publish = NOOP
+            self.merge_duration = self.merge_phase = self.round_quorum = NOOP
+            self.round_publish = self.round_close = NOOP
             self.round_served = NOOP
             self.grace_window = self.merge_contributors = self.update_staleness = NOOP
             self.update_bytes = self.updates_accepted = self.learner_tokens_merged = NOOP
@@ -122,6 +123,16 @@ class SyncMetrics:
             "ddiloco_merge_duration_seconds",
             "Time to compute one merge of a fragment (merge math and persisting it)",
             frag,
+            registry=r,
+            buckets=SECONDS,
+        )
+        self.merge_phase: Any = Histogram(
+            "ddiloco_merge_phase_seconds",
+            "Each part of ddiloco_merge_duration_seconds: compute (merge math), durable (its "
+            "journal record or fragment file), encode (the served copy), install (waiting for "
+            "the fragment's lock and swapping the served version in), finish (letting go of "
+            "what the merge took)",
+            ["phase"],
             registry=r,
             buckets=SECONDS,
         )
@@ -143,6 +154,14 @@ class SyncMetrics:
             "ddiloco_round_served_seconds",
             "A merged round's quorum to its merged fragment being served (grace window, "
             "merge and persisting it)",
+            frag,
+            registry=r,
+            buckets=ROUND_SECONDS,
+        )
+        self.round_close: Any = Histogram(
+            "ddiloco_round_close_served_seconds",
+            "A merged round's close (its grace window's end, or every live learner in) to its "
+            "merged fragment being served: the synchronizer's own part of quorum to served",
             frag,
             registry=r,
             buckets=ROUND_SECONDS,
@@ -201,19 +220,23 @@ class SyncMetrics:
         now: float,
         fragments: int,
         base: int,
+        phases: Mapping[str, float] | None = None,
     ) -> None:
         """Fragment p's round `r` merged at version `base` (started at `t_merge`) and is
         served since `now`: each per-fragment histogram observes it once, so their counts
-        are the fragment's merges; each merged contribution its staleness and its tokens,
+        are the fragment's merges (`phases`: seconds of each part of the merge, by name); each merged contribution its staleness and its tokens,
         per fragment (every fragment sees every token)."""
         if not self.enabled:
             return
         frag = str(p)
         started = r.started_at if r.started_at is not None else now
         self.merge_duration.labels(frag).observe(now - t_merge)
+        for phase, seconds in (phases or {}).items():
+            self.merge_phase.labels(phase).observe(seconds)
         self.round_quorum.labels(frag).observe(max(0.0, (r.quorum_at or started) - started))
         self.round_publish.labels(frag).observe(max(0.0, now - started))
         self.round_served.labels(frag).observe(max(0.0, now - (r.quorum_at or started)))
+        self.round_close.labels(frag).observe(max(0.0, now - (r.due_at or t_merge)))
         self.grace_window.labels(frag).observe(r.grace)
         self.merge_contributors.labels(frag).observe(outcome.contributors)
         items = list(r.contributions.items())

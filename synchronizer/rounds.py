@@ -52,6 +52,9 @@ class Round(Generic[T]):
     quorum_at: float | None = None
     deadline: float | None = None
     grace: float = 0.0
+    due_at: float | None = None
+    """When the round became due: its window's end, or when every live learner was in
+    (set by `due`, which the merge loop polls)."""
 
 
 @dataclass(kw_only=True)
@@ -149,6 +152,8 @@ class Rounds(Generic[T]):
             if r.deadline is None:
                 continue
             if now >= r.deadline or live <= set(r.contributions):
+                if r.due_at is None:
+                    r.due_at = min(now, r.deadline)
                 out.append(p)
         return out
 

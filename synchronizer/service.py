@@ -604,9 +604,10 @@ class Synchronizer:
                 fs = self.fragments[p]
                 resync = self.resync[p]
             t_merge = self.clock()
+            phases: dict[str, float] = {}
             try:
                 outcome, new, served, journaled = self._merged(
-                    p, spec, fs, taken, live_tokens, resync
+                    p, spec, fs, taken, live_tokens, resync, phases
                 )
             except NonFiniteMerge as e:
                 self._put_back(p, taken)
@@ -617,6 +618,7 @@ class Synchronizer:
             except Exception:  # e.g. a full disk: nothing changed, the contributions wait
                 self._put_back(p, taken)
                 raise
+            t_install = self.clock()
             with self.frag_locks[p]:  # installed: served, and what posts are checked against
                 new.norms = fs.norms  # the guard's history, with the posts admitted meanwhile
                 self.fragments[p] = new
@@ -629,6 +631,8 @@ class Synchronizer:
                     self.retired[p] = fs
                 if journaled:  # its segments wait for the file (journal.py)
                     self.unsnapped[p].append((new.version, segments))
+            t_finish = self.clock()
+            phases["install"] = t_finish - t_install
             assert self.snapshots is not None
             if journaled:
                 self.snapshots.request(p)
@@ -644,8 +648,10 @@ class Synchronizer:
                 c.release()
             fs = new
             if outcome is not None:  # published: its histograms, each observed once
+                now = self.clock()
+                phases["finish"] = now - t_finish
                 self.metrics.merged(
-                    p, round_, outcome, t_merge, self.clock(), len(self.fragments), fs.version - 1
+                    p, round_, outcome, t_merge, now, len(self.fragments), fs.version - 1, phases
                 )
             with self.lock:
                 for learner_id in taken:
@@ -684,15 +690,21 @@ class Synchronizer:
         taken: dict[str, Contribution],
         live_tokens: float,
         resync: bool = False,
+        phases: dict[str, float] | None = None,
     ) -> tuple[MergeOutcome | None, FragmentState, tuple[int, memoryview], bool]:
         """The next state of fragment p from `taken`, durable, and its served encoding;
         `fs` and the contributions are only read. Durable as a merge journal record (True
         last), or (False) in the fragment file, written here: then the caller holds
-        `snapshots.locks[p]` on return and releases it once it has let go of the journal."""
+        `snapshots.locks[p]` on return and releases it once it has let go of the journal.
+        `phases` gets the seconds of compute, durable and encode."""
+        phases = {} if phases is None else phases
+        t0 = self.clock()
         outcome = self.policy.merge(
             spec, fs.params, fs.momentum, fs.version, list(taken.values()), live_tokens
         )
         new = next_state(fs, taken, outcome)
+        t1 = self.clock()
+        phases["compute"] = t1 - t0
         journaled = (
             outcome is not None
             and not resync
@@ -721,7 +733,10 @@ class Synchronizer:
             if outcome is not None:
                 POOL.give([*outcome.params.values(), *outcome.momentum.values()])
             raise
-        return outcome, new, self._encode(p, new), journaled
+        t2 = self.clock()
+        served = self._encode(p, new)
+        phases["durable"], phases["encode"] = t2 - t1, self.clock() - t2
+        return outcome, new, served, journaled
 
     def _write_file(self, p: int) -> None:
         """Write fragment p's served state to its file if the file is behind, then let go of

@@ -113,12 +113,25 @@ def test_each_merge_observes_every_fragment_histogram_once(server: SyncServer) -
         "ddiloco_round_quorum_seconds",
         "ddiloco_round_publish_seconds",
         "ddiloco_round_served_seconds",
+        "ddiloco_round_close_served_seconds",
         "ddiloco_grace_window_seconds",
         "ddiloco_merge_contributors",
     ):
         assert value(text, f"{name}_count", fragment="0") == 2, name
         assert value(text, f"{name}_count", fragment="1") == 1, name
     assert value(text, "ddiloco_merge_contributors_sum", fragment="0") == 4
+    # each part of each of the 3 merges observed once, and together they are the merge
+    parts = 0.0
+    for phase in ("compute", "durable", "encode", "install", "finish"):
+        assert value(text, "ddiloco_merge_phase_seconds_count", phase=phase) == 3, phase
+        parts += value(text, "ddiloco_merge_phase_seconds_sum", phase=phase)
+    whole = sum(value(text, "ddiloco_merge_duration_seconds_sum", fragment=f) for f in "01")
+    assert 0 < parts <= whole + 1e-9
+    for f in "01":  # close -> served is inside quorum -> served and holds the merge
+        close = value(text, "ddiloco_round_close_served_seconds_sum", fragment=f)
+        served = value(text, "ddiloco_round_served_seconds_sum", fragment=f)
+        merge = value(text, "ddiloco_merge_duration_seconds_sum", fragment=f)
+        assert merge <= close <= served + 1e-9
     assert value(text, "ddiloco_grace_window_seconds_sum", fragment="0") == 0  # grace off
     assert value(text, "ddiloco_update_staleness_count") == 6
     assert value(text, "ddiloco_update_staleness_sum") == 0
@@ -188,6 +201,8 @@ def test_metrics_off_answers_404_and_counts_nothing(
     assert not m.enabled
     for instrument in (
         m.merge_duration,
+        m.merge_phase,
+        m.round_close,
         m.round_quorum,
         m.round_publish,
         m.grace_window,

@@ -57,6 +57,25 @@ def test_quorum_then_grace_then_merge() -> None:
     assert rounds.collecting() == []
 
 
+def test_a_round_is_due_at_its_windows_end_or_when_every_live_learner_is_in() -> None:
+    clock = Clock()
+    rounds: Rounds[str] = Rounds(2, quorum=1, grace=GracePolicy(gamma=0.5, tau=2), clock=clock)
+    hear(rounds, 1.0, "a", "b")
+    rounds.add(0, "a", "ua")  # window: min(0.5 * 2, 1) = 1 s
+    end = clock.now + rounds.rounds[0].grace
+    clock.advance(1.3)  # the merge loop looks late: the round closed at its window's end
+    assert rounds.due() == [0]
+    clock.advance(0.2)
+    assert rounds.due() == [0]  # asked again: it closed when it first was due
+    assert rounds.take_round(0).due_at == pytest.approx(end)
+    rounds.add(1, "a", "ua")
+    clock.advance(0.1)
+    rounds.add(1, "b", "ub")  # every live learner in, 0.9 s before the window's end
+    assert rounds.rounds[1].due_at is None
+    assert rounds.due() == [1]
+    assert rounds.take_round(1).due_at == clock.now
+
+
 def test_xi_step_is_the_slowest_live_learner_and_forgets_the_silent() -> None:
     clock = Clock()
     rounds: Rounds[str] = Rounds(1, quorum=1, liveness_s=10.0, clock=clock)
