@@ -38,6 +38,7 @@ from ddiloco.synchronizer.protocol import FragmentSpec, MergeRule, UpdateMeta
 
 if TYPE_CHECKING:
     from ddiloco.synchronizer.config import SyncSettings
+    from ddiloco.synchronizer.stream import RoundSum
 
 Tensors = dict[str, torch.Tensor]
 Weighting = Literal["tokens2_per_step", "tokens", "uniform"]
@@ -67,11 +68,21 @@ def cap_counters(tokens: int, steps: int, max_steps: int) -> tuple[int, int]:
     return round(tokens * max_steps / steps), max_steps
 
 
-def _normalized(weights: Sequence[float]) -> list[float]:
-    total = float(sum(weights))
-    if total <= 0.0:
+def relative(weights: Sequence[float]) -> tuple[list[float], float]:
+    """Each weight over the first positive one, and their sum: the terms of a sum that can
+    start before the last weight is known (stream.py sums a round's direction as its
+    contributions arrive, with the same numbers in the same order)."""
+    ref = next((w for w in weights if w > 0), 0.0)
+    if ref <= 0.0:
         raise ValueError("merge needs at least one contribution with a positive weight")
-    return [w / total for w in weights]
+    rel = [w / ref for w in weights]
+    return rel, float(sum(rel))
+
+
+def term_alpha(rel: float, norm: float) -> float | None:
+    """The factor of a delta of norm `norm` and relative weight `rel` in RDA's direction
+    (None: a delta of norm ~0 has no direction; it counts in the radius only)."""
+    return rel / norm if norm > _EPS else None
 
 
 def _weighted_sum(terms: Sequence[tuple[torch.Tensor, float]], like: torch.Tensor) -> torch.Tensor:
@@ -88,12 +99,19 @@ def _weighted_sum(terms: Sequence[tuple[torch.Tensor, float]], like: torch.Tenso
 
 
 def weighted_mean(
-    deltas: Sequence[torch.Tensor], weights: Sequence[float], scale: float = 1.0
+    deltas: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    scale: float = 1.0,
+    summed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """scale * sum_m w_m delta_m / sum_m w_m (a new float32 tensor; `scale` folded into
-    the weights, no pass of its own)."""
-    terms = [(d, w * scale) for d, w in zip(deltas, _normalized(weights), strict=True) if w]
-    return _weighted_sum(terms, deltas[0])
+    """scale * sum_m w_m delta_m / sum_m w_m (a new float32 tensor): the sum with relative
+    weights, then one multiplication. `summed`: that sum, already formed (stream.py; it is
+    consumed)."""
+    rel, total = relative(weights)
+    if summed is None:
+        terms = [(d, r) for d, r in zip(deltas, rel, strict=True) if r]
+        summed = _weighted_sum(terms, deltas[0])
+    return summed.mul_(scale / total)
 
 
 def rda(
@@ -101,6 +119,7 @@ def rda(
     weights: Sequence[float],
     norms: Sequence[float | None] | None = None,
     scale: float = 1.0,
+    summed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Radial-directional averaging: mean length times the direction of the mean direction.
 
@@ -110,21 +129,25 @@ def rda(
     the weighted mean. If the directions cancel (||u|| ~ 0) it falls back to the mean.
     `norms[i]`, when given and not None, is ||deltas[i]|| already measured (admission's).
     `scale` (the merge's sign and `merge_scale`) rides on the final multiplication.
+    u is summed with weights relative to the first (`relative`, `term_alpha`): its scale
+    cancels in u / ||u||. `summed`: that sum, already formed as the round's contributions
+    arrived (stream.py, same terms in the same order; it is consumed).
     """
-    ws = _normalized(weights)
+    rel, total = relative(weights)
     known = list(norms) if norms is not None else [None] * len(deltas)
     radius = 0.0
     terms = []
-    for d, w, measured in zip(deltas, ws, known, strict=True):
-        if not w:
+    for d, r, measured in zip(deltas, rel, known, strict=True):
+        if not r:
             continue
         n = passes.norm(d) if measured is None else measured
-        radius += w * n
-        if n > _EPS:
-            terms.append((d, w / n))
-    direction = _weighted_sum(terms, deltas[0])
-    dn = float(torch.linalg.vector_norm(direction))
-    if dn <= 1e-6 * max(radius, _EPS) or dn <= _EPS:
+        radius += r * n
+        if (alpha := term_alpha(r, n)) is not None:
+            terms.append((d, alpha))
+    radius /= total
+    direction = summed if summed is not None else _weighted_sum(terms, deltas[0])
+    dn = float(torch.linalg.vector_norm(direction))  # of sum w u / w_ref
+    if dn / total <= 1e-6 * max(radius, _EPS) or dn <= _EPS:
         POOL.give([direction])
         return weighted_mean(deltas, weights, scale)
     return direction.mul_(scale * radius / dn)
@@ -137,19 +160,31 @@ def merge_fragment(
     granularity: Literal["tensor", "fragment"] = "tensor",
     norms: Sequence[dict[str, float] | None] | None = None,
     scale: float = 1.0,
+    summed: Tensors | None = None,
 ) -> Tensors:
     """Combine per-learner outer gradients of one fragment into one outer gradient, times
-    `scale` (no pass of its own). `norms[i]`: the per-tensor norms of `deltas[i]` when
-    known (per-tensor RDA uses them)."""
+    `scale`. `norms[i]`: the per-tensor norms of `deltas[i]` when known (per-tensor RDA
+    uses them). `summed`: per tensor, the sum of the rule's terms already formed
+    (stream.py; consumed; per-tensor granularity only)."""
     names = list(deltas[0])
+    given = summed or {}
     if method == "mean":
-        return {n: weighted_mean([d[n] for d in deltas], weights, scale) for n in names}
+        return {
+            n: weighted_mean([d[n] for d in deltas], weights, scale, given.get(n)) for n in names
+        }
     if granularity == "tensor":
         known = list(norms) if norms is not None else [None] * len(deltas)
         return {
-            n: rda([d[n] for d in deltas], weights, [k[n] if k else None for k in known], scale)
+            n: rda(
+                [d[n] for d in deltas],
+                weights,
+                [k[n] if k else None for k in known],
+                scale,
+                given.get(n),
+            )
             for n in names
         }
+    POOL.give(given.values())
     # Whole-fragment RDA: flatten every contribution, merge once, split back.
     flat = [torch.cat([d[n].float().reshape(-1) for n in names]) for d in deltas]
     merged = rda(flat, weights, scale=scale)
@@ -366,6 +401,7 @@ class MergePolicy:
         version: int,
         contributions: Sequence[Contribution],
         live_tokens: float | None = None,
+        summed: RoundSum | None = None,
     ) -> MergeOutcome | None:
         """The fragment after merging `contributions` (inputs untouched), or None when no
         contribution weighs anything. Raises `NonFiniteMerge` rather than return a result
@@ -373,7 +409,11 @@ class MergePolicy:
 
         `live_tokens`: the (capped) tokens the whole live set hands over per period, used
         when `scale == "live"`: the merged progress is multiplied by min(1, the merged
-        contributions' capped tokens / live_tokens). None or 0: no scaling."""
+        contributions' capped tokens / live_tokens). None or 0: no scaling.
+
+        `summed`: the round's terms summed as they arrived (stream.py), used if they are
+        exactly the terms of the contributions merged here, in order (the result is the
+        same bits either way)."""
         deltas, weights, tokens, staleness, included = [], [], 0, 0, []
         norms: list[dict[str, float] | None] = []
         capped_tokens = 0
@@ -394,15 +434,19 @@ class MergePolicy:
             capped_tokens += tok
             staleness += version - c.base_version
             included.append(i)
+        rule = self.rule_for(spec)
+        given = None
+        if summed is not None:
+            keys = [tuple(contributions[i].ids) for i in included]
+            given = summed.claim(keys, self, rule)
         if not deltas:
             return None
-        rule = self.rule_for(spec)
         scale = 1.0
         if self.scale == "live" and live_tokens:
             scale = min(1.0, capped_tokens / live_tokens)
         # The outer gradient, -scale x the merged progress: sign and scale ride on the
         # average's own weights (no pass over the fragment for either).
-        delta = merge_fragment(deltas, weights, rule, self.granularity, norms, -scale)
+        delta = merge_fragment(deltas, weights, rule, self.granularity, norms, -scale, given)
         new_params, new_momentum = self.outer.step_into(params, momentum, delta)
         POOL.give(delta.values())
         if not self.outer.finite_after(new_params, new_momentum):

@@ -86,6 +86,7 @@ from ddiloco.synchronizer.state import (
     StateStore,
     Ticket,
 )
+from ddiloco.synchronizer.stream import RoundSum
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +164,8 @@ class Synchronizer:
         self.resync: list[bool] = []
         """Per fragment, a refused merge's round was put back: its sums are not in the
         log's order, so the next merge writes its file before serving (journal.py)."""
+        self.sums: list[RoundSum] = []
+        """Per fragment, its open round's merge direction summed as contributions arrive."""
         self.snapshots: Snapshots | None = None
         self.upload_port: int | None = None
         """The bound port of the upload listener (bulk.py), told to learners at join."""
@@ -223,11 +226,17 @@ class Synchronizer:
         self.retired = [None] * n
         self.unsnapped = [[] for _ in range(n)]
         self.resync = [False] * n
+        self.sums = [self._round_sum(p) for p in range(n)]
         if self.snapshots is not None:
             self.snapshots.close()
         self.snapshots = Snapshots(
             self._write_file, n, lambda p: self.fragments[p].version - self.file_versions[p]
         )
+
+    def _round_sum(self, p: int) -> RoundSum:
+        """A new round of fragment p's direction, summed as its contributions arrive."""
+        assert self.layout is not None
+        return RoundSum(self.policy, self.policy.rule_for(self.layout.fragments[p]))
 
     def _replay(self) -> int:
         """Redo the journaled merges a fragment file lacks (then write it), and put every
@@ -451,12 +460,14 @@ class Synchronizer:
                 ticket = plog.write(payload, record)
                 fs.norms = [*fs.norms, n][-admission.NORM_HISTORY :]
                 self._hold(p, meta, delta, opens=verdict == "fresh", norms=norms, body=body)
+                summing = self.sums[p]
                 held = True
                 # the round after the one a merge in flight took, if any
                 round_version = fs.version + (2 if self.merging[p] else 1)
         finally:
             if not held:  # refused, or a duplicate: its buffers go back
                 POOL.give(delta.values())
+        summing.drain()  # its term in the round's sum (stream.py), unless another adds it
         self._make_durable(p, plog, ticket)  # one fsync for every record written before it
         with self.lock:
             self.rounds.heard(meta.learner_id)
@@ -509,7 +520,9 @@ class Synchronizer:
             pending = self.rounds.rounds[p].contributions.get(meta.learner_id)
             if pending is None:
                 pending = Contribution.of(meta, delta, norms, body)
+                self.sums[p].offer(pending)
             else:
+                self.sums[p].spoil()  # the term queued for it is no longer its own
                 pending.absorb(meta, delta, body)
             self.rounds.add(p, meta.learner_id, pending, opens=opens)
             if (rec := self.learners.get(meta.learner_id)) is not None:
@@ -595,9 +608,11 @@ class Synchronizer:
             with self.frag_locks[p]:
                 with self.lock:
                     round_ = self.rounds.take_round(p)
+                    summed, self.sums[p] = self.sums[p], self._round_sum(p)
                     live_tokens = self._live_period_tokens(round_.contributions)
                     taken = round_.contributions
                     if not taken:
+                        summed.discard()
                         return None
                     self.merging[p] = taken
                 segments = plog.seal()  # every record of `taken` (and none newer) is in these
@@ -607,7 +622,7 @@ class Synchronizer:
             phases: dict[str, float] = {}
             try:
                 outcome, new, served, journaled = self._merged(
-                    p, spec, fs, taken, live_tokens, resync, phases
+                    p, spec, fs, taken, live_tokens, resync, phases, summed
                 )
             except NonFiniteMerge as e:
                 self._put_back(p, taken)
@@ -691,6 +706,7 @@ class Synchronizer:
         live_tokens: float,
         resync: bool = False,
         phases: dict[str, float] | None = None,
+        summed: RoundSum | None = None,
     ) -> tuple[MergeOutcome | None, FragmentState, tuple[int, memoryview], bool]:
         """The next state of fragment p from `taken`, durable, and its served encoding;
         `fs` and the contributions are only read. Durable as a merge journal record (True
@@ -699,9 +715,13 @@ class Synchronizer:
         `phases` gets the seconds of compute, durable and encode."""
         phases = {} if phases is None else phases
         t0 = self.clock()
-        outcome = self.policy.merge(
-            spec, fs.params, fs.momentum, fs.version, list(taken.values()), live_tokens
-        )
+        try:
+            outcome = self.policy.merge(
+                spec, fs.params, fs.momentum, fs.version, list(taken.values()), live_tokens, summed
+            )
+        finally:
+            if summed is not None:
+                summed.discard()  # claimed by the merge, or let go of here
         new = next_state(fs, taken, outcome)
         t1 = self.clock()
         phases["compute"] = t1 - t0
@@ -776,6 +796,7 @@ class Synchronizer:
         """A merge that changed nothing: its contributions wait in p's round again, beside
         (or added to) what came while it ran; its log segments stay for the next merge."""
         with self.frag_locks[p], self.lock:
+            self.sums[p].spoil()  # the round's order is no longer its terms' order
             self.rounds.restore(p, taken, Contribution.add)
             self.merging[p] = {}
             self.resync[p] = True

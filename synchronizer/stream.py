@@ -1,0 +1,136 @@
+"""A round's merge direction, summed as its contributions arrive, not when the round closes.
+
+A merge's cost grew with its round: RDA's direction (and the mean's sum) is one pass over
+each contribution, 4.5 ms per 16M-value bf16 delta here, 75 of the 100 ms that a merge of
+16 contributions computed (bench/RESULTS.md, issue 15); under load each pass also queues
+for the cores behind the uploads. The sum does not need the round to be over: with each
+weight taken relative to the first one (`merge.relative`), a term is known when its
+contribution is admitted (its counters give its weight, admission measured its norms), and
+the scale of the sum cancels in RDA's u / ||u|| (the mean multiplies by w_ref / sum w at
+the end). So each admitted update queues its term here, and the upload thread that queued
+it adds it in (outside the fragment's lock; whichever thread holds the sum adds every
+term queued), and the merge only adds what is still queued:
+
+    rs = RoundSum(policy)                         # a fragment's open round
+    rs.offer(contribution)                        # as it is admitted (fragment's lock held)
+    rs.drain()                                    # after, by the admitting thread
+    summed = rs.claim(keys)                       # the merge: the sum, if it holds exactly
+                                                  # the terms `keys` names, in that order
+
+The terms are the ones `merge.rda` / `merge.weighted_mean` form, in the same order, with
+the same factors, through the same `passes`: a journal replay, which merges from the log's
+records without a stream, reproduces the served bits. `claim` returns the sum only if its
+terms are exactly the merged contributions', in order (a learner that contributed twice in
+one round, a contribution put back by a refused merge, a weightless one: the merge sums
+from the contributions, as before). A queued bf16 term keeps its body pinned until added.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import TYPE_CHECKING
+
+from ddiloco.synchronizer import passes
+from ddiloco.synchronizer.buffers import BODIES, POOL
+from ddiloco.synchronizer.merge import cap_counters, contribution_weight, term_alpha
+
+if TYPE_CHECKING:
+    from ddiloco.synchronizer.merge import Contribution, MergePolicy, Tensors
+
+Key = tuple[str, ...]
+"""A contribution's update ids: what it holds."""
+
+
+class RoundSum:
+    """One open round's sum of terms (per tensor, float32 of `POOL`) and its queue."""
+
+    def __init__(self, policy: MergePolicy, rule: str) -> None:
+        self.policy = policy
+        self.rule = rule
+        self.enabled = policy.granularity == "tensor" or rule == "mean"
+        self.lock = threading.Lock()
+        """Held while terms are added: one adder at a time, in queue order."""
+        self.queue: deque[tuple[Tensors, dict[str, float], memoryview | bytes | None]] = deque()
+        self.keys: list[Key] = []
+        self.sum: Tensors = {}
+        self.w_ref: float | None = None
+        self.valid = self.enabled
+
+    def offer(self, c: Contribution) -> None:
+        """Queue the term of `c`, a contribution new to the round (the caller holds the
+        fragment's lock: terms queue in the round's order)."""
+        if not self.valid:
+            return
+        tokens, steps = cap_counters(c.tokens, c.steps, self.policy.counter_cap_steps)
+        w = contribution_weight(tokens, steps, self.policy.weighting)
+        if w <= 0:
+            return  # weighs nothing: the merge leaves it out of its terms too
+        if self.rule != "mean" and c.norms is None:
+            self.valid = False
+            return
+        if self.w_ref is None:
+            self.w_ref = w
+        rel = w / self.w_ref
+        alphas: dict[str, float] = {}
+        for name in c.delta:
+            a = rel if self.rule == "mean" else term_alpha(rel, c.norms[name])  # type: ignore[index]
+            if a is not None:
+                alphas[name] = a
+        if c.body is not None:
+            BODIES.pin(c.body)  # until added: the contribution may let go of it first
+        self.queue.append((dict(c.delta), alphas, c.body))
+        self.keys.append(tuple(c.ids))
+
+    def spoil(self) -> None:
+        """The round's contributions changed under the queued terms (a learner's second
+        update summed into its first, a refused merge's put back): stop summing."""
+        self.valid = False
+
+    def drain(self, wait: bool = False) -> None:
+        """Add every queued term. Without `wait`, only if no other thread is adding (that
+        one adds what is queued, ours too)."""
+        while self.queue:
+            if not self.lock.acquire(blocking=wait):
+                return
+            try:
+                while self.queue:
+                    self._add(*self.queue.popleft())
+            finally:
+                self.lock.release()
+
+    def _add(self, tensors: Tensors, alphas: dict[str, float], body: object) -> None:
+        try:
+            if not self.valid:
+                return
+            for name, a in alphas.items():
+                t = tensors[name]
+                into = self.sum.get(name)
+                if into is None:
+                    self.sum[name] = into = POOL.take(t.shape)
+                    passes.scale_into(into, t, a)
+                else:
+                    passes.axpy(into, t, a)
+        finally:
+            if body is not None:
+                BODIES.unpin(body)  # type: ignore[arg-type]
+
+    def claim(self, keys: list[Key], policy: MergePolicy, rule: str) -> Tensors | None:
+        """The sum, if its terms are exactly the contributions `keys` names, in that order,
+        as `policy` and `rule` form them (the sum is then the caller's); else None. Either
+        way this round sum is done."""
+        self.drain(wait=True)
+        with self.lock:
+            out, self.sum = self.sum, {}
+            if self.valid and keys == self.keys and (policy, rule) == (self.policy, self.rule):
+                return out
+            POOL.give(out.values())
+            return None
+
+    def discard(self) -> None:
+        """Done without a merge: queued terms let go of their bodies, the sum goes back."""
+        self.spoil()
+        self.drain(wait=True)
+        with self.lock:
+            POOL.give(self.sum.values())
+            self.sum = {}

@@ -1,0 +1,143 @@
+"""A round's direction summed as its contributions arrive (synchronizer/stream.py).
+
+    pytest tests/unit/test_stream.py
+
+The sum is used only when it is bit for bit what the merge would have summed from the
+contributions (a journal replay sums from them, and must serve the same bits), and only
+when its terms are exactly the merged contributions', in order.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddiloco.synchronizer import codec
+from ddiloco.synchronizer.buffers import BODIES
+from ddiloco.synchronizer.merge import Contribution, MergePolicy, OuterNesterov
+from ddiloco.synchronizer.protocol import FragmentSpec, UpdateMeta
+from ddiloco.synchronizer.stream import RoundSum
+from tests.unit.test_contract import Clock, make, start, update
+
+SHAPES = {"a": (64, 33), "b": (500,), "z": (7,)}
+
+
+def contribution(i: int, dtype: torch.dtype, *, steps: int = 10, zero: bool = True) -> Contribution:
+    g = torch.Generator().manual_seed(i)
+    delta = {k: torch.randn(s, generator=g).to(dtype) * (i + 1) for k, s in SHAPES.items()}
+    if zero:
+        delta["z"] = torch.zeros(7, dtype=dtype)  # no direction: counts in the radius only
+    meta = UpdateMeta(
+        learner_id=f"l{i}", fragment=1, base_version=0, steps=steps, tokens=100 * (i + 1),
+        learner_step=i + 1,
+    )  # fmt: skip
+    norms = {k: float(torch.linalg.vector_norm(v.float())) for k, v in delta.items()}
+    return Contribution.of(meta, delta, norms)
+
+
+def state() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(99)
+    params = {k: torch.randn(s, generator=g) for k, s in SHAPES.items()}
+    return params, {k: torch.randn(s, generator=g) * 0.1 for k, s in SHAPES.items()}
+
+
+SPEC = FragmentSpec(index=1, tensors=[])
+
+
+@pytest.mark.parametrize("rule", ["rda", "mean"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_streamed_merge_is_the_merge_of_the_contributions_bit_for_bit(
+    rule: str, dtype: torch.dtype
+) -> None:
+    """Offered and added one by one (a weightless one among them), then claimed: the merge
+    is the same bits as the one that sums the same contributions itself (a replay's)."""
+    policy = MergePolicy(rule=rule, outer=OuterNesterov(lr=0.7, momentum=0.9))  # type: ignore[arg-type]
+    cs = [contribution(i, dtype, steps=0 if i == 2 else 10) for i in range(5)]
+    rs = RoundSum(policy, rule)
+    for c in cs:
+        rs.offer(c)
+        rs.drain()
+    assert not rs.queue and set(rs.sum) == ({"a", "b"} if rule == "rda" else set(SHAPES))
+    assert len(rs.keys) == 4  # the weightless one has no term
+    params, momentum = state()
+    streamed = policy.merge(SPEC, params, momentum, 3, cs, None, rs)
+    assert rs.sum == {}  # claimed: the merge's
+    plain = policy.merge(SPEC, params, momentum, 3, cs, None)
+    assert streamed is not None and plain is not None
+    for k in SHAPES:
+        assert torch.equal(streamed.params[k], plain.params[k]), k
+        assert torch.equal(streamed.momentum[k], plain.momentum[k]), k
+
+
+def test_a_sum_that_is_not_the_rounds_terms_is_not_used() -> None:
+    policy = MergePolicy()
+    cs = [contribution(i, torch.float32) for i in range(3)]
+    keys = [tuple(c.ids) for c in cs]
+
+    def summed() -> RoundSum:
+        rs = RoundSum(policy, "rda")
+        for c in cs:
+            rs.offer(c)
+        return rs
+
+    assert summed().claim(keys, policy, "rda") is not None
+    assert summed().claim(keys[::-1], policy, "rda") is None  # another order
+    assert summed().claim(keys[:2], policy, "rda") is None  # a term too many
+    assert summed().claim(keys, MergePolicy(weighting="tokens"), "rda") is None
+    assert summed().claim(keys, policy, "mean") is None
+    spoiled = summed()
+    spoiled.spoil()
+    assert spoiled.claim(keys, policy, "rda") is None
+    assert RoundSum(MergePolicy(granularity="fragment"), "rda").enabled is False
+
+
+def test_a_queued_bf16_term_keeps_its_body_until_it_is_added_or_let_go() -> None:
+    payload = bytes(4096)
+    rs = RoundSum(MergePolicy(), "rda")
+    for discard in (False, True):
+        body = BODIES.take(len(payload))
+        c = contribution(0, torch.bfloat16)
+        c.body = body
+        rs.offer(c)
+        BODIES.give(body)  # the upload port is done with it
+        assert id(body.obj) in BODIES.pins  # the queued term still reads it
+        if discard:
+            rs.discard()
+        else:
+            rs.drain()
+        assert id(body.obj) not in BODIES.pins
+
+
+def test_the_synchronizer_sums_a_round_at_admission_and_its_merge_takes_the_sum(
+    tmp_path: Path,
+) -> None:
+    """Three learners' updates: summed as they were accepted; the merge takes the sum and
+    serves what a synchronizer that sums at the merge serves. A learner's second update
+    in the round spoils the sum: that merge sums from the contributions."""
+    results = []
+    for stream in (True, False):
+        sync = make(tmp_path / str(stream), Clock(), quorum=3, merge="rda")
+        start(sync, "abc")
+        if not stream:
+            sync.sums[1].spoil()
+        for i, lid in enumerate("abc"):
+            v = torch.tensor([1.0 + i, -2.0 * i + 0.5])
+            assert sync.submit(update(lid, 1, v, step=1)).status == "accepted"
+        rs = sync.sums[1]
+        assert (rs.valid, len(rs.keys), not rs.queue) == (stream, 3 if stream else 0, True)
+        assert bool(rs.sum) is stream  # added by the admitting threads, not at the merge
+        assert sync.merge(1) == 1
+        assert sync.sums[1] is not rs and sync.sums[1].valid  # a new round, a new sum
+        results.append(codec.decode(sync.fragment(1)[1])["w"])
+        assert sync.submit(update("a", 1, torch.tensor([0.5, 0.5]), step=2, base=1)).status == (
+            "accepted"
+        )
+        assert sync.submit(update("a", 1, torch.tensor([0.25, 1.0]), step=3, base=1)).status == (
+            "accepted"
+        )
+        assert not sync.sums[1].valid  # a's second update summed into its first
+        assert sync.merge(1) == 2
+        results.append(codec.decode(sync.fragment(1)[1])["w"])
+    assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3])
