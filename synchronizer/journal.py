@@ -44,7 +44,8 @@ import torch
 import xxhash
 
 from ddiloco.synchronizer import admission, codec, wire
-from ddiloco.synchronizer.merge import Contribution, MergeOutcome, MergePolicy, OuterNesterov
+from ddiloco.synchronizer.contribution import Contribution
+from ddiloco.synchronizer.merge import MergeOutcome, MergePolicy, OuterNesterov
 from ddiloco.synchronizer.protocol import FragmentSpec, UpdateMeta
 from ddiloco.synchronizer.state import FragmentLog, FragmentState, Order, PendingLog, _fsync_dir
 

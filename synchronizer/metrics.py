@@ -27,7 +27,8 @@ from prometheus_client.registry import Collector
 from ddiloco.synchronizer.protocol import Status
 
 if TYPE_CHECKING:
-    from ddiloco.synchronizer.merge import Contribution, MergeOutcome
+    from ddiloco.synchronizer.contribution import Contribution
+    from ddiloco.synchronizer.merge import MergeOutcome
     from ddiloco.synchronizer.rounds import Round
 
 SECONDS: Final = (

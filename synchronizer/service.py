@@ -41,6 +41,7 @@ import torch
 from ddiloco.synchronizer import admission, codec, ledger, shards, wire
 from ddiloco.synchronizer.buffers import POOL
 from ddiloco.synchronizer.config import SyncSettings
+from ddiloco.synchronizer.contribution import Contribution
 from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
 from ddiloco.synchronizer.journal import (
     MergeJournal,
@@ -53,7 +54,6 @@ from ddiloco.synchronizer.journal import (
 )
 from ddiloco.synchronizer.ledger import LearnerRecord
 from ddiloco.synchronizer.merge import (
-    Contribution,
     MergeOutcome,
     MergePolicy,
     NonFiniteMerge,

@@ -36,7 +36,8 @@ from ddiloco.synchronizer.buffers import BODIES, POOL
 from ddiloco.synchronizer.merge import cap_counters, contribution_weight, term_alpha
 
 if TYPE_CHECKING:
-    from ddiloco.synchronizer.merge import Contribution, MergePolicy, Tensors
+    from ddiloco.synchronizer.contribution import Contribution, Tensors
+    from ddiloco.synchronizer.merge import MergePolicy
 
 Key = tuple[str, ...]
 """A contribution's update ids: what it holds."""
