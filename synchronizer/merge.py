@@ -17,8 +17,10 @@ into new tensors (the inputs stay as they were), and refuses (raises `NonFiniteM
 result that is not finite everywhere.
 
 Speed (issue 15): one pass per operation over each tensor, in place where the inputs allow,
-the outer gradient's sign and `merge_scale` folded into the average's weights (no negated
-or scaled copy of anything), an outer step of three `torch.add`s, the results written into
+the average summed with weights relative to the first contribution's (so it can be summed
+as contributions arrive: stream.py) and the outer gradient's sign, `merge_scale` and the
+weights' normalization applied by the one final multiplication (no negated or scaled copy
+of anything), an outer step of three `torch.add`s, the results written into
 buffers of `buffers.POOL` (no page faults per merge), and finiteness read from one
 reduction over Theta' (`torch.aminmax`: NaN and Inf survive it; b' reaches Theta' when
 lr > 0) instead of a boolean tensor the size of the fragment.
@@ -358,7 +360,7 @@ class MergePolicy:
         if self.scale == "live" and live_tokens:
             scale = min(1.0, capped_tokens / live_tokens)
         # The outer gradient, -scale x the merged progress: sign and scale ride on the
-        # average's own weights (no pass over the fragment for either).
+        # average's final multiplication (no pass over the fragment for either).
         delta = merge_fragment(deltas, weights, rule, self.granularity, norms, -scale, given)
         new_params, new_momentum = self.outer.step_into(params, momentum, delta)
         POOL.give(delta.values())
