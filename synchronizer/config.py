@@ -60,6 +60,13 @@ class SyncSettings(BaseSettings):
     state_dir: Path = Path("ddiloco-state")
     """Where global fragments, outer momentum, versions, pending updates and the learner
     ledger persist."""
+    cpu_slots: int = Field(0, ge=0, le=4096)
+    """Uploads that may run their passes over the bytes (decode, norm, checksum, adding
+    their term to the round's sum) at once; 0: the cores this process may run on, less
+    one (at least 1). The merge takes no slot, so under load it shares the cores with this
+    many uploads instead of with every connection: on 2 cores, merge p99 at 0.8 GB/s
+    0.24-0.32 of tau x step with one slot, 0.70-1.13 with a slot per connection
+    (bench/RESULTS.md, issue 15)."""
     snapshot_lag: int = Field(4, ge=0, le=64)
     """How many merges a fragment's file may trail the version it serves. A merge is durable
     once a small record of its inputs is in the merge journal (synchronizer/journal.py): the

@@ -90,6 +90,7 @@ from ddiloco.synchronizer.stream import RoundSum
 
 log = logging.getLogger(__name__)
 
+
 HEADER_SLACK = 1 << 20
 """Bytes a safetensors header with metadata may add to a fragment's tensors."""
 
@@ -166,6 +167,12 @@ class Synchronizer:
         log's order, so the next merge writes its file before serving (journal.py)."""
         self.sums: list[RoundSum] = []
         """Per fragment, its open round's merge direction summed as contributions arrive."""
+        self.cpu = threading.BoundedSemaphore(
+            settings.cpu_slots or max(1, len(os.sched_getaffinity(0)) - 1)
+        )
+        """Uploads in their passes over the bytes at once (`SyncSettings.cpu_slots`; by
+        default all cores but one): a merge, which takes no slot, is not one runnable
+        thread among every connection's."""
         self.snapshots: Snapshots | None = None
         self.upload_port: int | None = None
         """The bound port of the upload listener (bulk.py), told to learners at join."""
@@ -431,13 +438,16 @@ class Synchronizer:
         # The passes over the bytes run before the fragment's lock, so concurrent updates
         # of one fragment decode side by side: float32 of the layout's shapes in an
         # accepted encoding (415 else, wire.py), its finite norm, the log record's checksum.
-        delta = wire.decode_update(payload, header, spec, self.accepted)
+        # At most one upload per core runs them (`cpu`): a merge is not one of sixteen.
+        with self.cpu:
+            delta = wire.decode_update(payload, header, spec, self.accepted)
         body = payload if wire.views_body(header) else None  # pinned while a round holds it
         held = False
         try:
-            norms = admission.delta_norms(delta, spec)
-            n = codec.total_norm(norms)
-            record = PendingLog.record(payload)
+            with self.cpu:
+                norms = admission.delta_norms(delta, spec)
+                n = codec.total_norm(norms)
+                record = PendingLog.record(payload)
             plog = self.store.pending(p)
             with self.frag_locks[p]:
                 fs = self.fragments[p]
@@ -467,7 +477,8 @@ class Synchronizer:
         finally:
             if not held:  # refused, or a duplicate: its buffers go back
                 POOL.give(delta.values())
-        summing.drain()  # its term in the round's sum (stream.py), unless another adds it
+        with self.cpu:
+            summing.drain()  # its term in the round's sum (stream.py), unless another adds it
         self._make_durable(p, plog, ticket)  # one fsync for every record written before it
         with self.lock:
             self.rounds.heard(meta.learner_id)

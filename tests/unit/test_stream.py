@@ -9,6 +9,10 @@ when its terms are exactly the merged contributions', in order.
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -141,3 +145,42 @@ def test_the_synchronizer_sums_a_round_at_admission_and_its_merge_takes_the_sum(
         assert sync.merge(1) == 2
         results.append(codec.decode(sync.fragment(1)[1])["w"])
     assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3])
+
+
+@pytest.mark.parametrize("slots", [1, 3])
+def test_cpu_slots_bound_the_uploads_in_their_passes_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slots: int
+) -> None:
+    """Six learners' updates submitted at once: no more than `cpu_slots` of them measure
+    their norms together (and with 3 slots, more than one does)."""
+    from ddiloco.synchronizer import admission
+
+    inside, most = [0], [0]
+    guard = threading.Lock()
+    real = admission.delta_norms
+
+    def slow_norms(*args: object) -> object:
+        with guard:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.15)
+        with guard:
+            inside[0] -= 1
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(admission, "delta_norms", slow_norms)
+    sync = make(tmp_path, Clock(), quorum=6, cpu_slots=slots)
+    start(sync, "abcdef")
+    payloads = [
+        update(lid, 1, torch.tensor([1.0, float(i)]), step=1) for i, lid in enumerate("abcdef")
+    ]
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(sync.submit, payloads))
+    assert all(a.status == "accepted" for a in answers)
+    assert most[0] == 1 if slots == 1 else 2 <= most[0] <= slots
+
+
+def test_cpu_slots_default_to_every_core_but_one(tmp_path: Path) -> None:
+    sync = make(tmp_path, Clock())
+    assert sync.settings.cpu_slots == 0
+    assert sync.cpu._value == max(1, len(os.sched_getaffinity(0)) - 1)  # type: ignore[attr-defined]
