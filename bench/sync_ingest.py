@@ -79,6 +79,8 @@ TOKEN = "bench-ingest"
 COLS = 4096
 TAU = 2
 STEP_S = 1.0
+GOAL = 0.25
+"""The issue's mark for merge and quorum -> served, as a fraction of tau x step."""
 PHASES = ("compute", "durable", "encode", "install", "finish")
 """The parts of a merge (ddiloco_merge_phase_seconds), printed in ms at p50 / p99."""
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -249,6 +251,13 @@ def quantile(h: dict[float, float], q: float) -> float | None:
             return lo + (le - lo) * ((q * total - below) / inside if inside else 1.0)
         below, lo = h[le], le
     return None
+
+
+def within(h: dict[float, float], bound: float) -> tuple[int, int] | None:
+    """(observations <= bound, all) of a histogram that has `bound` for a bucket."""
+    if not h or bound not in h:
+        return None
+    return int(h[bound]), int(h[float("inf")])
 
 
 def mean(text: str, name: str) -> float | None:
@@ -437,6 +446,12 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
         "publish_p50_frac": frac("ddiloco_round_publish_seconds", 0.5),
         "publish_p99_frac": frac("ddiloco_round_publish_seconds", 0.99),
         "merge_mean_frac": ratio(mean(metrics, "ddiloco_merge_duration_seconds")),
+        "merges_within": within(
+            histogram(metrics, "ddiloco_merge_duration_seconds"), GOAL * budget
+        ),
+        "close_within": within(
+            histogram(metrics, "ddiloco_round_close_served_seconds"), GOAL * budget
+        ),
         "phases": {
             ph: (
                 quantile(histogram(metrics, "ddiloco_merge_phase_seconds", f'phase="{ph}"'), 0.5),
@@ -482,6 +497,10 @@ def table(rows: list[dict[str, Any]], mem: float) -> str:
         if r["refused"] or r["errors"]:
             lines.append(f"{'':<30} refused {r['refused']}, errors {r['errors']}")
     return "\n".join(lines)
+
+
+def share(v: tuple[int, int] | None) -> str:
+    return "-" if v is None else f"{v[0]} / {v[1]} ({v[0] / max(1, v[1]):.1%})"
 
 
 def phase_table(rows: list[dict[str, Any]]) -> str:
@@ -606,6 +625,12 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, mem))
     print("\nparts of a merge (ddiloco_merge_phase_seconds), ms p50/p99:")
     print(phase_table(rows))
+    print(f"\nmerges and close->served within {GOAL} of tau x step (count / all):")
+    for r in rows:
+        print(
+            f"  {r['arm']:<30} merge {share(r['merges_within'])}, close->served "
+            f"{share(r['close_within'])}"
+        )
     for line in h2_ratios(rows):
         print(line)
     print(json.dumps({"memcpy_gbps": mem, "rows": rows}))

@@ -48,16 +48,15 @@ def bytes_per_value(encoding: str, block: int = DEFAULT_BLOCK) -> float:
 @dataclass(frozen=True, kw_only=True)
 class SyncerConfig:
     shard_gbps: dict[str, float] = field(
-        default_factory=lambda: {"bf16": 1.234, "int8": 0.737, "int4": 0.340}
+        default_factory=lambda: {"bf16": 1.282, "int8": 0.703, "int4": 0.284}
     )
     """Update bytes one shard ingests per second, GB/s, by encoding (bench/sync_ingest.py,
     one shard). The default is this project's measurement on a 2-core machine (bench/
-    RESULTS.md "Synchronizer ingest: an update read where it lands"), the three encodings
+    RESULTS.md "Synchronizer ingest: a round summed as it arrives"), the three encodings
     side by side in one run (HTTP/1.1 into the upload port, the learners' path; M = 16
-    clients on the same cores, 64M parameters, state on disk): bf16 1.234 GB/s, int8 0.737,
-    int4 0.340 of wire bytes. Within one run the figures move by +-10%, across machines
-    more (the previous tables, on machines copying memory at 5.8 and 9.8 GB/s, were taken
-    before the last changes). Measure on the target machine and pass --shard-gbps."""
+    clients on the same cores, 64M parameters, state on disk, the default `cpu_slots`):
+    bf16 1.282 GB/s, int8 0.703, int4 0.284 of wire bytes. Within one run the figures move
+    by +-10%, across machines more. Measure on the target machine and pass --shard-gbps."""
     max_shards: int = 64
     round_fraction: float = 0.25
     """Share of tau x step a round's ingest may take (the issue's goal for the merge path)."""
