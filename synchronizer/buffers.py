@@ -65,6 +65,30 @@ class Float32Pool:
                 self.ours.add(t.data_ptr())
         return t
 
+    def prime(self, shape: Iterable[int], count: int) -> int:
+        """Add idle tensors of `shape`, their pages touched, until `count` are idle (as far
+        as the pool has room); returns how many it made. Counted once: tensors taken
+        meanwhile are not replaced. `Synchronizer` primes what a fragment's first merges
+        take, before its first round closes (prime.py)."""
+        key = tuple(shape)
+        size = 4
+        for d in key:
+            size *= d
+        with self.lock:
+            want = count - len(self.idle.get(key, ()))
+        made = 0
+        while made < want and size:
+            with self.lock:
+                if self.idle_bytes + size > self.max_bytes:
+                    break
+                self.idle_bytes += size  # reserved: two primers never overshoot
+            t = torch.empty(key, dtype=torch.float32)
+            t.fill_(0.0)  # every page
+            with self.lock:
+                self.idle.setdefault(key, []).append(t)
+            made += 1
+        return made
+
     def give(self, tensors: Iterable[torch.Tensor]) -> None:
         """Take back tensors the caller no longer uses (others are left alone)."""
         for t in tensors:
@@ -114,10 +138,14 @@ class BytePool:
         """Pinned buffers already given back: idle once the last pin goes."""
         self.lock = threading.Lock()
 
+    def capacity(self, size: int) -> int:
+        """The capacity of the buffer a body of `size` bytes takes."""
+        return -(-(ALIGN + aligned(size)) // self.grain) * self.grain
+
     def take(self, size: int) -> memoryview:
         """A writable view of `size` bytes, contents undefined (the caller fills them all)."""
         need = ALIGN + aligned(size)
-        capacity = -(-need // self.grain) * self.grain
+        capacity = self.capacity(size)
         buf = None
         if size >= self.grain:
             with self.lock:
@@ -178,6 +206,28 @@ class BytePool:
             if id(buf) in self.given:
                 self.given.discard(id(buf))
                 self._idle(buf)
+
+    def prime(self, size: int, count: int) -> int:
+        """Add idle buffers of the capacity a body of `size` bytes takes, their pages
+        touched, until `count` are idle (as far as the pool has room; counted once);
+        returns how many it made. Bodies under a grain are not pooled: none."""
+        if size < self.grain:
+            return 0
+        capacity = self.capacity(size)
+        with self.lock:
+            want = count - len(self.idle.get(capacity, ()))
+        made = 0
+        while made < want:
+            with self.lock:
+                if self.idle_bytes + capacity > self.max_bytes:
+                    break
+                self.idle_bytes += capacity
+            buf = mmap.mmap(-1, capacity)
+            torch.frombuffer(buf, dtype=torch.uint8).fill_(0)  # every page, GIL released
+            with self.lock:
+                self.idle.setdefault(capacity, []).append(buf)
+            made += 1
+        return made
 
     def _idle(self, buf: mmap.mmap) -> None:
         """`buf` is nobody's now (the caller holds the lock)."""

@@ -67,6 +67,12 @@ class SyncSettings(BaseSettings):
     many uploads instead of with every connection: on 2 cores, merge p99 at 0.8 GB/s
     0.24-0.32 of tau x step with one slot, 0.70-1.13 with a slot per connection
     (bench/RESULTS.md, issue 15)."""
+    prime_buffers: bool = True
+    """Once the layout is known (init or restart), touch in the background the buffers the
+    fragments' first merges and uploads take (synchronizer/prime.py): the first merge of
+    each fragment took 1.2-1.7 s on a cold process under load, every later one well under
+    0.5 s (bench/RESULTS.md, issue 15). False (`DDILOCO_PRIME_BUFFERS=0`): pools fill as
+    the work needs them."""
     snapshot_lag: int = Field(4, ge=0, le=64)
     """How many merges a fragment's file may trail the version it serves. A merge is durable
     once a small record of its inputs is in the merge journal (synchronizer/journal.py): the

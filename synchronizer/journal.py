@@ -112,6 +112,11 @@ class MergeJournal:
         self.log = PendingLog(self.path)
         self.lock = threading.Lock()
 
+    def create(self) -> None:
+        """The file, made before the first merge needs it (a directory fsync less then)."""
+        with self.lock:
+            self.log.create()
+
     def records(self, *, repair: bool = True) -> list[MergeRecord]:
         with self.lock:
             return [MergeRecord.decode(r) for r in self.log.read(repair=repair)]

@@ -66,6 +66,24 @@ class Served:
                 del out
         return memoryview(buf)
 
+    def prime(self, p: int, tensors: dict[str, torch.Tensor]) -> int:
+        """Give fragment p `KEEP` idle buffers of its payload's size, every page touched,
+        so its first merges encode into them (service.py `_prime`); returns how many."""
+        entries = [(name, self.dtype, tuple(tensors[name].shape)) for name in sorted(tensors)]
+        head, offsets = codec.header_bytes(entries, None)
+        size = len(head) + (offsets[-1][1] if offsets else 0)
+        if p >= len(self.spares):
+            return 0
+        with self.lock:
+            want = KEEP - sum(len(b) == size for b in self.spares[p])
+        for _ in range(want):
+            buf = bytearray(size)
+            torch.frombuffer(buf, dtype=torch.uint8).fill_(0)  # calloc's pages: touch them
+            with self.lock:
+                self.spares[p].append(buf)
+                del self.spares[p][:-KEEP]
+        return max(0, want)
+
     def retire(self, p: int, view: memoryview | bytes) -> None:
         """`view` (an `encode` result) is no longer served: its buffer may be reused once
         nothing reads it."""

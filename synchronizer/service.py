@@ -60,6 +60,7 @@ from ddiloco.synchronizer.merge import (
     cap_counters,
 )
 from ddiloco.synchronizer.metrics import BROADCAST_ENCODINGS, SyncMetrics, encoding_of
+from ddiloco.synchronizer.prime import prime
 from ddiloco.synchronizer.protocol import (
     MAX_DATA_POSITION,
     MODEL_KEY,
@@ -174,6 +175,8 @@ class Synchronizer:
         default all cores but one): a merge, which takes no slot, is not one runnable
         thread among every connection's."""
         self.snapshots: Snapshots | None = None
+        self.primings: dict[str, int] = {}
+        """What the last priming made, by pool."""
         self.upload_port: int | None = None
         """The bound port of the upload listener (bulk.py), told to learners at join."""
         self.on_change: Callable[[], None] = lambda: None
@@ -239,6 +242,10 @@ class Synchronizer:
         self.snapshots = Snapshots(
             self._write_file, n, lambda p: self.fragments[p].version - self.file_versions[p]
         )
+        if self.settings.prime_buffers:  # before a round can close (prime.py)
+            self.primings = prime(
+                fragments, self.owned, self.payloads, self.journals, self.accepted
+            )
 
     def _round_sum(self, p: int) -> RoundSum:
         """A new round of fragment p's direction, summed as its contributions arrive."""

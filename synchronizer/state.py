@@ -158,6 +158,10 @@ class PendingLog:
             self.written = self.synced = os.fstat(self.fd).st_size
         return self.fd
 
+    def create(self) -> None:
+        """Create the file now (its name durable), not at the first record."""
+        self._open()
+
     def _direct(self) -> int | None:
         """The `O_DIRECT` descriptor, if the file system takes it and the file ends on a
         block boundary (it does unless an older synchronizer wrote it)."""

@@ -1,0 +1,79 @@
+"""Touch, at start, the buffers a fragment's first merges and uploads will take.
+
+A synchronizer starts with empty pools (buffers.py, served.py), so its first round of
+uploads and merges allocates every buffer it uses, and each fresh page faults on first
+touch, all at once: every learner posts when it starts, every fragment's first round
+closes together, and 16 upload threads fault their 32 MB bodies while four merges fault
+their 64 MB tensors. On 2 cores at 0.5 GB/s the first merge of each fragment took 1.2-1.7 s
+(the outer step's 1.2 s of it, 20 ms afterwards; the served payload's encode 0.2-0.6 s),
+the only merges of a 60 s run over 0.25 of tau x step (bench/RESULTS.md, issue 15). So when
+the layout is adopted (init, before its answer; a restart, before the port opens: learners
+waiting to re-send come all at once then too) the synchronizer makes, per owned fragment,
+what its merges take (the round's sum, the new momentum and Theta: `PER_MERGE` float32
+tensors per tensor; `Served.KEEP` payload buffers), buffers for `BODIES_PER_FRAGMENT`
+float-encoded uploads, and its merge journal's file, within each pool's limit (2 GB and
+1 GB idle: a few seconds at most; 0.5 s for 64M parameters here), and reads its Theta and
+momentum once. In a background thread it was no use: under the first uploads it took 5.7 s,
+after the first merges. `SyncSettings.prime_buffers` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Final
+
+import torch
+
+from ddiloco.synchronizer.buffers import BODIES, POOL
+from ddiloco.synchronizer.journal import MergeJournal
+from ddiloco.synchronizer.served import Served
+from ddiloco.synchronizer.state import FragmentState
+
+log = logging.getLogger(__name__)
+
+PER_MERGE: Final = 3
+"""Float32 tensors a merge takes per tensor of its fragment: the round's direction, b', Theta'."""
+BODIES_PER_FRAGMENT: Final = 2
+BODY_SLACK: Final = 1024
+"""Bytes of header assumed beside an update's data (a learner's is under 1 KiB)."""
+FLOAT_BYTES: Final = {"bfloat16": 2, "float32": 4}
+
+
+def prime(
+    fragments: Sequence[FragmentState],
+    owned: Iterable[int],
+    payloads: Served,
+    journals: Sequence[MergeJournal],
+    encodings: Iterable[str],
+) -> dict[str, int]:
+    """Make the buffers (module docstring); returns how many of each it made."""
+    t0 = time.monotonic()
+    made = {"pool": 0, "served": 0, "bodies": 0}
+    widths = sorted({FLOAT_BYTES[e] for e in encodings if e in FLOAT_BYTES})
+    shapes: Counter[tuple[int, ...]] = Counter()  # the pools keep buffers by shape, by size
+    bodies: Counter[int] = Counter()  # by capacity, of a size that takes it
+    size_of: dict[int, int] = {}
+    for p in owned:
+        fs = fragments[p]
+        journals[p].create()
+        for t in [*fs.params.values(), *fs.momentum.values()]:
+            if t.numel():  # read once: its pages (the zero page, for new momentum) mapped
+                torch.aminmax(t.reshape(-1))
+        for t in fs.params.values():
+            shapes[tuple(t.shape)] += PER_MERGE
+        numel = sum(t.numel() for t in fs.params.values())
+        for width in widths:
+            size = numel * width + BODY_SLACK
+            size_of.setdefault(BODIES.capacity(size), size)
+            bodies[BODIES.capacity(size)] += BODIES_PER_FRAGMENT
+    for shape, count in shapes.items():
+        made["pool"] += POOL.prime(shape, count)
+    for p in owned:
+        made["served"] += payloads.prime(p, fragments[p].params)
+    for capacity, count in bodies.items():
+        made["bodies"] += BODIES.prime(size_of[capacity], count)
+    log.info("Primed buffers in %.2f s: %s", time.monotonic() - t0, made)
+    return made
