@@ -53,6 +53,7 @@ from ddiloco.synchronizer.journal import (
     replay,
 )
 from ddiloco.synchronizer.ledger import LearnerRecord
+from ddiloco.synchronizer.locks import FragmentLock
 from ddiloco.synchronizer.merge import (
     MergeOutcome,
     MergePolicy,
@@ -139,10 +140,11 @@ class Synchronizer:
         self.model: ModelSpec | None = self.store.load_model()
         """What the job trains, from the init upload (None: it said nothing, or no init)."""
         self.fragments: list[FragmentState] = []
-        self.frag_locks: list[threading.Lock] = []
+        self.frag_locks: list[FragmentLock] = []
         """One per fragment, held by an update's admission, and by a merge of that fragment
         only while it takes the round and while it installs the merged version: not while it
-        computes nor while it persists (posts of the fragment went on waiting ~1 s for that)."""
+        computes nor while it persists (posts of the fragment went on waiting ~1 s for that);
+        then before any waiting post (`first`, locks.py)."""
         self.merge_locks: list[threading.Lock] = []
         """One per fragment: one merge of it at a time."""
         self.merging: list[dict[str, Contribution]] = []
@@ -223,7 +225,7 @@ class Synchronizer:
 
     def _adopt(self, fragments: list[FragmentState]) -> None:
         self.fragments = fragments
-        self.frag_locks = [threading.Lock() for _ in fragments]
+        self.frag_locks = [FragmentLock() for _ in fragments]
         self.merge_locks = [threading.Lock() for _ in fragments]
         self.merging = [{} for _ in fragments]
         self.payloads = Served(self.settings.broadcast_dtype, len(fragments))
@@ -625,7 +627,7 @@ class Synchronizer:
         spec = self.layout.fragments[p]
         plog = self.store.pending(p)
         with self.merge_locks[p]:
-            with self.frag_locks[p]:
+            with self.frag_locks[p].first():
                 with self.lock:
                     round_ = self.rounds.take_round(p)
                     summed, self.sums[p] = self.sums[p], self._round_sum(p)
@@ -654,7 +656,9 @@ class Synchronizer:
                 self._put_back(p, taken)
                 raise
             t_install = self.clock()
-            with self.frag_locks[p]:  # installed: served, and what posts are checked against
+            with self.frag_locks[
+                p
+            ].first():  # installed: served, and what posts are checked against
                 new.norms = fs.norms  # the guard's history, with the posts admitted meanwhile
                 self.fragments[p] = new
                 self.payloads.retire(p, self.served[p][1])
