@@ -22,8 +22,13 @@ from ddiloco.synchronizer.buffers import aligned
 
 __all__ = ["STAGE", "write_direct"]
 
-STAGE = 8 << 20
-"""The direct-I/O staging buffer of a file write (`write_direct`)."""
+STAGE = 32 << 20
+"""The direct-I/O staging buffer of a file write (`write_direct`). Each `os.write` of it is
+one request in the disk's queue beside the pending log's 32 MB records, and the queue
+serves them by bytes in flight: with 8 MB a 128 MB file took 0.57 s at p50 under a saturated
+ingest, the background writer fell `snapshot_lag` behind and 10 merges wrote their own file
+(merge p99 2.24 of tau x step); with 32 MB, 0.35 s, none did (0.31), and ingest rose
+0.94 -> 1.06 GB/s side by side (bench/RESULTS.md, issue 15)."""
 _stages: list[mmap.mmap] = []
 _stages_lock = threading.Lock()
 
