@@ -459,6 +459,15 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
             )
             for ph in PHASES
         },
+        "file_writes": {
+            by: (
+                int(h.get(float("inf"), 0)),
+                quantile(h, 0.5),
+                quantile(h, 0.99),
+            )
+            for by in ("background", "merge")
+            for h in [histogram(metrics, "ddiloco_fragment_file_write_seconds", f'by="{by}"')]
+        },
         "served_mean_frac": ratio(mean(metrics, "ddiloco_round_served_seconds")),
         "grace_mean_s": mean(metrics, "ddiloco_grace_window_seconds"),
         "refused": refused,
@@ -631,6 +640,13 @@ def main(argv: list[str] | None = None) -> int:
             f"  {r['arm']:<30} merge {share(r['merges_within'])}, close->served "
             f"{share(r['close_within'])}"
         )
+    print("\nfragment files written (ddiloco_fragment_file_write_seconds): count, s p50 / p99")
+    for r in rows:
+        cells = [
+            f"{by} {n}, {fmt(a, '.2f')} / {fmt(b, '.2f')}"
+            for by, (n, a, b) in r["file_writes"].items()
+        ]
+        print(f"  {r['arm']:<30} " + "; ".join(cells))
     for line in h2_ratios(rows):
         print(line)
     print(json.dumps({"memcpy_gbps": mem, "rows": rows}))

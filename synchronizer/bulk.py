@@ -378,7 +378,9 @@ class UploadServer:
         at = taken = min(len(rest), size)
         view[:at] = rest[:at]
         conn.settimeout(self.settings.body_timeout_s)
+        gate = self.sync.computing
         while at < size:
+            gate.wait()  # a merge computing gets the cores first
             try:
                 n = conn.recv_into(view[at:], size - at)  # the GIL is released in the copy
             except TimeoutError:

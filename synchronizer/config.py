@@ -67,6 +67,12 @@ class SyncSettings(BaseSettings):
     many uploads instead of with every connection: on 2 cores, merge p99 at 0.8 GB/s
     0.24-0.32 of tau x step with one slot, 0.70-1.13 with a slot per connection
     (bench/RESULTS.md, issue 15)."""
+    merge_first: bool = True
+    """While a merge computes, the upload port's body reads wait at their next chunk (at
+    most 1 s; synchronizer/locks.py `MergeGate`): the merge gets the cores the socket copies
+    took. On 2 cores, merge compute p99 at 0.5 and 0.8 GB/s 0.65-0.78 s -> 0.23 s side by
+    side, ingest at saturation 2-10% lower (bench/RESULTS.md, issue 15). False
+    (`DDILOCO_MERGE_FIRST=0`): reads go on beside the merge."""
     prime_buffers: bool = True
     """Once the layout is known (init or restart), touch in the background the buffers the
     fragments' first merges and uploads take (synchronizer/prime.py): the first merge of

@@ -17,6 +17,7 @@ ledger does). With metrics off the instruments are no-ops (nothing is counted) a
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
@@ -96,6 +97,9 @@ class _Noop:
     def set(self, *_: Any) -> None:
         return None
 
+    def time(self) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
 
 NOOP: Final = _Noop()
 
@@ -112,6 +116,7 @@ class SyncMetrics:
         self._uploads: Mapping[tuple[str, str], int] = {}
         if not enabled:
             self.merge_duration = self.merge_phase = self.round_quorum = NOOP
+            self.file_write = NOOP
             self.round_publish = self.round_close = NOOP
             self.round_served = NOOP
             self.grace_window = self.merge_contributors = self.update_staleness = NOOP
@@ -137,6 +142,17 @@ class SyncMetrics:
             registry=r,
             buckets=SECONDS,
         )
+        self.file_write: Any = Histogram(
+            "ddiloco_fragment_file_write_seconds",
+            "Writing one fragment's file (Theta and momentum): by the background writer, or "
+            "by a merge (its file would trail more than snapshot_lag merges: raise it, or "
+            "give the disk more bandwidth, if these are many)",
+            ["by"],
+            registry=r,
+            buckets=SECONDS,
+        )
+        for by in ("background", "merge"):
+            self.file_write.labels(by)  # both series, at 0, from the start
         self.round_quorum: Any = Histogram(
             "ddiloco_round_quorum_seconds",
             "A merged round's first accepted contribution to its quorum",

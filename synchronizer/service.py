@@ -53,7 +53,7 @@ from ddiloco.synchronizer.journal import (
     replay,
 )
 from ddiloco.synchronizer.ledger import LearnerRecord
-from ddiloco.synchronizer.locks import FragmentLock
+from ddiloco.synchronizer.locks import FragmentLock, MergeGate
 from ddiloco.synchronizer.merge import (
     MergeOutcome,
     MergePolicy,
@@ -177,6 +177,8 @@ class Synchronizer:
         default all cores but one): a merge, which takes no slot, is not one runnable
         thread among every connection's."""
         self.snapshots: Snapshots | None = None
+        self.computing = MergeGate(enabled=s.merge_first)
+        """Merges computing now: the upload port's body reads wait for them (locks.py)."""
         self.primings: dict[str, int] = {}
         """What the last priming made, by pool."""
         self.upload_port: int | None = None
@@ -740,9 +742,11 @@ class Synchronizer:
         phases = {} if phases is None else phases
         t0 = self.clock()
         try:
-            outcome = self.policy.merge(
-                spec, fs.params, fs.momentum, fs.version, list(taken.values()), live_tokens, summed
-            )
+            with self.computing:
+                outcome = self.policy.merge(
+                    spec, fs.params, fs.momentum, fs.version, list(taken.values()), live_tokens,
+                    summed,
+                )  # fmt: skip
         finally:
             if summed is not None:
                 summed.discard()  # claimed by the merge, or let go of here
@@ -769,7 +773,8 @@ class Synchronizer:
             else:
                 self.snapshots.locks[p].acquire()  # no older state's write lands after it
                 try:
-                    self.store.save_fragment(p, new)
+                    with self.metrics.file_write.labels("merge").time():
+                        self.store.save_fragment(p, new)
                 except BaseException:
                     self.snapshots.locks[p].release()
                     raise
@@ -791,7 +796,8 @@ class Synchronizer:
                 return
             self.writing[p] = cur
         try:
-            self.store.save_fragment(p, cur)
+            with self.metrics.file_write.labels("background").time():
+                self.store.save_fragment(p, cur)
         finally:
             with self.frag_locks[p]:
                 self.writing[p] = None

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from ddiloco.synchronizer.locks import FragmentLock
+from ddiloco.synchronizer.locks import FragmentLock, MergeGate
 
 
 def wait_for(cond: object, timeout: float = 10.0) -> None:
@@ -70,3 +70,37 @@ def test_it_excludes_and_refuses_a_release_not_held() -> None:
     assert most == 1 and not lock.locked()
     with pytest.raises(RuntimeError):
         lock.release()
+
+
+def test_the_merge_gate_holds_reads_while_merges_compute_and_no_longer() -> None:
+    gate = MergeGate(max_wait_s=5.0)
+    t0 = time.monotonic()
+    gate.wait()  # no merge: at once
+    assert time.monotonic() - t0 < 0.5
+    done = threading.Event()
+
+    def read() -> None:
+        gate.wait()
+        done.set()
+
+    gate.__enter__()  # two merges compute
+    gate.__enter__()
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert not done.wait(0.2)
+    gate.__exit__()  # one is done, the other computes on
+    assert not done.wait(0.2)
+    gate.__exit__()
+    assert done.wait(5)  # the last one done: the read goes on
+    reader.join(5)
+
+
+def test_the_merge_gate_waits_at_most_max_wait_and_not_at_all_when_off() -> None:
+    with MergeGate(max_wait_s=0.2) as gate:
+        t0 = time.monotonic()
+        gate.wait()
+        assert 0.15 <= time.monotonic() - t0 < 3
+    with MergeGate(enabled=False) as off:
+        t0 = time.monotonic()
+        off.wait()
+        assert time.monotonic() - t0 < 0.1

@@ -93,6 +93,33 @@ def server(make_sync_server: Callable[..., SyncServer]) -> SyncServer:
     return make_sync_server(quorum=2, grace=False, outer_lr=1.0, outer_momentum=0.0)
 
 
+@pytest.mark.parametrize("lag", [0, 4])
+def test_fragment_file_writes_say_who_wrote_them(
+    make_sync_server: Callable[..., SyncServer], lag: int
+) -> None:
+    """snapshot_lag 0: each merge writes its file before serving it ("merge"); 4: the
+    background writer does, after ("background")."""
+    server = make_sync_server(quorum=1, grace=False, snapshot_lag=lag)
+    c = server.client()
+    start(c, ("a",))
+    c.post_update(0, update("a", 0, 0, 10))
+    wait_versions(c, [1, 0])
+    c.post_update(0, update("a", 0, 1, 20))
+    wait_versions(c, [2, 0])
+    end = time.monotonic() + 10
+    while True:
+        text = scrape(c)
+        by = {w: value(text, "ddiloco_fragment_file_write_seconds_count", by=w) for w in
+              ("merge", "background")}  # fmt: skip
+        if lag == 0 or by["background"] >= 1 or time.monotonic() > end:
+            break
+        time.sleep(0.05)
+    if lag == 0:
+        assert by == {"merge": 2, "background": 0}
+    else:
+        assert by["merge"] == 0 and 1 <= by["background"] <= 2
+
+
 def test_each_merge_observes_every_fragment_histogram_once(server: SyncServer) -> None:
     c = server.client()
     start(c, ("a", "b"))

@@ -11,6 +11,7 @@ the shards. The hostile-input cases of the port are in tests/e2e/test_upload_por
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -168,3 +169,40 @@ def test_an_update_posted_as_its_parts_is_the_update_posted_whole(make_sync_serv
         assert uploads_of(server) == 3
     c.close()
     boss.close()
+
+
+@pytest.mark.parametrize("merge_first", [True, False])
+def test_body_reads_wait_while_a_merge_computes(make_sync_server, merge_first: bool) -> None:
+    """`merge_first`: the upload port reads no more of a body while a merge computes (the
+    gate is held here as a merge holds it), and goes on once it is done; off: reads go on."""
+    server = make_sync_server(quorum=2, grace=False, upload_port=0, merge_first=merge_first)
+    big = Layout(fragments=[FragmentSpec(index=0, tensors=[TensorSpec(name="w", shape=[1 << 20])])])
+    c = server.client()
+    c.join(JoinRequest(learner_id="a"))
+    init = {"w": torch.ones(1 << 20)}
+    c.init(codec.encode(init, {LAYOUT_KEY: big.model_dump_json()}))
+    meta = UpdateMeta(
+        learner_id="a", fragment=0, base_version=0, steps=10, tokens=100, learner_step=10
+    )
+    body = codec.encode({"w": torch.full((1 << 20,), 1e-3)}, meta.to_metadata())  # 4 MB
+    url = with_port(server.url, server.sync.upload_port)
+    up = SyncClient(url, server.token, http2=False, timeout=30)  # the port is HTTP/1.1
+    answers: list[object] = []
+
+    def post() -> None:
+        try:
+            answers.append(up.post_update(0, body).status)
+        except Exception as e:  # shown by the asserts below
+            answers.append(e)
+
+    gate = server.sync.computing
+    with gate:  # a merge computing
+        poster = threading.Thread(target=post)
+        poster.start()
+        poster.join(0.6)
+        assert answers == ([] if merge_first else ["accepted"])
+    poster.join(10)
+    assert answers == ["accepted"]
+    assert uploads_of(server) == 1
+    up.close()
+    c.close()
