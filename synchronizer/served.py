@@ -68,7 +68,7 @@ class Served:
 
     def prime(self, p: int, tensors: dict[str, torch.Tensor]) -> int:
         """Give fragment p `KEEP` idle buffers of its payload's size, every page touched,
-        so its first merges encode into them (service.py `_prime`); returns how many."""
+        so its first merges encode into them (prime.py); returns how many."""
         entries = [(name, self.dtype, tuple(tensors[name].shape)) for name in sorted(tensors)]
         head, offsets = codec.header_bytes(entries, None)
         size = len(head) + (offsets[-1][1] if offsets else 0)
