@@ -74,8 +74,9 @@ class SyncSettings(BaseSettings):
     side, ingest at saturation 2-10% lower (bench/RESULTS.md, issue 15). False
     (`DDILOCO_MERGE_FIRST=0`): reads go on beside the merge."""
     prime_buffers: bool = True
-    """Once the layout is known (init or restart), touch in the background the buffers the
-    fragments' first merges and uploads take (synchronizer/prime.py): the first merge of
+    """When the layout is adopted (at init, before its answer; at a restart, before serving),
+    make and touch the buffers the fragments' first merges and uploads take, within the
+    pools' limits (synchronizer/prime.py; 0.5 s for 64M parameters): the first merge of
     each fragment took 1.2-1.7 s on a cold process under load, every later one well under
     0.5 s (bench/RESULTS.md, issue 15). False (`DDILOCO_PRIME_BUFFERS=0`): pools fill as
     the work needs them."""
