@@ -157,6 +157,8 @@ def test_accepted_updates_survive_a_crash_and_merge_once(tmp_path: Path) -> None
     # the weighted mean of a's summed progress (2, 0) and b's (0, 3): a has 20 steps and 200
     # tokens (weight 200^2/20 = 2000), b 10 and 100 (1000): (4/3, 1)
     assert torch.allclose(served(again, 1), torch.tensor([4 / 3, 1.0]))
+    assert again.snapshots is not None
+    again.snapshots.abandon()  # killed: its writer writes no more (nor beside the restart)
     third = make(
         tmp_path, clock, quorum=2, merge="mean"
     )  # and after another restart nothing is replayed
