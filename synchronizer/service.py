@@ -447,8 +447,9 @@ class Synchronizer(Merging):
         # At most `cpu_slots` uploads measure and checksum at once (`cpu`): a merge is not
         # one runnable thread of sixteen. Decoding takes no slot: a float update's is views
         # of its body, and a quantized one's dequantization is where its ingest spends its
-        # cores (one slot for it cut int4's capacity from 0.34 to 0.20 GB/s here).
-        delta = wire.decode_update(payload, header, spec, self.accepted)
+        # cores (one slot for it cut int4's capacity from 0.34 to 0.20 GB/s here); it waits
+        # between chunks while a merge computes instead (`merge_first`, locks.py).
+        delta = wire.decode_update(payload, header, spec, self.accepted, self.computing.wait)
         body = payload if wire.views_body(header) else None  # pinned while a round holds it
         held = False
         try:

@@ -28,6 +28,7 @@ encoding of its float tensors: bfloat16 if they all are, else float32.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Final
 
 import torch
@@ -64,6 +65,9 @@ BLOCK_KEY: Final = "ddiloco.block"
 SCALES_SUFFIX: Final = "#scales"
 MAX_BLOCK: Final = 1 << 16
 """The largest block accepted: 64 Ki values per scale (any larger saves nothing)."""
+CHUNK: Final = 1 << 20
+"""Values a quantized tensor is dequantized in at a time (whole blocks): the synchronizer
+can pause between them for a merge, and an int4 chunk's nibbles (1 MB) stay in cache."""
 
 
 def encode_update(
@@ -132,19 +136,26 @@ def views_body(header: codec.Header) -> bool:
 
 
 def decode_update(
-    payload: bytes, header: codec.Header, spec: FragmentSpec, accepted: frozenset[str]
+    payload: bytes,
+    header: codec.Header,
+    spec: FragmentSpec,
+    accepted: frozenset[str],
+    pause: Callable[[], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Tensors of `spec`'s names and shapes from an update whose header passed
     `codec.read_header(payload, codes=True)`: a float encoding's as read-only views of the
     payload in their own dtype (no copy: passes.py reads them where they are; the caller
     keeps the payload alive and unwritten while it holds them), a quantized one's as float32
     buffers of `buffers.POOL`. Raises SyncError(ENCODING) for an encoding not in
-    `accepted`, PayloadError for anything malformed (the module docstring lists it)."""
+    `accepted`, PayloadError for anything malformed (the module docstring lists it).
+
+    `pause`: called between a quantized tensor's chunks of `CHUNK` values (the synchronizer
+    waits there while a merge computes: dequantization is most of a quantized update's CPU)."""
     encoding = encoding_of(header)
     require(encoding, accepted)
     if encoding in FLOAT_ENCODINGS:
         return _decode_float(payload, header, spec)
-    return _decode_quantized(payload, header, spec, encoding)
+    return _decode_quantized(payload, header, spec, encoding, pause)
 
 
 def _decode_float(
@@ -173,7 +184,11 @@ def _block(header: codec.Header) -> int:
 
 
 def _decode_quantized(
-    payload: bytes, header: codec.Header, spec: FragmentSpec, encoding: str
+    payload: bytes,
+    header: codec.Header,
+    spec: FragmentSpec,
+    encoding: str,
+    pause: Callable[[], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     block = _block(header)
     code_dtype = CODE_DTYPE[encoding]
@@ -208,7 +223,7 @@ def _decode_quantized(
                 raise PayloadError("a scale is non-finite or negative")
             dst = POOL.take(t.shape)
             out[t.name] = dst
-            _dequantize_into(dst.view(-1), tensors[t.name], scales, encoding, block)
+            _dequantize_into(dst.view(-1), tensors[t.name], scales, encoding, block, pause)
     except PayloadError as e:
         POOL.give(out.values())
         raise PayloadError(f"{encoding} update tensor {t.name!r}: {e}") from None
@@ -216,25 +231,40 @@ def _decode_quantized(
 
 
 def _dequantize_into(
-    dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, encoding: str, block: int
+    dst: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    encoding: str,
+    block: int,
+    pause: Callable[[], None] | None = None,
 ) -> None:
     """`quant.dequantize` written into `dst` (flat float32, the tensor's numel), in place:
     the codes go once into float32, are range-checked (int4) and scaled there; only a last,
-    partial block takes a small temporary. The codes' lengths were checked by the caller."""
+    partial block takes a small temporary. The codes' lengths were checked by the caller.
+    Chunks of whole blocks, about `CHUNK` values each (the same elementwise arithmetic,
+    so the same bits), with `pause()` between them."""
     n = dst.numel()
     nb = scales.numel()
     qmax = quant.QMAX[encoding]
     work = dst if nb * block == n else torch.empty(nb * block, dtype=torch.float32)
-    if encoding == "int4":
-        nibbles = torch.empty(codes.numel(), 2, dtype=torch.uint8)  # a quarter of dst
-        torch.bitwise_and(codes, 0x0F, out=nibbles[:, 0])
-        torch.bitwise_right_shift(codes, 4, out=nibbles[:, 1])
-        if nibbles.numel() and int(nibbles.max()) > 2 * qmax:
-            raise PayloadError(f"int4 code above {2 * qmax}")
-        work.copy_(nibbles.view(-1))
-        work.sub_(qmax)
-    else:
-        work.copy_(codes)
-    work.view(nb, block).mul_(scales[:, None])
+    per = max(1, CHUNK // block)  # blocks per chunk
+    nibbles = torch.empty(min(nb, per) * block // 2, 2, dtype=torch.uint8)  # int4's codes
+    for b0 in range(0, nb, per):
+        if b0 and pause is not None:
+            pause()
+        b1 = min(nb, b0 + per)
+        seg = work[b0 * block : b1 * block]
+        if encoding == "int4":
+            half = nibbles[: (b1 - b0) * block // 2]
+            chunk = codes[b0 * block // 2 : b1 * block // 2]
+            torch.bitwise_and(chunk, 0x0F, out=half[:, 0])
+            torch.bitwise_right_shift(chunk, 4, out=half[:, 1])
+            if half.numel() and int(half.max()) > 2 * qmax:
+                raise PayloadError(f"int4 code above {2 * qmax}")
+            seg.copy_(half.view(-1))
+            seg.sub_(qmax)
+        else:
+            seg.copy_(codes[b0 * block : b1 * block])
+        seg.view(b1 - b0, block).mul_(scales[b0:b1, None])
     if work is not dst:
         dst.copy_(work[:n])

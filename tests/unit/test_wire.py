@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ddiloco.synchronizer import codec, wire
+from ddiloco.synchronizer import codec, quant, wire
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
 from ddiloco.synchronizer.metrics import encoding_of
@@ -267,3 +267,24 @@ def test_an_int4_update_is_merged_and_survives_a_restart(tmp_path: Path) -> None
     status = again.metrics.render().decode()
     assert 'ddiloco_bytes_received_total{encoding="int4"}' not in status  # counted pre-restart
     assert sync.metrics.render().decode().count('encoding="int4"') >= 1
+
+
+@pytest.mark.parametrize("encoding", ["int8", "int4"])
+def test_dequantizing_in_chunks_pauses_between_them_and_gives_the_same_bits(
+    encoding: str,
+) -> None:
+    """Three and a bit chunks with a partial last block: `pause` between chunks (twice
+    for three chunks' worth of blocks and a remainder: three times), the values those of
+    `quant.dequantize` bit for bit."""
+    block = 64
+    n = 3 * wire.CHUNK + 1000  # 1000 = 15 blocks and 40 values of a 16th
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    q = quant.quantize(x, encoding, block)  # type: ignore[arg-type]
+    pauses: list[int] = []
+    out = torch.empty(n)
+    wire._dequantize_into(out, q.codes, q.scales, encoding, block, lambda: pauses.append(1))
+    assert torch.equal(out, quant.dequantize(q))
+    assert len(pauses) == 3
+    again = torch.empty(n)
+    wire._dequantize_into(again, q.codes, q.scales, encoding, block)  # no pause: the same
+    assert torch.equal(again, out)
