@@ -11,10 +11,15 @@ the layout is adopted (init, before its answer; a restart, before the port opens
 waiting to re-send come all at once then too) the synchronizer makes, per owned fragment,
 what its merges take (the round's sum, the new momentum and Theta: `PER_MERGE` float32
 tensors per tensor; `Served.KEEP` payload buffers), buffers for `BODIES_PER_FRAGMENT`
-float-encoded uploads, and its merge journal's file, within each pool's limit (2 GB and
-1 GB idle: a few seconds at most; 0.5 s for 64M parameters here), and reads its Theta and
-momentum once. In a background thread it was no use: under the first uploads it took 5.7 s,
-after the first merges. `SyncSettings.prime_buffers` turns it off.
+float-encoded uploads, and its merge journal's file, within each pool's limit (2 GB and 1
+GB idle: a few seconds at most; 0.5 s for 64M parameters here), and moves its Theta and
+momentum into the pool's tensors (`adopt`). Loaded from a file or an init body they were
+tensors the pool did not make, so the first merge's install dropped them and each
+fragment's second merge faulted two fresh float32 tensors per tensor (each fragment's
+second merge took twice the CPU of later ones, bench/RESULTS.md); adopted, they come back
+to the pool when superseded, as a merged state's do. In a background thread it was no use:
+under the first uploads it took 5.7 s, after the first merges. `SyncSettings.prime_buffers`
+turns it off.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ def prime(
 ) -> dict[str, int]:
     """Make the buffers (module docstring); returns how many of each it made."""
     t0 = time.monotonic()
-    made = {"pool": 0, "served": 0, "bodies": 0}
+    made = {"adopted": 0, "pool": 0, "served": 0, "bodies": 0}
     widths = sorted({FLOAT_BYTES[e] for e in encodings if e in FLOAT_BYTES})
     shapes: Counter[tuple[int, ...]] = Counter()  # the pools keep buffers by shape, by size
     bodies: Counter[int] = Counter()  # by capacity, of a size that takes it
@@ -59,9 +64,7 @@ def prime(
     for p in owned:
         fs = fragments[p]
         journals[p].create()
-        for t in [*fs.params.values(), *fs.momentum.values()]:
-            if t.numel():  # read once: its pages (the zero page, for new momentum) mapped
-                torch.aminmax(t.reshape(-1))
+        made["adopted"] += adopt(fs.params) + adopt(fs.momentum)
         for t in fs.params.values():
             shapes[tuple(t.shape)] += PER_MERGE
         numel = sum(t.numel() for t in fs.params.values())
@@ -77,3 +80,20 @@ def prime(
         made["bodies"] += BODIES.prime(size_of[capacity], count)
     log.info("Primed buffers in %.2f s: %s", time.monotonic() - t0, made)
     return made
+
+
+def adopt(tensors: dict[str, torch.Tensor]) -> int:
+    """Move each float32 tensor of a loaded state into one of `POOL`'s (the same values,
+    every page written), so that when a merge supersedes the state its tensors go back to
+    the pool for the next merge; returns how many it moved. Others are read once (their
+    pages mapped)."""
+    moved = 0
+    for name, t in tensors.items():
+        if not t.numel():
+            continue
+        if t.dtype != torch.float32:
+            torch.aminmax(t.reshape(-1).float())
+            continue
+        tensors[name] = POOL.take(t.shape).copy_(t)
+        moved += 1
+    return moved

@@ -82,9 +82,14 @@ def init_body() -> bytes:
     return codec.encode(tensors, {LAYOUT_KEY: LAYOUT.model_dump_json()})
 
 
-def update_body(lid: str) -> bytes:
+def update_body(lid: str, base: int = 0) -> bytes:
     meta = UpdateMeta(
-        learner_id=lid, fragment=1, base_version=0, steps=10, tokens=100, learner_step=1
+        learner_id=lid,
+        fragment=1,
+        base_version=base,
+        steps=10,
+        tokens=100,
+        learner_step=1 + base,
     )
     return codec.encode({"w": torch.randn(SHAPE).to(torch.bfloat16) * 1e-3}, meta.to_metadata())
 
@@ -96,8 +101,10 @@ def test_init_primes_what_the_first_merge_takes_and_a_restart_primes_again(
     POOL.idle.pop(SHAPE, None)
     sync = make(tmp_path, Clock(), update_encodings=["bfloat16"])
     sync.join(JoinRequest(learner_id="a"))
-    sync.init(init_body())
+    body = init_body()
+    sync.init(body)
     assert sync.primings["served"] == 2 * KEEP and sync.primings["bodies"] == 2
+    assert sync.primings["adopted"] == 4  # emb and w, Theta and momentum
     assert sync.primings["pool"] >= PER_MERGE  # and the embedding's, unless idle already
     assert all(j.path.exists() for j in sync.journals)  # made before the first merge
     primed = {t.data_ptr() for t in POOL.idle[SHAPE]}
@@ -121,3 +128,36 @@ def test_priming_off_makes_nothing(tmp_path: Path) -> None:
     assert SHAPE not in POOL.idle
     assert not any(j.path.exists() for j in sync.journals)  # the first merge makes it
     sync.close()
+
+
+def test_a_loaded_state_goes_back_to_the_pool_so_the_second_merge_takes_no_fresh_tensor(
+    tmp_path: Path,
+) -> None:
+    """Theta and momentum as init or a restart loads them move into the pool's tensors
+    (the same values), and the first merge's install gives them back, so that the second
+    merge computes in them and not in fresh, unfaulted memory (prime.adopt)."""
+    POOL.idle.pop(SHAPE, None)
+    sync = make(tmp_path, Clock(), update_encodings=["bfloat16"])
+    sync.join(JoinRequest(learner_id="a"))
+    body = init_body()
+    sync.init(body)
+    header = codec.read_header(body)
+    start = len(body) - header.data_bytes
+    w = header.tensors["w"]
+    sent = torch.frombuffer(bytearray(body[start + w.begin : start + w.end]), dtype=torch.float32)
+    v0 = sync.fragments[1]
+    assert torch.equal(v0.params["w"].reshape(-1), sent)  # the same values, moved
+    assert not bool(v0.momentum["w"].any())
+    loaded = {v0.params["w"].data_ptr(), v0.momentum["w"].data_ptr()}
+    assert loaded <= POOL.ours  # the pool's own: given back when superseded
+    known = loaded | {t.data_ptr() for t in POOL.idle[SHAPE]}
+    for version in (1, 2):
+        sync.submit(update_body("a", base=version - 1))
+        assert sync.merge(1) == version
+        now = sync.fragments[1]
+        assert {now.params["w"].data_ptr(), now.momentum["w"].data_ptr()} <= known
+    sync.close()
+    again = make(tmp_path, Clock(), update_encodings=["bfloat16"])
+    assert again.primings["adopted"] == 4  # loaded from the files, moved again
+    assert again.fragments[1].params["w"].data_ptr() in POOL.ours
+    again.close()
