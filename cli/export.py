@@ -122,9 +122,7 @@ def from_state_dir(path: str | os.PathLike[str], *, shard_ok: bool = False) -> G
             )
         owners = shard_map(layout, shards)
         fragments = [  # with the merges its journal holds and its file not yet
-            recovered(root, f, store.load_fragment(f.index))
-            if owners[f.index] == int(info.get("shard", 0))
-            else None
+            recovered(store, f) if owners[f.index] == int(info.get("shard", 0)) else None
             for f in layout.fragments
         ]
         spec = store.load_model() or ModelSpec()

@@ -47,7 +47,14 @@ from ddiloco.synchronizer import admission, codec, wire
 from ddiloco.synchronizer.contribution import Contribution
 from ddiloco.synchronizer.merge import MergeOutcome, MergePolicy, OuterNesterov
 from ddiloco.synchronizer.protocol import FragmentSpec, UpdateMeta
-from ddiloco.synchronizer.state import FragmentLog, FragmentState, Order, PendingLog, _fsync_dir
+from ddiloco.synchronizer.state import (
+    FragmentLog,
+    FragmentState,
+    Order,
+    PendingLog,
+    StateStore,
+    _fsync_dir,
+)
 
 log = logging.getLogger(__name__)
 
@@ -332,11 +339,26 @@ class Snapshots:
         self._thread.join(timeout=120)
 
 
-def recovered(root: Path, spec: FragmentSpec, fs: FragmentState) -> FragmentState:
-    """Fragment `spec.index` as a restart would resume it: its file's state `fs` with the
-    journaled merges it lacks redone; reads only (beside a running synchronizer too)."""
-    journaled = MergeJournal(root, spec.index).records(repair=False)
-    if not journaled:
-        return fs
-    payloads = FragmentLog(root, spec.index).read(repair=False)
-    return replay(fs, spec, payloads, journaled).state
+def recovered(store: StateStore, spec: FragmentSpec, attempts: int = 5) -> FragmentState:
+    """Fragment `spec.index` as a restart would resume it: its file's state with the
+    journaled merges it lacks redone; reads only, beside a running synchronizer too. There
+    the snapshot writer may replace the file, then let go of the journal's records and the
+    log's segments it covers, between these reads (file, journal, segments): a replay that
+    finds a record or a segment gone, or a result older than the file is now, reads again
+    from the new file (at most `attempts` times; then what the last read gave, or its
+    error)."""
+    for attempt in range(attempts):
+        fs = store.load_fragment(spec.index)
+        base = fs.version
+        try:
+            journaled = MergeJournal(store.root, spec.index).records(repair=False)
+            if journaled:
+                payloads = FragmentLog(store.root, spec.index).read(repair=False)
+                fs = replay(fs, spec, payloads, journaled).state
+        except (ValueError, OSError):
+            if attempt + 1 == attempts or store.fragment_version(spec.index) == base:
+                raise  # not the writer's doing: the state is damaged
+            continue
+        if store.fragment_version(spec.index) <= fs.version:
+            return fs
+    return fs

@@ -445,6 +445,11 @@ class StateStore:
             _write_all(tmp, parts)
         _replace(tmp, final)
 
+    def fragment_version(self, p: int) -> int:
+        """The version fragment p's file holds (its header only)."""
+        with safe_open(str(self._fragment_path(p)), framework="pt") as f:
+            return int((f.metadata() or {}).get("version", 0))
+
     def load_fragment(self, p: int) -> FragmentState:
         params: Tensors = {}
         momentum: Tensors = {}

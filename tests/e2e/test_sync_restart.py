@@ -70,8 +70,7 @@ def test_synchronizer_killed_and_restarted_resumes_exactly(
         layout = store.load_layout()
         assert layout is not None
         durable = [  # the fragment files, with the merges their journals hold (journal.py)
-            recovered(state, f, fs).version
-            for f, fs in zip(layout.fragments, store.load_fragments(layout), strict=True)
+            recovered(store, f).version for f in layout.fragments
         ]
         seen_before = {}
         for c in learners:
@@ -115,7 +114,7 @@ def test_synchronizer_killed_and_restarted_resumes_exactly(
     layout = store.load_layout()
     assert layout is not None
     for p, f in enumerate(layout.fragments):
-        fs = recovered(state, f, store.load_fragment(p))  # a clean stop wrote them: no-op
+        fs = recovered(store, f)  # a clean stop wrote them: no-op
         assert fs.version == fs.merges  # one version per merge: none skipped, none doubled
         assert fs.version >= durable[p]
         # both learners' work reached every fragment: merged, or accepted and durably waiting

@@ -36,6 +36,7 @@ from ddiloco.synchronizer.protocol import (
     UpdateMeta,
 )
 from ddiloco.synchronizer.service import Synchronizer
+from ddiloco.synchronizer.state import FragmentLog
 from tests.unit.test_contract import Clock
 
 SHAPES = {"a": [37, 53], "b": [1031]}
@@ -279,3 +280,48 @@ def test_the_writer_takes_the_file_that_trails_most_first() -> None:
     snaps.flush(5)
     snaps.close()
     assert order == [9, 3, 1, 2, 0]
+
+
+@pytest.mark.parametrize("between", ["file and journal", "journal and segments"])
+def test_export_beside_the_writer_reads_again_when_the_file_moves_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, between: str
+) -> None:
+    """The snapshot writer replaces the file and lets go of the journal's records and the
+    log's segments it covers; an export that read the file (or the journal) just before
+    reads again from the new file, and gives the latest merged state, not an error or an
+    older one."""
+    sync = make(tmp_path, Clock())
+    start(sync)
+    stop_writer(sync)
+    served = rounds(sync)
+    assert sync.store.load_fragment(0).version == 0 and len(sync.journals[0].records()) == 3
+    assert sync.snapshots is not None
+    written = []
+
+    def writer_runs() -> None:
+        if not written:
+            written.append(sync.snapshots.write(0))  # type: ignore[union-attr]
+
+    if between == "file and journal":
+        real_records = MergeJournal.records
+
+        def records(self: MergeJournal, **kw: Any) -> Any:
+            writer_runs()
+            return real_records(self, **kw)
+
+        monkeypatch.setattr(MergeJournal, "records", records)
+    else:
+        real_read = FragmentLog.read
+
+        def read(self: FragmentLog, **kw: Any) -> Any:
+            writer_runs()
+            return real_read(self, **kw)
+
+        monkeypatch.setattr(FragmentLog, "read", read)
+    model = from_state_dir(tmp_path)  # beside the running synchronizer, reading only
+    assert written  # the writer did run between the reads
+    assert sync.store.load_fragment(0).version == 3
+    assert sync.journals[0].records() == []  # and let go of what the file holds
+    assert model.versions == [3]
+    assert same_bits(model.params, served[-1]["params"])
+    sync.close()
