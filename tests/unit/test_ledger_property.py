@@ -132,7 +132,9 @@ class LedgerMachine(RuleBasedStateMachine):
     def deliver(self, ln: Learner, entry: Entry, answer_lost: bool = False) -> None:
         assert self.sync is not None
         try:
-            status = self.sync.submit(entry.encoded(), entry.meta.fragment).status
+            body = entry.encoded()
+            whole = body if isinstance(body, bytes) else b"".join(body)
+            status = self.sync.submit(whole, entry.meta.fragment).status
         except SyncError as e:
             assert e.kind == "stale", e  # the only refusal an honest learner can meet here
             self.refused[entry.meta.fragment] += entry.meta.tokens

@@ -24,7 +24,7 @@ from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.outbox import OUTCOMES, Entry, Outbox
 from ddiloco.learner.streaming import Streamer
 from ddiloco.synchronizer import codec
-from ddiloco.synchronizer.client import SyncRefused, SyncUnavailable
+from ddiloco.synchronizer.client import Body, SyncRefused, SyncUnavailable
 from ddiloco.synchronizer.protocol import (
     FragmentSpec,
     Layout,
@@ -38,6 +38,12 @@ LAYOUT = Layout(
         FragmentSpec(index=p, tensors=[TensorSpec(name=f"w{p}", shape=[8])]) for p in range(2)
     ]
 )
+
+
+def joined(e: Entry) -> bytes:
+    """The bytes an entry posts (`encoded` gives them as parts)."""
+    body = e.encoded()
+    return body if isinstance(body, bytes) else b"".join(body)
 
 
 def meta(p: int, step: int, *, base: int = 0, steps: int = 4, tokens: int = 40, inc: int = 1):
@@ -84,9 +90,9 @@ def test_queued_updates_of_a_fragment_are_summed_in_float32() -> None:
     assert head.delta["w0"].dtype == torch.float32
     expected = sum(d["w0"].float() for d in parts)
     assert torch.equal(head.delta["w0"], expected)  # exact: bf16 values add exactly in fp32
-    sent = codec.decode(head.encoded())
+    sent = codec.decode(joined(head))
     assert sent["w0"].dtype == torch.float32 and torch.equal(sent["w0"], expected)
-    assert UpdateMeta.from_metadata(codec.read_metadata(head.encoded())) == summed
+    assert UpdateMeta.from_metadata(codec.read_metadata(joined(head))) == summed
     lone = box.take(timeout=0)  # the head again: fragment 1 waits behind it
     assert lone is head
     box.settle(head, "accepted")
@@ -105,12 +111,13 @@ def test_an_attempted_entry_is_never_summed_into_and_is_resent_as_is() -> None:
     box.put(meta(0, 4), delta(0, 1))
     head = box.take(timeout=0)
     assert head is not None
-    first_meta, first_bytes = head.meta, head.encoded()
+    first_meta, first_bytes = head.meta, joined(head)
     assert box.put(meta(0, 8), delta(0, 2)) is False  # appended behind, not summed in
     assert box.put(meta(0, 12), delta(0, 3)) is True  # summed into that unattempted one
     again = box.take(timeout=0)  # the outcome was unknown: the same entry goes again
     assert again is head and again.attempts == 2
-    assert again.meta == first_meta and again.encoded() == first_bytes
+    assert again.meta == first_meta and joined(again) == first_bytes
+    assert again.encoded() is head.encoded()  # encoded once
     assert [m.learner_step for m in box.queued()] == [4, 12]
     box.settle(again, "duplicate")  # its first attempt had landed
     nxt = box.take(timeout=0)
@@ -170,7 +177,7 @@ def test_fifo_keeps_each_fragments_order_and_the_sums_under_concurrency() -> Non
                 continue
             if fate.random() < 0.3:
                 continue  # outcome unknown: it must come back as the head, unchanged
-            got = codec.decode(e.encoded())
+            got = codec.decode(joined(e))
             p = e.meta.fragment
             sent_order[p].append(e.meta.order())
             sent_sum[p] += got[f"w{p}"].float()
@@ -201,7 +208,8 @@ class FakeClient:
         self.bytes_up = self.bytes_down = 0
         self.base_url = str(args[0]).rstrip("/")
 
-    def post_update(self, fragment: int, body: bytes) -> UpdateResponse:
+    def post_update(self, fragment: int, body: Body) -> UpdateResponse:
+        body = body if isinstance(body, bytes) else b"".join(body)  # as SyncClient sends it
         FakeClient.calls.append(body)
         m = UpdateMeta.from_metadata(codec.read_metadata(body))
         answer = FakeClient.script.pop(0)(m) if FakeClient.script else "accepted"
@@ -266,3 +274,21 @@ def test_close_reports_what_was_left_unanswered(streamer: Streamer) -> None:
     }
     assert streamer.left == left
     assert_balanced(streamer.ledger())
+
+
+def test_an_entry_posts_its_tensors_own_bytes_without_a_joined_copy() -> None:
+    """The body is the safetensors header, then views of the delta tensors themselves (the
+    outbox owns them: nothing writes them once encoded); its bytes are the update encoded
+    whole."""
+    box = Outbox(1)
+    d = {"w0": torch.randn(1000).to(torch.bfloat16)}
+    box.put(meta(0, 4), d)
+    head = box.take(timeout=0)
+    assert head is not None
+    whole = codec.encode(d, meta(0, 4).to_metadata())
+    body = head.encoded()
+    assert isinstance(body, list) and len(body) == 2
+    view = memoryview(body[1])
+    assert torch.frombuffer(view, dtype=torch.uint8).data_ptr() == d["w0"].data_ptr()
+    assert b"".join(body) == whole
+    assert head.delta == {}  # frozen: the parts hold the tensor
