@@ -186,8 +186,9 @@ def test_model_spec_refuses_file_names_that_are_paths() -> None:
 
 def test_the_shipped_configs_are_package_data() -> None:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    patterns = pyproject["tool"]["setuptools"]["package-data"]["ddiloco.learner"]
-    learner = ROOT / "learner"
-    shipped = {p for p in (learner / "configs").rglob("*") if p.is_file()}
-    covered = {p for pattern in patterns for p in learner.glob(pattern)}
+    assert "ddiloco.learner.configs" in pyproject["tool"]["setuptools"]["packages"]
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["ddiloco.learner.configs"]
+    configs = ROOT / "learner" / "configs"
+    shipped = {p for p in configs.rglob("*") if p.is_file()}
+    covered = {p for pattern in patterns for p in configs.glob(pattern)}
     assert shipped and shipped <= covered, shipped - covered
