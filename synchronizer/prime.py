@@ -91,8 +91,8 @@ def adopt(tensors: dict[str, torch.Tensor]) -> int:
     for name, t in tensors.items():
         if not t.numel():
             continue
-        if t.dtype != torch.float32:
-            torch.aminmax(t.reshape(-1).float())
+        if t.dtype != torch.float32:  # not the pool's kind: its pages mapped, no copy
+            torch.aminmax(t.reshape(-1))
             continue
         tensors[name] = POOL.take(t.shape).copy_(t)
         moved += 1

@@ -13,7 +13,7 @@ import torch
 
 from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.buffers import POOL, BytePool, Float32Pool
-from ddiloco.synchronizer.prime import PER_MERGE
+from ddiloco.synchronizer.prime import PER_MERGE, adopt
 from ddiloco.synchronizer.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
@@ -161,3 +161,13 @@ def test_a_loaded_state_goes_back_to_the_pool_so_the_second_merge_takes_no_fresh
     assert again.primings["adopted"] == 4  # loaded from the files, moved again
     assert again.fragments[1].params["w"].data_ptr() in POOL.ours
     again.close()
+
+
+def test_adopt_moves_float32_tensors_only() -> None:
+    bf16 = torch.randn(10).to(torch.bfloat16)
+    f32 = torch.randn(3, 4)
+    tensors = {"a": bf16, "b": f32.clone(), "c": torch.zeros(0)}
+    assert adopt(tensors) == 1
+    assert tensors["a"] is bf16  # not the pool's kind: left where it is
+    assert torch.equal(tensors["b"], f32) and tensors["b"].data_ptr() in POOL.ours
+    POOL.give([tensors["b"]])
