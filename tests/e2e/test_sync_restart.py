@@ -42,6 +42,21 @@ def adopted(log: Path) -> list[dict]:
     return out
 
 
+def handed_over(log: Path, since: float) -> set[int]:
+    """The fragments a learner's log says it handed over at or after `since`."""
+    if not log.exists():
+        return set()
+    out = set()
+    for line in log.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("event") == "handover" and rec.get("t", 0) >= since:
+            out.add(rec["fragment"])
+    return out
+
+
 def wait_for(pred, timeout: float, what: str):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -86,6 +101,7 @@ def test_synchronizer_killed_and_restarted_resumes_exactly(
         time.sleep(2.0)  # learners train on without the synchronizer
         assert all(c.alive() for c in learners)
         sync.start()
+        restarted = time.time()
         wait_for(client.healthy, 60, "the restarted synchronizer")
         resumed = [f.version for f in client.status().fragments]
         assert all(r >= d for r, d in zip(resumed, durable, strict=True))
@@ -103,13 +119,24 @@ def test_synchronizer_killed_and_restarted_resumes_exactly(
             120,
             "every learner adopting a post-restart merge",
         )
+        # and every learner has handed every fragment over since (a learner slow to start
+        # under load may join only now: its join's adoptions satisfy the wait above)
+        wait_for(
+            lambda: all(
+                handed_over(tmp_path / f"{c.name}.jsonl", restarted) >= set(range(4))
+                for c in learners
+            ),
+            120,
+            "every learner handing every fragment over after the restart",
+        )
         assert all(c.alive() and len(c.starts) == 1 for c in learners)  # never restarted
     except SyncUnavailable as e:
         raise AssertionError(
             f"synchronizer unreachable: {e}\n{(tmp_path / 'sync.log').read_text()[-3000:]}"
         ) from e
-    finally:
-        terminate_all([*learners, sync])
+    finally:  # the learners first: a SIGTERM drains their outboxes into the live synchronizer
+        terminate_all(learners)
+        terminate_all([sync])
     store = StateStore(state)
     layout = store.load_layout()
     assert layout is not None
