@@ -23,7 +23,8 @@ synchronizer's own /metrics histograms) as a fraction of tau x step time for a 1
 Also the time from a round's quorum to its merged fragment being served (the grace window,
 the merge and persisting it), and from the round's close (its window's end) to served: the
 synchronizer's own part, which the window (Eq. 3: half the slack, at most one step) does not
-hold; and each part of a merge in ms (compute, durable, encode, install, finish). Arms are every combination of a transport (`--arms`: up,
+hold; each part of a merge in ms (compute, durable, encode, install, finish); and the
+synchronizer's peak resident memory. Arms are every combination of a transport (`--arms`: up,
 HTTP/1.1 into the synchronizer's upload port, which learners use (synchronizer/bulk.py); h1,
 HTTP/1.1 into the main port's ASGI server; h2, HTTP/2 cleartext by prior knowledge into the
 main port), an update encoding
@@ -94,6 +95,14 @@ def layout(params: int, fragments: int) -> Layout:
             for p in range(fragments)
         ]
     )
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The process's peak resident memory (VmHWM), MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -388,6 +397,7 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
         wall = time.monotonic() - t0
         cpu = sum(map(cpu_seconds, pids)) - cpu0
         own = cpu_seconds(os.getpid()) - own0
+        rss = max(map(peak_rss_mb, pids))
         s1 = [b.status() for b in bosses]
         metrics = "".join(b.request("GET", "/metrics")[2].decode() for b in bosses)
         for b in bosses:
@@ -433,6 +443,7 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
         "merges_per_s": merges / wall,
         "cpu_s_per_gb": cpu / (acc_bytes / 1e9) if acc_bytes else None,
         "server_cpu_share": cpu / wall,
+        "server_peak_rss_mb": rss,
         "client_cpu_s_per_gb": own / (acc_bytes / 1e9) if acc_bytes else None,
         "client_cpu_share": own / wall,
         "post_p50_s": lat[len(lat) // 2] if lat else None,
@@ -640,6 +651,9 @@ def main(argv: list[str] | None = None) -> int:
             f"  {r['arm']:<30} merge {share(r['merges_within'])}, close->served "
             f"{share(r['close_within'])}"
         )
+    print("\nsynchronizer peak resident memory (VmHWM, the largest shard's), MB:")
+    for r in rows:
+        print(f"  {r['arm']:<30} {r['server_peak_rss_mb']:.0f}")
     print("\nfragment files written (ddiloco_fragment_file_write_seconds): count, s p50 / p99")
     for r in rows:
         cells = [
