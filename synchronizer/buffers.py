@@ -130,6 +130,9 @@ class BytePool:
         self.max_bytes, self.grain = max_bytes, grain
         self.idle: dict[int, list[mmap.mmap]] = {}
         self.idle_bytes = 0
+        self.since: dict[int, mmap.mmap] = {}
+        """id() -> every idle buffer, the longest idle first: the first to go when a buffer
+        given back does not fit (a primed one of a size nobody sends, say)."""
         self.ours: dict[int, mmap.mmap] = {}
         """id() of every buffer handed out and not yet given back."""
         self.pins: dict[int, int] = {}
@@ -153,6 +156,7 @@ class BytePool:
                 buf = free.pop() if free else None
                 if buf is not None:
                     self.idle_bytes -= capacity
+                    del self.since[id(buf)]
         if buf is None:
             buf = mmap.mmap(-1, capacity if size >= self.grain else need)
         with self.lock:
@@ -184,7 +188,8 @@ class BytePool:
             if self.pins.get(id(buf)):
                 self.given.add(id(buf))
                 return
-            self._idle(buf)
+            evicted = self._idle(buf)
+        del evicted  # unmapped here, not under the lock
 
     def pin(self, view: memoryview | bytes | bytearray) -> None:
         """Keep the buffer of `view` (a body `take` gave) out of the pool until `unpin`,
@@ -203,9 +208,11 @@ class BytePool:
             if self.pins[id(buf)]:
                 return
             del self.pins[id(buf)]
-            if id(buf) in self.given:
-                self.given.discard(id(buf))
-                self._idle(buf)
+            if id(buf) not in self.given:
+                return
+            self.given.discard(id(buf))
+            evicted = self._idle(buf)
+        del evicted  # unmapped here, not under the lock
 
     def prime(self, size: int, count: int) -> int:
         """Add idle buffers of the capacity a body of `size` bytes takes, their pages
@@ -226,16 +233,31 @@ class BytePool:
             torch.frombuffer(buf, dtype=torch.uint8).fill_(0)  # every page, GIL released
             with self.lock:
                 self.idle.setdefault(capacity, []).append(buf)
+                self.since[id(buf)] = buf
             made += 1
         return made
 
-    def _idle(self, buf: mmap.mmap) -> None:
-        """`buf` is nobody's now (the caller holds the lock)."""
+    def _idle(self, buf: mmap.mmap) -> list[mmap.mmap]:
+        """`buf` is nobody's now (the caller holds the lock): idle, in place of the buffers
+        idle longest if the pool would hold more than `max_bytes` (returned, for the caller
+        to drop outside the lock). A buffer given back is about to be wanted again; one
+        idle since priming may never be (bodies of every accepted encoding are primed, and
+        a job sends one): dropping the newest instead unmapped every int4 body as its merge
+        let go of it (40 ms of a merge's finish here) and mapped a fresh one for the next
+        upload (bench/RESULTS.md)."""
         del self.ours[id(buf)]
-        if len(buf) < self.grain or self.idle_bytes + len(buf) > self.max_bytes:
-            return
+        if len(buf) < self.grain or len(buf) > self.max_bytes:
+            return [buf]
+        evicted = []
+        while self.idle_bytes + len(buf) > self.max_bytes:
+            old = self.since.pop(next(iter(self.since)))
+            self.idle[len(old)].remove(old)
+            self.idle_bytes -= len(old)
+            evicted.append(old)
         self.idle.setdefault(len(buf), []).append(buf)
+        self.since[id(buf)] = buf
         self.idle_bytes += len(buf)
+        return evicted
 
 
 BODIES = BytePool()

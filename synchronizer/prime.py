@@ -2,24 +2,23 @@
 
 A synchronizer starts with empty pools (buffers.py, served.py), so its first round of
 uploads and merges allocates every buffer it uses, and each fresh page faults on first
-touch, all at once: every learner posts when it starts, every fragment's first round
-closes together, and 16 upload threads fault their 32 MB bodies while four merges fault
-their 64 MB tensors. On 2 cores at 0.5 GB/s the first merge of each fragment took 1.2-1.7 s
-(the outer step's 1.2 s of it, 20 ms afterwards; the served payload's encode 0.2-0.6 s),
-the only merges of a 60 s run over 0.25 of tau x step (bench/RESULTS.md, issue 15). So when
-the layout is adopted (init, before its answer; a restart, before the port opens: learners
+touch, all at once: every learner posts when it starts, every fragment's first round closes
+together, and 16 upload threads fault their 32 MB bodies while four merges fault their 64 MB
+tensors. On 2 cores at 0.5 GB/s the first merge of each fragment took 1.2-1.7 s (the outer
+step's 1.2 s of it, 20 ms afterwards; the served payload's encode 0.2-0.6 s), the only
+merges of a 60 s run over 0.25 of tau x step (bench/RESULTS.md, issue 15). So when the
+layout is adopted (init, before its answer; a restart, before the port opens: learners
 waiting to re-send come all at once then too) the synchronizer makes, per owned fragment,
 what its merges take (the round's sum, the new momentum and Theta: `PER_MERGE` float32
 tensors per tensor; `Served.KEEP` payload buffers), buffers for `BODIES_PER_FRAGMENT`
-float-encoded uploads, and its merge journal's file, within each pool's limit (2 GB and 1
-GB idle: a few seconds at most; 0.5 s for 64M parameters here), and moves its Theta and
-momentum into the pool's tensors (`adopt`). Loaded from a file or an init body they were
-tensors the pool did not make, so the first merge's install dropped them and each
-fragment's second merge faulted two fresh float32 tensors per tensor (each fragment's
-second merge took twice the CPU of later ones, bench/RESULTS.md); adopted, they come back
-to the pool when superseded, as a merged state's do. In a background thread it was no use:
-under the first uploads it took 5.7 s, after the first merges. `SyncSettings.prime_buffers`
-turns it off.
+uploads in each accepted encoding, and its merge journal's file, within each pool's limit
+(2 GB and 1 GB idle: a few seconds at most; 0.5 s for 64M parameters here), and moves its Theta
+and momentum into the pool's tensors (`adopt`). Loaded from a file or an init body they were
+tensors the pool did not make, so the first merge's install dropped them and each fragment's
+second merge faulted two fresh float32 tensors per tensor (each fragment's second merge took
+twice the CPU of later ones, bench/RESULTS.md); adopted, they come back to the pool when
+superseded, as a merged state's do. In a background thread it was no use: under the first
+uploads it took 5.7 s, after the first merges. `SyncSettings.prime_buffers` turns it off.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ import torch
 
 from ddiloco.synchronizer.buffers import BODIES, POOL
 from ddiloco.synchronizer.journal import MergeJournal
+from ddiloco.synchronizer.quant import DEFAULT_BLOCK
 from ddiloco.synchronizer.served import Served
 from ddiloco.synchronizer.state import FragmentState
 
@@ -47,6 +47,17 @@ BODY_SLACK: Final = 1024
 FLOAT_BYTES: Final = {"bfloat16": 2, "float32": 4}
 
 
+def body_size(numels: Iterable[int], encoding: str) -> int:
+    """About the size of an update of tensors of `numels` values in `encoding` (a quantized
+    one at the learner's default block): what the upload port's buffer for it holds. A
+    quantized update's body is held until its merge too (its codes are read there)."""
+    if encoding in FLOAT_BYTES:
+        return sum(numels) * FLOAT_BYTES[encoding] + BODY_SLACK
+    per_code = {"int8": 1.0, "int4": 0.5}[encoding]
+    blocks = [-(-n // DEFAULT_BLOCK) for n in numels]
+    return sum(int(b * DEFAULT_BLOCK * per_code) + 4 * b for b in blocks) + BODY_SLACK
+
+
 def prime(
     fragments: Sequence[FragmentState],
     owned: Iterable[int],
@@ -57,7 +68,7 @@ def prime(
     """Make the buffers (module docstring); returns how many of each it made."""
     t0 = time.monotonic()
     made = {"adopted": 0, "pool": 0, "served": 0, "bodies": 0}
-    widths = sorted({FLOAT_BYTES[e] for e in encodings if e in FLOAT_BYTES})
+    encodings = sorted(set(encodings))
     shapes: Counter[tuple[int, ...]] = Counter()  # the pools keep buffers by shape, by size
     bodies: Counter[int] = Counter()  # by capacity, of a size that takes it
     size_of: dict[int, int] = {}
@@ -67,9 +78,9 @@ def prime(
         made["adopted"] += adopt(fs.params) + adopt(fs.momentum)
         for t in fs.params.values():
             shapes[tuple(t.shape)] += PER_MERGE
-        numel = sum(t.numel() for t in fs.params.values())
-        for width in widths:
-            size = numel * width + BODY_SLACK
+        numels = [t.numel() for t in fs.params.values()]
+        for encoding in encodings:
+            size = body_size(numels, encoding)
             size_of.setdefault(BODIES.capacity(size), size)
             bodies[BODIES.capacity(size)] += BODIES_PER_FRAGMENT
     for shape, count in shapes.items():

@@ -169,6 +169,24 @@ def test_byte_pool_keeps_at_most_max_bytes_idle() -> None:
     assert pool.idle_bytes == 4 << 20
 
 
+def test_a_full_byte_pool_lets_go_of_its_longest_idle_buffer_not_the_one_given_back() -> None:
+    """Primed bodies of a size nobody sends must not keep the bodies in use from coming
+    back: each would be unmapped when given back, and a fresh one mapped for the next."""
+    pool = BytePool(max_bytes=12 << 20, grain=1 << 20)
+    assert pool.prime(5 << 20, 2) == 2  # 6 MiB each with the header block: the pool is full
+    unused = [buf for bufs in pool.idle.values() for buf in bufs]
+    body = pool.take(2 << 20)  # 3 MiB, a fresh buffer: none of that capacity is idle
+    pool.give(body)
+    assert pool.idle_bytes == 9 << 20  # one primed buffer let go, the oldest
+    assert pool.idle[6 << 20] == [unused[1]] and pool.idle[3 << 20] == [body.obj]
+    again = pool.take(2 << 20)
+    assert again.obj is body.obj  # the buffer in use comes back
+    pool.give(again)
+    pool.give(pool.take(11 << 20))  # a buffer larger than what is idle lets go of all of it
+    assert list(pool.idle) and pool.idle_bytes == 12 << 20
+    assert sum(map(len, pool.idle.values())) == 1
+
+
 @pytest.mark.parametrize("size", [1, 100, 4096, 5000, (1 << 20) - 1, 3_000_000])
 def test_a_body_sits_one_block_into_a_page_aligned_buffer_with_room_for_its_frame(
     size: int,

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
-from ddiloco.synchronizer import codec
-from ddiloco.synchronizer.buffers import POOL, BytePool, Float32Pool
-from ddiloco.synchronizer.prime import PER_MERGE, adopt
+from ddiloco.synchronizer import codec, wire
+from ddiloco.synchronizer.buffers import BODIES, POOL, BytePool, Float32Pool
+from ddiloco.synchronizer.prime import BODY_SLACK, PER_MERGE, adopt, body_size
 from ddiloco.synchronizer.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
@@ -171,3 +172,17 @@ def test_adopt_moves_float32_tensors_only() -> None:
     assert tensors["a"] is bf16  # not the pool's kind: left where it is
     assert torch.equal(tensors["b"], f32) and tensors["b"].data_ptr() in POOL.ours
     POOL.give([tensors["b"]])
+
+
+@pytest.mark.parametrize("encoding", ["float32", "bfloat16", "int8", "int4"])
+def test_a_body_is_primed_at_the_capacity_its_encoding_takes(encoding: str) -> None:
+    """A quantized update's body is held until its merge as a float one's is (its codes are
+    read there), so priming makes bodies for every accepted encoding; the size it assumes
+    takes the same buffer capacity as a learner's real payload at the default block."""
+    shapes = [(1500, 1024), (1024,), (333, 777)]
+    delta = {f"t{i}": torch.randn(s) * 1e-2 for i, s in enumerate(shapes)}
+    meta = UpdateMeta(learner_id="a", fragment=0, base_version=0, steps=1, tokens=1, learner_step=1)
+    payload, _ = wire.encode_update(delta, meta, encoding)
+    guess = body_size([t.numel() for t in delta.values()], encoding)
+    assert 0 <= guess - len(payload) <= BODY_SLACK
+    assert BODIES.capacity(guess) == BODIES.capacity(len(payload))
