@@ -91,7 +91,7 @@ def controlled(
     import torch
 
     from ddiloco.learner.task import build_task
-    from ddiloco.synchronizer import codec, wire
+    from ddiloco.synchronizer import codec, passes, wire
     from ddiloco.synchronizer.protocol import FragmentSpec, TensorSpec, UpdateMeta
 
     torch.set_num_threads(2)
@@ -133,7 +133,8 @@ def controlled(
             nbytes += len(payload)
             header = codec.read_header(payload, codes=True)
             got = {  # float32 of what the synchronizer reads (a bf16 update stays bf16 there)
-                k: v.float() for k, v in wire.decode_update(payload, header, spec, wire.ALL).items()
+                k: passes.dense(v)
+                for k, v in wire.decode_update(payload, header, spec, wire.ALL).items()
             }
             for k in names:
                 anchors[m][k] += got[k]

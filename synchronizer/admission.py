@@ -32,6 +32,7 @@ import torch
 
 from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
+from ddiloco.synchronizer.passes import Term
 from ddiloco.synchronizer.protocol import FragmentSpec, Layout, UpdateMeta
 from ddiloco.synchronizer.state import FragmentState, Order
 
@@ -100,7 +101,7 @@ def is_duplicate(meta: UpdateMeta, high_water: Order | None) -> bool:
     return high_water is not None and meta.order() <= high_water
 
 
-def delta_norms(delta: dict[str, torch.Tensor], spec: FragmentSpec) -> dict[str, float]:
+def delta_norms(delta: dict[str, Term], spec: FragmentSpec) -> dict[str, float]:
     """Refuse a delta of the wrong shape or dtype, or non-finite; return each tensor's norm
     (a pass over the tensors that needs no lock: `check_norm` judges their total against
     the fragment, and the merge's radial-directional average reuses them)."""
@@ -108,7 +109,7 @@ def delta_norms(delta: dict[str, torch.Tensor], spec: FragmentSpec) -> dict[str,
     return codec.finite_norms(delta)  # NaN/Inf and an overflowing norm refused in one pass
 
 
-def delta_norm(delta: dict[str, torch.Tensor], spec: FragmentSpec) -> float:
+def delta_norm(delta: dict[str, Term], spec: FragmentSpec) -> float:
     """`delta_norms`, totalled."""
     return codec.total_norm(delta_norms(delta, spec))
 

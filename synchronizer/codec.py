@@ -303,7 +303,7 @@ def tensor_views(
 
 
 def check_fragment(
-    tensors: dict[str, torch.Tensor], spec: FragmentSpec, *, finite: bool = True
+    tensors: dict[str, passes.Term], spec: FragmentSpec, *, finite: bool = True
 ) -> None:
     """Refuse tensors that do not match the fragment's names, shapes, dtypes, or hold NaN/Inf
     (`finite=False` leaves that to the caller: `finite_norm` sees it in the same pass)."""
@@ -321,10 +321,12 @@ def check_fragment(
             raise PayloadError(
                 f"tensor {name!r} has shape {list(t.shape)}, layout says {want.shape}"
             )
+        if isinstance(t, passes.Quantized):
+            continue  # codes and scales checked as they were decoded (wire.py)
         if t.dtype not in WIRE_DTYPES.values():
             allowed = ", ".join(WIRE_DTYPES)
             raise PayloadError(f"tensor {name!r} has dtype {t.dtype}; allowed: {allowed}")
-        if finite and not bool(torch.isfinite(t).all()):
+        if finite and not bool(torch.isfinite(t).all()):  # a float tensor
             raise PayloadError(f"tensor {name!r} contains NaN or Inf")
 
 
@@ -338,7 +340,7 @@ def layout_from_metadata(meta: dict[str, str]) -> Layout:
         raise PayloadError(f"init payload has an invalid layout: {str(e)[:500]}") from None
 
 
-def tensor_norms(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+def tensor_norms(tensors: dict[str, passes.Term]) -> dict[str, float]:
     """Each tensor's L2 norm (`passes.norm`: one pass each, no float32 copy of a bf16
     tensor)."""
     return {k: passes.norm(t) for k, t in tensors.items()}
@@ -355,7 +357,7 @@ def norm(tensors: dict[str, torch.Tensor]) -> float:
     return total_norm(tensor_norms(tensors))
 
 
-def finite_norms(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+def finite_norms(tensors: dict[str, passes.Term]) -> dict[str, float]:
     """`tensor_norms`, refusing NaN or Inf: a non-finite entry makes its tensor's norm
     non-finite (NaN and Inf propagate through the sum of squares), so one pass checks both;
     only then is each tensor searched, to say which one and why."""
@@ -364,7 +366,7 @@ def finite_norms(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
     if math.isfinite(n):
         return norms
     for name, t in tensors.items():
-        if not bool(torch.isfinite(t).all()):
+        if not bool(torch.isfinite(passes.dense(t)).all()):
             raise PayloadError(f"tensor {name!r} contains NaN or Inf")
     raise PayloadError(f"update norm overflows ({n}): not a plausible update")
 

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from ddiloco.synchronizer import passes
 from ddiloco.synchronizer.buffers import BODIES, POOL
 from ddiloco.synchronizer.protocol import UpdateMeta
 
-Tensors = dict[str, torch.Tensor]
+Tensors = dict[str, passes.Term]
 
 
 @dataclass
@@ -26,10 +24,10 @@ class Contribution:
     merge (they carry progress since the previous hand-over, so deltas and counters add),
     the oldest base among them, and the highest order (incarnation, learner_step).
 
-    One update's `delta` is what admission decoded: views of its body in the wire's dtype
-    (bf16 or float32; the body's `BODIES` buffer is pinned until `release`), or float32
-    buffers of `POOL` (a quantized update's, or a sum). A sum is always float32 of `POOL`
-    (`owned`), written in place by the next `add`."""
+    One update's `delta` is what admission decoded: views of its body (bf16 or float32
+    tensors, or int8/int4 `quant.Quantized`; the body's `BODIES` buffer is pinned until
+    `release`). A sum is always float32 of `POOL` (`owned`), written in place by the next
+    `add`."""
 
     delta: Tensors
     steps: int
@@ -81,7 +79,7 @@ class Contribution:
         `newer`'s buffers go back): another update, or a refused merge's contribution put
         back beside the one its learner sent while the merge ran."""
         if not self.owned:  # views of a body: the sum goes into float32 of our own
-            summed = {}
+            summed: Tensors = {}
             for k, v in self.delta.items():
                 summed[k] = POOL.take(v.shape)
                 passes.scale_into(summed[k], v, 1.0)

@@ -46,6 +46,7 @@ import xxhash
 from ddiloco.synchronizer import admission, codec, wire
 from ddiloco.synchronizer.contribution import Contribution
 from ddiloco.synchronizer.merge import MergeOutcome, MergePolicy, OuterNesterov
+from ddiloco.synchronizer.passes import Term
 from ddiloco.synchronizer.protocol import FragmentSpec, UpdateMeta
 from ddiloco.synchronizer.state import (
     FragmentLog,
@@ -174,9 +175,9 @@ def next_state(
     return new
 
 
-Decoded = tuple[UpdateMeta, dict[str, torch.Tensor], dict[str, float], bytes | None]
+Decoded = tuple[UpdateMeta, dict[str, Term], dict[str, float], bytes | None]
 """An update of the log as admission decoded it: meta, tensors, their norms, and the
-payload the tensors view (None: float32 buffers of `POOL`)."""
+payload the tensors view."""
 
 
 @dataclass
@@ -200,9 +201,8 @@ def decode_records(
         done = merged.get(meta.learner_id)
         if done is not None and meta.order() <= done:
             continue  # in the file already; the log was not let go of yet
-        delta = wire.decode_update(payload, header, spec, wire.ALL)
-        body = payload if wire.views_body(header) else None
-        out.append((meta, delta, admission.delta_norms(delta, spec), body))
+        delta = wire.decode_update(payload, header, spec, wire.ALL)  # views of the payload
+        out.append((meta, delta, admission.delta_norms(delta, spec), payload))
     return out
 
 

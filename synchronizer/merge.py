@@ -28,6 +28,7 @@ lr > 0) instead of a boolean tensor the size of the fragment.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -37,6 +38,7 @@ import torch
 from ddiloco.synchronizer import passes
 from ddiloco.synchronizer.buffers import POOL
 from ddiloco.synchronizer.contribution import Contribution
+from ddiloco.synchronizer.passes import Term
 from ddiloco.synchronizer.protocol import FragmentSpec, MergeRule
 
 if TYPE_CHECKING:
@@ -88,7 +90,7 @@ def term_alpha(rel: float, norm: float) -> float | None:
     return rel / norm if norm > _EPS else None
 
 
-def _weighted_sum(terms: Sequence[tuple[torch.Tensor, float]], like: torch.Tensor) -> torch.Tensor:
+def _weighted_sum(terms: Sequence[tuple[Term, float]], like: Term) -> torch.Tensor:
     """sum of alpha * t into a new float32 tensor: the first term written, the others added
     (passes.py: a bf16 term is read once, in cache-sized chunks)."""
     out = POOL.take(like.shape)
@@ -102,7 +104,7 @@ def _weighted_sum(terms: Sequence[tuple[torch.Tensor, float]], like: torch.Tenso
 
 
 def weighted_mean(
-    deltas: Sequence[torch.Tensor],
+    deltas: Sequence[Term],
     weights: Sequence[float],
     scale: float = 1.0,
     summed: torch.Tensor | None = None,
@@ -118,7 +120,7 @@ def weighted_mean(
 
 
 def rda(
-    deltas: Sequence[torch.Tensor],
+    deltas: Sequence[Term],
     weights: Sequence[float],
     norms: Sequence[float | None] | None = None,
     scale: float = 1.0,
@@ -157,7 +159,7 @@ def rda(
 
 
 def merge_fragment(
-    deltas: Sequence[Tensors],
+    deltas: Sequence[dict[str, Term]],
     weights: Sequence[float],
     method: MergeRule,
     granularity: Literal["tensor", "fragment"] = "tensor",
@@ -189,13 +191,14 @@ def merge_fragment(
         }
     POOL.give(given.values())
     # Whole-fragment RDA: flatten every contribution, merge once, split back.
-    flat = [torch.cat([d[n].float().reshape(-1) for n in names]) for d in deltas]
+    flat = [torch.cat([passes.dense(d[n]).reshape(-1) for n in names]) for d in deltas]
     merged = rda(flat, weights, scale=scale)
     out: Tensors = {}
     offset = 0
     for n in names:
-        numel = deltas[0][n].numel()
-        out[n] = merged[offset : offset + numel].view_as(deltas[0][n]).clone()
+        shape = tuple(deltas[0][n].shape)
+        numel = math.prod(shape)
+        out[n] = merged[offset : offset + numel].view(shape).clone()
         offset += numel
     POOL.give([merged])
     return out

@@ -1,8 +1,20 @@
-"""Passes over an update in its own dtype: a bf16 update is never copied whole into float32.
+"""Passes over an update in its own encoding: a bf16 update is never copied whole into
+float32, a quantized one once, at admission, and not kept.
 
     n = norm(delta_bf16)                     # fp32-accumulated dots of blocks, summed in fp64
     axpy(direction, delta_bf16, w / n)       # direction += w / n * delta, in L2-sized chunks
     scale_into(out, delta_bf16, w)           # out = w * delta (a merge's first term)
+    d = dense(q, pause)                      # q: quant.Quantized (views of an int8/int4
+    axpy(direction, q, w / n)                # body): float32 of POOL; or read in chunks
+
+A quantized update (`quant.Quantized`) stays codes while it waits for its merge: 1/8 of
+its float32 for int4. Admission dequantizes it once (`dense`, in place, a chunk at a
+time), measures its norm and queues its round-sum term from that float32, which then goes
+back to the pool (stream.py); dequantizing into the cache for the norm and again for the
+term cost more than writing and reading the float32 once (bench/RESULTS.md). A merge or a
+replay that reads its codes again dequantizes them into the thread's `CHUNK`-value
+scratch, whole blocks at a time: the same float32 values as `quant.dequantize`, so the
+same bits as the float32 admission read.
 
 An accepted bf16 update used to be converted at admission into a float32 buffer (32 MB read,
 64 MB written for 16M parameters), read again for its norm (64 MB), and read again by the
@@ -25,11 +37,18 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable, Iterator
 from typing import Final
 
 import torch
 
-__all__ = ["BLOCK", "CHUNK", "axpy", "norm", "scale_into"]
+from ddiloco.synchronizer.buffers import POOL
+from ddiloco.synchronizer.quant import Quantized, dequantize_blocks
+
+__all__ = ["BLOCK", "CHUNK", "Term", "axpy", "dense", "norm", "scale_into"]
+
+Term = torch.Tensor | Quantized
+"""An update's tensor as admission decoded it: float32, bf16 views, or quantized views."""
 
 CHUNK: Final = 1 << 20
 """Values converted at a time: 4 MiB of float32, in the L3 cache (32 MiB here). An axpy of
@@ -56,8 +75,42 @@ def _scratch() -> torch.Tensor:
     return buf
 
 
-def norm(t: torch.Tensor) -> float:
-    """The L2 norm of `t` (any float dtype); NaN or Inf if it holds one or overflows."""
+def _spans(
+    q: Quantized,
+    pause: Callable[[], None] | None = None,
+    into: torch.Tensor | None = None,
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """(offset, float32 values) of `q`, flat, a chunk of whole blocks at a time, each in this
+    thread's scratch (valid until the next) or, given `into` (flat float32 of q's numel),
+    written in place there (a last, partial block through the scratch); `pause()` between
+    chunks."""
+    per = max(1, CHUNK // q.block)  # blocks per chunk (MAX_BLOCK <= CHUNK)
+    n, nb = q.numel, q.scales.numel()
+    scratch = _scratch()
+    for b0 in range(0, nb, per):
+        if b0 and pause is not None:
+            pause()
+        b1 = min(nb, b0 + per)
+        start, end = b0 * q.block, b1 * q.block
+        if into is not None and end <= n:
+            yield start, dequantize_blocks(q, b0, b1, into[start:end])
+            continue
+        values = dequantize_blocks(q, b0, b1, scratch)[: min(n, end) - start]
+        if into is not None:
+            values = into[start : start + values.numel()].copy_(values)
+        yield start, values
+
+
+def norm(t: Term, pause: Callable[[], None] | None = None) -> float:
+    """The L2 norm of `t` (any float dtype, or quantized: that of its float32 values, the
+    same bits as admission's); NaN or Inf if it holds one or overflows. `pause`: called
+    between a quantized tensor's chunks as they are dequantized."""
+    if isinstance(t, Quantized):  # the norm of its float32, as admission measures it
+        values = dense(t, pause)
+        try:
+            return norm(values)
+        finally:
+            POOL.give([values])
     if t.dtype == torch.float32:
         return float(torch.linalg.vector_norm(t))
     flat = t.reshape(-1)
@@ -81,8 +134,14 @@ def norm(t: torch.Tensor) -> float:
     return math.sqrt(sq)
 
 
-def axpy(dst: torch.Tensor, src: torch.Tensor, alpha: float) -> None:
-    """dst += alpha * src, `dst` contiguous float32, `src` any float dtype of its shape."""
+def axpy(dst: torch.Tensor, src: Term, alpha: float) -> None:
+    """dst += alpha * src, `dst` contiguous float32, `src` any float dtype of its shape (or
+    quantized, of its shape)."""
+    if isinstance(src, Quantized):
+        d = dst.view(-1)
+        for start, values in _spans(src):
+            d[start : start + values.numel()].add_(values, alpha=alpha)
+        return
     if src.dtype == torch.float32:
         dst.add_(src, alpha=alpha)
         return
@@ -95,9 +154,14 @@ def axpy(dst: torch.Tensor, src: torch.Tensor, alpha: float) -> None:
         d[i : i + CHUNK].add_(tmp, alpha=alpha)
 
 
-def scale_into(dst: torch.Tensor, src: torch.Tensor, alpha: float) -> None:
+def scale_into(dst: torch.Tensor, src: Term, alpha: float) -> None:
     """dst = alpha * src (`dst` contiguous float32): a sum's first term, with no zero-filled
     pass before it."""
+    if isinstance(src, Quantized):
+        d = dst.view(-1)
+        for start, values in _spans(src):
+            torch.mul(values, alpha, out=d[start : start + values.numel()])
+        return
     if src.dtype == torch.float32:
         torch.mul(src, alpha, out=dst)
         return
@@ -107,3 +171,14 @@ def scale_into(dst: torch.Tensor, src: torch.Tensor, alpha: float) -> None:
         out.copy_(s[i : i + CHUNK])
         if alpha != 1.0:
             out.mul_(alpha)
+
+
+def dense(t: Term, pause: Callable[[], None] | None = None) -> torch.Tensor:
+    """`t` as a float32 tensor of its shape (`t` itself if it is one); a quantized one's in a
+    buffer of `POOL`, dequantized in place a chunk at a time, `pause()` between chunks."""
+    if isinstance(t, Quantized):
+        out = POOL.take(t.shape)
+        for _ in _spans(t, pause, into=out.view(-1)):
+            pass
+        return out
+    return t.float()

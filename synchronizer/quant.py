@@ -13,19 +13,20 @@ block's largest value is exact and every other one is off by at most scale / 2. 
 are offset to 0..14 and packed two to a byte, low nibble first. Scales are float32: a
 float16 scale would overflow for a block whose absmax exceeds 65504 * 7.
 
-Not on the wire yet (issue 15): the learner does not send these codes and the synchronizer
-does not accept them; this is the tested core that the update encoding will use. The
-learner's anchor already moves by the delta as sent (learner/diloco.py `_hand_over`), which is
-error feedback: the wire can reuse it, and `ErrorFeedback` is the reference the property test
-checks.
+On the wire since issue 15 (synchronizer/wire.py): the synchronizer keeps a received
+update's codes as they arrived (a `Quantized` of views of its body) and dequantizes them a
+chunk of blocks at a time where they are read (`dequantize_blocks`, passes.py): an int4
+update waiting for its merge holds 1/8 of the memory of the float32 it stands for.
 
-Everything here is vectorised over the whole tensor (one pass per operation, no Python loop
-over blocks); non-finite input is refused, because one inf would make its block's scale inf
-and every code in it NaN on the other side.
+`quantize` and `dequantize` are vectorised over the whole tensor (one pass per operation, no
+Python loop over blocks); non-finite input is refused, because one inf would make its
+block's scale inf and every code in it NaN on the other side.
 """
 
 from __future__ import annotations
 
+import sys
+import threading
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -109,6 +110,81 @@ def dequantize(q: Quantized) -> torch.Tensor:
         raise ValueError("scales must be finite and non-negative")
     values = codes.view(nb, q.block).to(torch.float32) * q.scales.to(torch.float32)[:, None]
     return values.view(-1)[: q.numel].view(q.shape)
+
+
+_local = threading.local()
+
+
+def _pair_buffers(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This thread's two int16 buffers of at least `n` values (int4 unpacking)."""
+    bufs = getattr(_local, "pairs", None)
+    if bufs is None or bufs[0].numel() < n:
+        bufs = _local.pairs = (torch.empty(n, dtype=torch.int16), torch.empty(n, dtype=torch.int16))
+    return bufs[0][:n], bufs[1][:n]
+
+
+def check_codes(q: Quantized) -> None:
+    """ValueError unless `q`'s codes and scales fit its encoding, block and shape, every
+    scale is finite and non-negative, and (int4) every code is in 0..14: what a received
+    update is checked for before anything reads it (two byte-wide passes for int4's codes,
+    1.4 ms per 16M values here)."""
+    nb = _blocks(q.numel, q.block)
+    want = (torch.uint8, nb * q.block // 2) if q.encoding == "int4" else (torch.int8, nb * q.block)
+    if q.scales.dtype != torch.float32 or q.scales.numel() != nb:
+        raise ValueError(f"{nb} float32 scales expected, got {q.scales.numel()} {q.scales.dtype}")
+    if (q.codes.dtype, q.codes.numel()) != want:
+        raise ValueError(f"{q.encoding} codes do not match their scales and shape")
+    if not bool(torch.isfinite(q.scales).all()) or bool((q.scales < 0).any()):
+        raise ValueError("a scale is non-finite or negative")
+    if q.encoding != "int4" or not q.codes.numel():
+        return
+    high = 2 * QMAX["int4"]
+    step = 1 << 20
+    scratch = torch.empty(min(step, q.codes.numel()), dtype=torch.uint8)
+    for i in range(0, q.codes.numel(), step):
+        part = q.codes[i : i + step]
+        if (
+            int(part.max()) >> 4 > high
+            or int(torch.bitwise_and(part, 0x0F, out=scratch[: part.numel()]).max()) > high
+        ):
+            raise ValueError(f"int4 code above {high}")
+
+
+def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Two codes per byte (low nibble first, offset by qmax) as signed int8 values in order:
+    each byte widened to int16 whose two bytes, in memory order, are then its (low, high)
+    nibble, range-checked and offset as bytes. 0.3 ms per Mi codes here, where unpacking
+    into the two strided columns of an (n, 2) uint8 tensor took 0.8 and converting and
+    offsetting in float32 another 0.2 (bench/RESULTS.md, issue 15). The values are exact
+    either way, so code x scale is the same float32 bits."""
+    wide, high = _pair_buffers(packed.numel())
+    wide.copy_(packed)
+    torch.bitwise_right_shift(wide, 4, out=high)  # the high nibble
+    wide.bitwise_and_(0x0F)  # the low one
+    if sys.byteorder == "little":  # the low nibble's byte comes first in memory
+        high.bitwise_left_shift_(8)
+    else:
+        wide.bitwise_left_shift_(8)
+    wide.bitwise_or_(high)
+    qmax = QMAX["int4"]
+    nibbles = wide.view(torch.uint8)
+    if nibbles.numel() and int(nibbles.max()) > 2 * qmax:
+        raise ValueError(f"int4 code above {2 * qmax}")
+    return nibbles.sub_(qmax).view(torch.int8)  # 0..2 qmax -> -qmax..qmax (mod 256)
+
+
+def dequantize_blocks(q: Quantized, b0: int, b1: int, out: torch.Tensor) -> torch.Tensor:
+    """Blocks `b0`..`b1` of `q` as float32, written into `out` (flat, at least that many
+    values, the last block's padding included): `out`'s first (b1 - b0) x block values,
+    returned. The same bits as `dequantize` (the same elementwise arithmetic)."""
+    block = q.block
+    seg = out[: (b1 - b0) * block]
+    if q.encoding == "int4":
+        seg.copy_(_unpack_int4(q.codes[b0 * block // 2 : b1 * block // 2]))
+    else:
+        seg.copy_(q.codes[b0 * block : b1 * block])
+    seg.view(b1 - b0, block).mul_(q.scales[b0:b1, None])
+    return seg
 
 
 class ErrorFeedback:

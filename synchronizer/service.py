@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import torch
 
-from ddiloco.synchronizer import admission, codec, ledger, shards, wire
+from ddiloco.synchronizer import admission, codec, ledger, passes, shards, wire
 from ddiloco.synchronizer.buffers import POOL
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.contribution import Contribution
@@ -57,6 +57,7 @@ from ddiloco.synchronizer.merge import (
 )
 from ddiloco.synchronizer.merging import Merging
 from ddiloco.synchronizer.metrics import BROADCAST_ENCODINGS, SyncMetrics, encoding_of
+from ddiloco.synchronizer.passes import Term
 from ddiloco.synchronizer.prime import prime
 from ddiloco.synchronizer.protocol import (
     MAX_DATA_POSITION,
@@ -73,6 +74,7 @@ from ddiloco.synchronizer.protocol import (
     UpdateMeta,
     UpdateResponse,
 )
+from ddiloco.synchronizer.quant import Quantized
 from ddiloco.synchronizer.rounds import GracePolicy, Rounds
 from ddiloco.synchronizer.served import Served
 from ddiloco.synchronizer.state import (
@@ -442,19 +444,23 @@ class Synchronizer(Merging):
                     status="duplicate", fragment=p, round_version=self.fragments[p].version
                 )
         # The passes over the bytes run before the fragment's lock, so concurrent updates
-        # of one fragment decode side by side: float32 of the layout's shapes in an
-        # accepted encoding (415 else, wire.py), its finite norm, the log record's checksum.
-        # At most `cpu_slots` uploads measure and checksum at once (`cpu`): a merge is not
-        # one runnable thread of sixteen. Decoding takes no slot: a float update's is views
-        # of its body, and a quantized one's dequantization is where its ingest spends its
-        # cores (one slot for it cut int4's capacity from 0.34 to 0.20 GB/s here); it waits
-        # between chunks while a merge computes instead (`merge_first`, locks.py).
-        delta = wire.decode_update(payload, header, spec, self.accepted, self.computing.wait)
-        body = payload if wire.views_body(header) else None  # pinned while a round holds it
+        # of one fragment decode side by side: views of the body in the layout's shapes, in
+        # an accepted encoding (415 else, wire.py), its finite norm, the log record's
+        # checksum. At most `cpu_slots` uploads measure and checksum at once (`cpu`): a merge
+        # is not one runnable thread of sixteen. A quantized update is dequantized once into
+        # float32 of `POOL` for its norm and its round-sum term (passes.py, stream.py), with
+        # no slot: dequantizing is where its ingest spends its cores (one slot for it cut
+        # int4's capacity from 0.34 to 0.20 GB/s here); it waits between chunks while a merge
+        # computes instead (`merge_first`, locks.py). The round keeps only its codes.
+        delta = wire.decode_update(payload, header, spec, self.accepted)
+        body = payload  # the views' bytes: pinned while a round holds them
+        dense = None
+        if any(isinstance(t, Quantized) for t in delta.values()):
+            dense = {k: passes.dense(t, self.computing.wait) for k, t in delta.items()}
         held = False
         try:
             with self.cpu:
-                norms = admission.delta_norms(delta, spec)
+                norms = admission.delta_norms(dense or delta, spec)
                 n = codec.total_norm(norms)
                 record = PendingLog.record(payload)
             plog = self.store.pending(p)
@@ -478,14 +484,16 @@ class Synchronizer(Merging):
                 )
                 ticket = plog.write(payload, record)
                 fs.norms = [*fs.norms, n][-admission.NORM_HISTORY :]
-                self._hold(p, meta, delta, opens=verdict == "fresh", norms=norms, body=body)
-                summing = self.sums[p]
+                self._hold(
+                    p, meta, delta, opens=verdict == "fresh", norms=norms, body=body, dense=dense
+                )
                 held = True
+                summing = self.sums[p]
                 # the round after the one a merge in flight took, if any
                 round_version = fs.version + (2 if self.merging[p] else 1)
         finally:
-            if not held:  # refused, or a duplicate: its buffers go back
-                POOL.give(delta.values())
+            if not held and dense is not None:  # refused, or a duplicate
+                POOL.give(dense.values())
         with self.cpu:
             summing.drain()  # its term in the round's sum (stream.py), unless another adds it
         self._make_durable(p, plog, ticket)  # one fsync for every record written before it
@@ -527,22 +535,26 @@ class Synchronizer(Merging):
         self,
         p: int,
         meta: UpdateMeta,
-        delta: dict[str, torch.Tensor],
+        delta: dict[str, Term],
         opens: bool | None = None,
         norms: dict[str, float] | None = None,
         body: memoryview | bytes | None = None,
+        dense: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """Add an accepted update to p's open round (the caller holds p or is starting up);
-        `body`: the payload `delta` views (None: `delta` is float32 of `POOL`)."""
+        `body`: the payload `delta` views (None: `delta` is float32 of `POOL`, a test's).
+        `dense`: a quantized `delta`'s float32 of `POOL`, for its round-sum term (consumed)."""
         if opens is None:
             opens = meta.base_version == self.fragments[p].version
         with self.lock:
             pending = self.rounds.rounds[p].contributions.get(meta.learner_id)
             if pending is None:
                 pending = Contribution.of(meta, delta, norms, body)
-                self.sums[p].offer(pending)
+                self.sums[p].offer(pending, dense)
             else:
                 self.sums[p].spoil()  # the term queued for it is no longer its own
+                if dense is not None:
+                    POOL.give(dense.values())
                 pending.absorb(meta, delta, body)
             self.rounds.add(p, meta.learner_id, pending, opens=opens)
             if (rec := self.learners.get(meta.learner_id)) is not None:

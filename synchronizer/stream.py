@@ -52,24 +52,44 @@ class RoundSum:
         self.enabled = policy.granularity == "tensor" or rule == "mean"
         self.lock = threading.Lock()
         """Held while terms are added: one adder at a time, in queue order."""
-        self.queue: deque[tuple[Tensors, dict[str, float], memoryview | bytes | None]] = deque()
+        self.queue: deque[tuple[Tensors, dict[str, float], memoryview | bytes | None, bool]] = (
+            deque()
+        )
         self.keys: list[Key] = []
         self.sum: Tensors = {}
         self.w_ref: float | None = None
         self.valid = self.enabled
 
-    def offer(self, c: Contribution) -> None:
+    def offer(self, c: Contribution, dense: Tensors | None = None) -> None:
         """Queue the term of `c`, a contribution new to the round (the caller holds the
-        fragment's lock: terms queue in the round's order)."""
-        if not self.valid:
+        fragment's lock: terms queue in the round's order). `dense`: c's values as float32
+        of `POOL` (a quantized update's, dequantized at admission): the term is added from
+        them and they go back to the pool, added or not."""
+        tensors = dense if dense is not None else dict(c.delta)
+        alphas = self._alphas(c)
+        if alphas is None:
+            if dense is not None:
+                POOL.give(dense.values())
             return
+        body = None
+        if dense is None and c.body is not None:
+            body = c.body
+            BODIES.pin(body)  # until added: the contribution may let go of it first
+        self.queue.append((tensors, alphas, body, dense is not None))
+        self.keys.append(tuple(c.ids))
+
+    def _alphas(self, c: Contribution) -> dict[str, float] | None:
+        """Each tensor's factor of `c`'s term (None: no term; the sum is spoiled if its
+        norms are unknown)."""
+        if not self.valid:
+            return None
         tokens, steps = cap_counters(c.tokens, c.steps, self.policy.counter_cap_steps)
         w = contribution_weight(tokens, steps, self.policy.weighting)
         if w <= 0:
-            return  # weighs nothing: the merge leaves it out of its terms too
+            return None  # weighs nothing: the merge leaves it out of its terms too
         if self.rule != "mean" and c.norms is None:
             self.valid = False
-            return
+            return None
         if self.w_ref is None:
             self.w_ref = w
         rel = w / self.w_ref
@@ -78,10 +98,7 @@ class RoundSum:
             a = rel if self.rule == "mean" else term_alpha(rel, c.norms[name])  # type: ignore[index]
             if a is not None:
                 alphas[name] = a
-        if c.body is not None:
-            BODIES.pin(c.body)  # until added: the contribution may let go of it first
-        self.queue.append((dict(c.delta), alphas, c.body))
-        self.keys.append(tuple(c.ids))
+        return alphas
 
     def spoil(self) -> None:
         """The round's contributions changed under the queued terms (a learner's second
@@ -100,7 +117,7 @@ class RoundSum:
             finally:
                 self.lock.release()
 
-    def _add(self, tensors: Tensors, alphas: dict[str, float], body: object) -> None:
+    def _add(self, tensors: Tensors, alphas: dict[str, float], body: object, owned: bool) -> None:
         try:
             if not self.valid:
                 return
@@ -115,6 +132,8 @@ class RoundSum:
         finally:
             if body is not None:
                 BODIES.unpin(body)  # type: ignore[arg-type]
+            if owned:
+                POOL.give(tensors.values())  # type: ignore[arg-type]
 
     def claim(self, keys: list[Key], policy: MergePolicy, rule: str) -> Tensors | None:
         """The sum, if its terms are exactly the contributions `keys` names, in that order,

@@ -28,14 +28,11 @@ encoding of its float tensors: bfloat16 if they all are, else float32.
 from __future__ import annotations
 
 import math
-import sys
-from collections.abc import Callable
 from typing import Final
 
 import torch
 
-from ddiloco.synchronizer import codec, quant
-from ddiloco.synchronizer.buffers import POOL
+from ddiloco.synchronizer import codec, passes, quant
 from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
 from ddiloco.synchronizer.protocol import UPDATE_ENCODINGS, FragmentSpec, UpdateMeta
 
@@ -50,7 +47,6 @@ __all__ = [
     "encode_update",
     "encoding_of",
     "require",
-    "views_body",
 ]
 
 FLOAT_ENCODINGS: Final[dict[str, torch.dtype]] = {
@@ -66,9 +62,6 @@ BLOCK_KEY: Final = "ddiloco.block"
 SCALES_SUFFIX: Final = "#scales"
 MAX_BLOCK: Final = 1 << 16
 """The largest block accepted: 64 Ki values per scale (any larger saves nothing)."""
-CHUNK: Final = 1 << 20
-"""Values a quantized tensor is dequantized in at a time (whole blocks): the synchronizer
-can pause between them for a merge, and an int4 chunk's nibbles (1 MB) stay in cache."""
 
 
 def encode_update(
@@ -130,33 +123,24 @@ def require(encoding: str, accepted: frozenset[str]) -> None:
     )
 
 
-def views_body(header: codec.Header) -> bool:
-    """Whether `decode_update` gives views of the payload (a float encoding) rather than
-    float32 buffers of `buffers.POOL` (a quantized one)."""
-    return encoding_of(header) in FLOAT_ENCODINGS
-
-
 def decode_update(
     payload: bytes,
     header: codec.Header,
     spec: FragmentSpec,
     accepted: frozenset[str],
-    pause: Callable[[], None] | None = None,
-) -> dict[str, torch.Tensor]:
+) -> dict[str, passes.Term]:
     """Tensors of `spec`'s names and shapes from an update whose header passed
-    `codec.read_header(payload, codes=True)`: a float encoding's as read-only views of the
-    payload in their own dtype (no copy: passes.py reads them where they are; the caller
-    keeps the payload alive and unwritten while it holds them), a quantized one's as float32
-    buffers of `buffers.POOL`. Raises SyncError(ENCODING) for an encoding not in
-    `accepted`, PayloadError for anything malformed (the module docstring lists it).
-
-    `pause`: called between a quantized tensor's chunks of `CHUNK` values (the synchronizer
-    waits there while a merge computes: dequantization is most of a quantized update's CPU)."""
+    `codec.read_header(payload, codes=True)`, as read-only views of the payload, no copy:
+    a float encoding's as tensors in their own dtype, a quantized one's as `quant.Quantized`
+    (codes and scales; passes.py reads either where it lies, dequantizing a chunk at a
+    time). The caller keeps the payload alive and unwritten while it holds them. Raises
+    SyncError(ENCODING) for an encoding not in `accepted`, PayloadError for anything
+    malformed (the module docstring lists it)."""
     encoding = encoding_of(header)
     require(encoding, accepted)
     if encoding in FLOAT_ENCODINGS:
-        return _decode_float(payload, header, spec)
-    return _decode_quantized(payload, header, spec, encoding, pause)
+        return dict(_decode_float(payload, header, spec))
+    return dict(_decode_quantized(payload, header, spec, encoding))
 
 
 def _decode_float(
@@ -189,8 +173,7 @@ def _decode_quantized(
     header: codec.Header,
     spec: FragmentSpec,
     encoding: str,
-    pause: Callable[[], None] | None = None,
-) -> dict[str, torch.Tensor]:
+) -> dict[str, quant.Quantized]:
     block = _block(header)
     code_dtype = CODE_DTYPE[encoding]
     expected: dict[str, tuple[str, int]] = {}  # payload tensor -> (dtype, numel)
@@ -216,80 +199,18 @@ def _decode_quantized(
                 f"{block} and the layout need {dtype} [{numel}]"
             )
     tensors = codec.tensor_views(payload, header)
-    out = {}
-    try:
-        for t in spec.tensors:
-            scales = tensors[t.name + SCALES_SUFFIX]
-            if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
-                raise PayloadError("a scale is non-finite or negative")
-            dst = POOL.take(t.shape)
-            out[t.name] = dst
-            _dequantize_into(dst.view(-1), tensors[t.name], scales, encoding, block, pause)
-    except PayloadError as e:
-        POOL.give(out.values())
-        raise PayloadError(f"{encoding} update tensor {t.name!r}: {e}") from None
+    out: dict[str, quant.Quantized] = {}
+    for t in spec.tensors:
+        q = quant.Quantized(
+            encoding,  # type: ignore[arg-type]
+            tuple(t.shape),
+            block,
+            tensors[t.name],
+            tensors[t.name + SCALES_SUFFIX],
+        )
+        try:
+            quant.check_codes(q)
+        except ValueError as e:
+            raise PayloadError(f"{encoding} update tensor {t.name!r}: {e}") from None
+        out[t.name] = q
     return out
-
-
-def _dequantize_into(
-    dst: torch.Tensor,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    encoding: str,
-    block: int,
-    pause: Callable[[], None] | None = None,
-) -> None:
-    """`quant.dequantize` written into `dst` (flat float32, the tensor's numel), in place:
-    the codes go once into float32, are range-checked (int4) and scaled there; only a last,
-    partial block takes a small temporary. The codes' lengths were checked by the caller.
-    Chunks of whole blocks, about `CHUNK` values each (the same elementwise arithmetic,
-    so the same bits), with `pause()` between them."""
-    n = dst.numel()
-    nb = scales.numel()
-    qmax = quant.QMAX[encoding]
-    work = dst if nb * block == n else torch.empty(nb * block, dtype=torch.float32)
-    per = max(1, CHUNK // block)  # blocks per chunk
-    pairs = min(nb, per) * block // 2  # int4: bytes (two codes each) per chunk
-    wide = torch.empty(pairs, dtype=torch.int16) if encoding == "int4" else None
-    high = torch.empty(pairs, dtype=torch.int16) if encoding == "int4" else None
-    for b0 in range(0, nb, per):
-        if b0 and pause is not None:
-            pause()
-        b1 = min(nb, b0 + per)
-        seg = work[b0 * block : b1 * block]
-        if wide is not None and high is not None:
-            signed = _unpack_int4(
-                codes[b0 * block // 2 : b1 * block // 2],
-                wide[: (b1 - b0) * block // 2],
-                high[: (b1 - b0) * block // 2],
-                qmax,
-            )
-            seg.copy_(signed)
-        else:
-            seg.copy_(codes[b0 * block : b1 * block])
-        seg.view(b1 - b0, block).mul_(scales[b0:b1, None])
-    if work is not dst:
-        dst.copy_(work[:n])
-
-
-def _unpack_int4(
-    packed: torch.Tensor, wide: torch.Tensor, high: torch.Tensor, qmax: int
-) -> torch.Tensor:
-    """Two codes per byte (low nibble first, offset by `qmax`) as signed int8 values in order,
-    in `wide`'s bytes: each byte widened to int16 whose two bytes, in memory order, are then
-    its (low, high) nibble; then range-checked and offset, still one byte per code. 0.3 ms per Mi
-    codes here, where unpacking into the two strided columns of a (n, 2) uint8 tensor took
-    0.8 and converting and offsetting in float32 another 0.2 (bench/RESULTS.md, issue 15).
-    The float32 values (code x scale) are the same bits: the offset is exact either way."""
-    wide.copy_(packed)
-    torch.bitwise_right_shift(wide, 4, out=high)  # the high nibble
-    wide.bitwise_and_(0x0F)  # the low one
-    if sys.byteorder == "little":  # the low nibble's byte comes first in memory
-        high.bitwise_left_shift_(8)
-    else:
-        wide.bitwise_left_shift_(8)
-    wide.bitwise_or_(high)
-    nibbles = wide.view(torch.uint8)
-    if nibbles.numel() and int(nibbles.max()) > 2 * qmax:
-        raise PayloadError(f"int4 code above {2 * qmax}")
-    return nibbles.sub_(qmax).view(torch.int8)  # 0..2 qmax -> -qmax..qmax (mod 256)

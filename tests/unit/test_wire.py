@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ddiloco.synchronizer import codec, quant, wire
+from ddiloco.synchronizer import codec, passes, quant, wire
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
 from ddiloco.synchronizer.metrics import encoding_of
@@ -46,7 +46,7 @@ def delta(seed: int = 0, scale: float = 1e-2) -> dict[str, torch.Tensor]:
     return {t.name: torch.randn(t.shape, generator=g) * scale for t in SPEC.tensors}
 
 
-def decode(payload: bytes, accepted: frozenset[str] = ALL) -> dict[str, torch.Tensor]:
+def decode(payload: bytes, accepted: frozenset[str] = ALL) -> dict[str, passes.Term]:
     return wire.decode_update(payload, codec.read_header(payload, codes=True), SPEC, accepted)
 
 
@@ -57,10 +57,13 @@ def test_round_trip_decodes_exactly_what_was_sent(encoding: str, block: int) -> 
     payload, sent = wire.encode_update(d, META, encoding, block)
     got = decode(payload)
     assert set(got) == {"w", "b"}
-    wire_dtype = torch.bfloat16 if encoding == "bfloat16" else torch.float32
-    for name, t in got.items():  # a float encoding's: views in its dtype (passes.py reads them)
-        assert t.dtype == wire_dtype and list(t.shape) == list(d[name].shape)
-        assert torch.equal(t.float(), sent[name])  # the learner's anchor moves by exactly this
+    for name, t in got.items():  # views of the payload, in its encoding (passes.py reads them)
+        if encoding in wire.QUANTIZED:
+            assert isinstance(t, quant.Quantized) and t.encoding == encoding
+        else:
+            assert isinstance(t, torch.Tensor) and t.dtype == wire.FLOAT_ENCODINGS[encoding]
+        assert list(t.shape) == list(d[name].shape)
+        assert torch.equal(passes.dense(t), sent[name])  # the learner's anchor moves by this
     header = codec.read_header(payload, codes=True)
     assert wire.encoding_of(header) == encoding
     assert UpdateMeta.from_metadata(header.metadata).encoding == encoding
@@ -199,7 +202,9 @@ def test_error_feedback_through_the_wire_converges_to_the_float_sum(
         theta += step
         payload, sent = wire.encode_update({"w": theta - anchor}, META, encoding, block)
         spec = FragmentSpec(index=0, tensors=[TensorSpec(name="w", shape=[3, 50])])
-        got = wire.decode_update(payload, codec.read_header(payload, codes=True), spec, ALL)["w"]
+        got = passes.dense(
+            wire.decode_update(payload, codec.read_header(payload, codes=True), spec, ALL)["w"]
+        )
         assert torch.equal(got, sent["w"])
         anchor += got
         received += got
@@ -221,19 +226,22 @@ def test_error_feedback_through_the_wire_converges_to_the_float_sum(
 LAYOUT = Layout(fragments=[SPEC])
 
 
-def sync_with(tmp_path: Path, encodings: list[str]) -> Synchronizer:
+def sync_with(tmp_path: Path, encodings: list[str], merge: str = "mean") -> Synchronizer:
     s = SyncSettings(
         token="t",
         state_dir=tmp_path,
         outer_lr=1.0,
         outer_momentum=0.0,
         grace=False,
-        merge="mean",
+        merge=merge,  # type: ignore[arg-type]
         update_encodings=encodings,  # type: ignore[arg-type]
     )
     sync = Synchronizer(s)
     sync.join(JoinRequest(learner_id="l0"))
-    init = {k: torch.randn(v.shape) for k, v in delta().items()}
+    init = {
+        k: torch.randn(v.shape, generator=torch.Generator().manual_seed(9))
+        for k, v in delta().items()
+    }
     sync.init(codec.encode(init, {LAYOUT_KEY: LAYOUT.model_dump_json()}))
     return sync
 
@@ -270,21 +278,73 @@ def test_an_int4_update_is_merged_and_survives_a_restart(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("encoding", ["int8", "int4"])
-def test_dequantizing_in_chunks_pauses_between_them_and_gives_the_same_bits(
+def test_quantized_terms_are_read_in_chunks_with_the_bits_of_dequantize(
     encoding: str,
 ) -> None:
-    """Three and a bit chunks with a partial last block: `pause` between chunks (twice
-    for three chunks' worth of blocks and a remainder: three times), the values those of
-    `quant.dequantize` bit for bit."""
+    """A quantized update stays codes until read (passes.py): three and a bit chunks with a
+    partial last block. Its norm (dequantized, pausing between chunks: three times), its
+    dense form, its scaled copy and its axpy are those of `quant.dequantize`'s float32 bit
+    for bit, so a merge of codes is the merge of the floats they stand for."""
     block = 64
-    n = 3 * wire.CHUNK + 1000  # 1000 = 15 blocks and 40 values of a 16th
+    n = 3 * passes.CHUNK + 1000  # 1000 = 15 blocks and 40 values of a 16th
     x = torch.randn(n, generator=torch.Generator().manual_seed(3))
     q = quant.quantize(x, encoding, block)  # type: ignore[arg-type]
+    ref = quant.dequantize(q)
     pauses: list[int] = []
-    out = torch.empty(n)
-    wire._dequantize_into(out, q.codes, q.scales, encoding, block, lambda: pauses.append(1))
-    assert torch.equal(out, quant.dequantize(q))
+    assert passes.norm(q, lambda: pauses.append(1)) == float(torch.linalg.vector_norm(ref))
     assert len(pauses) == 3
-    again = torch.empty(n)
-    wire._dequantize_into(again, q.codes, q.scales, encoding, block)  # no pause: the same
-    assert torch.equal(again, out)
+    assert torch.equal(passes.dense(q), ref)
+    into, want = torch.empty(n), torch.empty(n)
+    passes.scale_into(into, q, 0.37)
+    torch.mul(ref, 0.37, out=want)
+    assert torch.equal(into, want)
+    acc = torch.randn(n, generator=torch.Generator().manual_seed(4))
+    want = acc.clone().add_(ref, alpha=-1.5)
+    passes.axpy(acc, q, -1.5)
+    assert torch.equal(acc, want)
+
+
+def test_an_int4_code_of_15_in_either_nibble_is_refused_where_it_is_decoded() -> None:
+    """Both nibbles of a byte are checked, past the first chunk too (quant.check_codes)."""
+    x = torch.randn(2 * passes.CHUNK + 10, generator=torch.Generator().manual_seed(5))
+    for bad in (0x0F, 0xF0):
+        q = quant.quantize(x, "int4", 64)
+        q.codes[passes.CHUNK // 2 + 7] |= bad
+        with pytest.raises(ValueError, match="int4 code above 14"):
+            quant.check_codes(q)
+        with pytest.raises(ValueError, match="int4 code above 14"):
+            passes.dense(q)
+
+
+@pytest.mark.parametrize("encoding", ["int8", "int4"])
+def test_a_round_keeps_only_codes_and_a_replay_merges_the_same_bits(
+    tmp_path: Path, encoding: str
+) -> None:
+    """Three learners' quantized updates, RDA: the round holds their codes (views of the
+    bodies), not float32. The live merge (terms summed from float32 dequantized once at
+    admission), a restart's replay of the same pending log (terms read from the codes) and
+    the merge of the float32 they stand for, sent as float32, give the same bits."""
+    live = sync_with(tmp_path / "live", [encoding], merge="rda")
+    replayed = sync_with(tmp_path / "replayed", [encoding], merge="rda")
+    floats = sync_with(tmp_path / "floats", ["float32"], merge="rda")
+    for i in range(3):
+        lid = f"l{i + 1}"
+        meta = META.model_copy(update={"learner_id": lid, "tokens": 64 * (i + 1)})
+        payload, sent = wire.encode_update(delta(seed=i), meta, encoding, 64)
+        as_float, _ = wire.encode_update(sent, meta, "float32")
+        for s, body in ((live, payload), (replayed, payload), (floats, as_float)):
+            s.join(JoinRequest(learner_id=lid))
+            assert s.submit(body, 0).status == "accepted"
+    held = [c.delta for c in live.rounds.rounds[0].contributions.values()]
+    assert len(held) == 3
+    assert all(isinstance(t, quant.Quantized) for d in held for t in d.values())
+    replayed.close()
+    replayed = Synchronizer(replayed.settings)
+    assert replayed.rounds.pending(0) == 3
+    for s in (live, replayed, floats):
+        assert s.merge(0) == 1  # the new version, with all three in it
+        assert s.rounds.pending(0) == 0
+    for k, v in floats.fragments[0].params.items():
+        assert torch.equal(live.fragments[0].params[k], v), k
+        assert torch.equal(replayed.fragments[0].params[k], v), k
+    assert not torch.equal(floats.fragments[0].params["w"], torch.zeros(3, 50))
