@@ -14,9 +14,11 @@ are offset to 0..14 and packed two to a byte, low nibble first. Scales are float
 float16 scale would overflow for a block whose absmax exceeds 65504 * 7.
 
 On the wire since issue 15 (synchronizer/wire.py): the synchronizer keeps a received
-update's codes as they arrived (a `Quantized` of views of its body) and dequantizes them a
-chunk of blocks at a time where they are read (`dequantize_blocks`, passes.py): an int4
-update waiting for its merge holds 1/8 of the memory of the float32 it stands for.
+update's codes as they arrived (a `Quantized` of views of its body, checked by
+`check_codes`) and dequantizes them a chunk of blocks at a time (`dequantize_blocks`,
+passes.py): once at admission, into float32 it gives back after its norm and round-sum
+term, and again wherever a merge or a replay reads them. An int4 update waiting for its
+merge holds 1/8 of the memory of the float32 it stands for.
 
 `quantize` and `dequantize` are vectorised over the whole tensor (one pass per operation, no
 Python loop over blocks); non-finite input is refused, because one inf would make its
