@@ -452,8 +452,7 @@ class Synchronizer(Merging):
         # no slot: dequantizing is where its ingest spends its cores (one slot for it cut
         # int4's capacity from 0.34 to 0.20 GB/s here); it waits between chunks while a merge
         # computes instead (`merge_first`, locks.py). The round keeps only its codes.
-        delta = wire.decode_update(payload, header, spec, self.accepted)
-        body = payload  # the views' bytes: pinned while a round holds them
+        delta = wire.decode_update(payload, header, spec, self.accepted)  # views of payload
         dense = None
         if any(isinstance(t, Quantized) for t in delta.values()):
             dense = {k: passes.dense(t, self.computing.wait) for k, t in delta.items()}
@@ -485,7 +484,7 @@ class Synchronizer(Merging):
                 ticket = plog.write(payload, record)
                 fs.norms = [*fs.norms, n][-admission.NORM_HISTORY :]
                 self._hold(
-                    p, meta, delta, opens=verdict == "fresh", norms=norms, body=body, dense=dense
+                    p, meta, delta, opens=verdict == "fresh", norms=norms, body=payload, dense=dense
                 )
                 held = True
                 summing = self.sums[p]
@@ -543,7 +542,8 @@ class Synchronizer(Merging):
     ) -> None:
         """Add an accepted update to p's open round (the caller holds p or is starting up);
         `body`: the payload `delta` views (None: `delta` is float32 of `POOL`, a test's).
-        `dense`: a quantized `delta`'s float32 of `POOL`, for its round-sum term (consumed)."""
+        `dense`: a quantized `delta`'s float32 of `POOL`: its round-sum term, or what a second
+        update of the learner's in this round adds to its contribution (consumed either way)."""
         if opens is None:
             opens = meta.base_version == self.fragments[p].version
         with self.lock:
@@ -553,9 +553,10 @@ class Synchronizer(Merging):
                 self.sums[p].offer(pending, dense)
             else:
                 self.sums[p].spoil()  # the term queued for it is no longer its own
-                if dense is not None:
-                    POOL.give(dense.values())
-                pending.absorb(meta, delta, body)
+                if dense is not None:  # summed from the float32 made already (same bits)
+                    pending.absorb(meta, dense)
+                else:
+                    pending.absorb(meta, delta, body)
             self.rounds.add(p, meta.learner_id, pending, opens=opens)
             if (rec := self.learners.get(meta.learner_id)) is not None:
                 rec.period_tokens = cap_counters(

@@ -139,13 +139,13 @@ def decode_update(
     encoding = encoding_of(header)
     require(encoding, accepted)
     if encoding in FLOAT_ENCODINGS:
-        return dict(_decode_float(payload, header, spec))
-    return dict(_decode_quantized(payload, header, spec, encoding))
+        return _decode_float(payload, header, spec)
+    return _decode_quantized(payload, header, spec, encoding)
 
 
 def _decode_float(
     payload: bytes, header: codec.Header, spec: FragmentSpec
-) -> dict[str, torch.Tensor]:
+) -> dict[str, passes.Term]:
     for name, t in header.tensors.items():
         if t.dtype not in codec.ST_DTYPES:
             allowed = ", ".join(codec.ST_DTYPES)
@@ -173,7 +173,7 @@ def _decode_quantized(
     header: codec.Header,
     spec: FragmentSpec,
     encoding: str,
-) -> dict[str, quant.Quantized]:
+) -> dict[str, passes.Term]:
     block = _block(header)
     code_dtype = CODE_DTYPE[encoding]
     expected: dict[str, tuple[str, int]] = {}  # payload tensor -> (dtype, numel)
@@ -199,7 +199,7 @@ def _decode_quantized(
                 f"{block} and the layout need {dtype} [{numel}]"
             )
     tensors = codec.tensor_views(payload, header)
-    out: dict[str, quant.Quantized] = {}
+    out: dict[str, passes.Term] = {}
     for t in spec.tensors:
         q = quant.Quantized(
             encoding,  # type: ignore[arg-type]

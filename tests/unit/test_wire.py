@@ -12,6 +12,7 @@ hand-overs stays within one block scale of the sum the learner meant, however la
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -348,3 +349,59 @@ def test_a_round_keeps_only_codes_and_a_replay_merges_the_same_bits(
         assert torch.equal(live.fragments[0].params[k], v), k
         assert torch.equal(replayed.fragments[0].params[k], v), k
     assert not torch.equal(floats.fragments[0].params["w"], torch.zeros(3, 50))
+
+
+@pytest.mark.parametrize("merge_first", [True, False])
+def test_a_quantized_update_waits_between_chunks_while_a_merge_computes(
+    tmp_path: Path, merge_first: bool
+) -> None:
+    """`merge_first`: admission dequantizes a quantized update a chunk at a time and waits
+    between chunks while a merge computes (the gate is held here as a merge holds it, and
+    each wait lasts at most 1 s); off, it goes straight on."""
+    shape = [3 * passes.CHUNK]
+    layout = Layout(fragments=[FragmentSpec(index=0, tensors=[TensorSpec(name="w", shape=shape)])])
+    settings = SyncSettings(
+        token="t",
+        state_dir=tmp_path,
+        grace=False,
+        update_encodings=["int4"],  # type: ignore[list-item]
+        merge_first=merge_first,
+    )
+    sync = Synchronizer(settings)
+    sync.join(JoinRequest(learner_id="l0"))
+    sync.init(codec.encode({"w": torch.ones(shape)}, {LAYOUT_KEY: layout.model_dump_json()}))
+    payload, _ = wire.encode_update({"w": torch.full(shape, 1e-3)}, META, "int4", 128)
+    answers: list[str] = []
+    poster = threading.Thread(target=lambda: answers.append(sync.submit(payload, 0).status))
+    with sync.computing:  # a merge computing
+        poster.start()
+        poster.join(0.6)
+        assert answers == ([] if merge_first else ["accepted"])
+    poster.join(10)
+    assert answers == ["accepted"]
+    sync.close()
+
+
+@pytest.mark.parametrize("encoding", ["int8", "int4"])
+def test_a_learners_second_quantized_update_in_a_round_adds_the_floats_it_stands_for(
+    tmp_path: Path, encoding: str
+) -> None:
+    """Two updates of one learner in one round are summed into its contribution (the
+    second from the float32 admission made of it): the same bits as the same two updates
+    sent as float32, live and after a restart's replay."""
+    live = sync_with(tmp_path / "live", [encoding], merge="rda")
+    replayed = sync_with(tmp_path / "replayed", [encoding], merge="rda")
+    floats = sync_with(tmp_path / "floats", ["float32"], merge="rda")
+    for step in (4, 8):
+        meta = META.model_copy(update={"learner_step": step})
+        payload, sent = wire.encode_update(delta(seed=step), meta, encoding, 64)
+        as_float, _ = wire.encode_update(sent, meta, "float32")
+        for s, body in ((live, payload), (replayed, payload), (floats, as_float)):
+            assert s.submit(body, 0).status == "accepted"
+    replayed.close()
+    replayed = Synchronizer(replayed.settings)
+    for s in (live, replayed, floats):
+        assert s.merge(0) == 1
+    for k, v in floats.fragments[0].params.items():
+        assert torch.equal(live.fragments[0].params[k], v), k
+        assert torch.equal(replayed.fragments[0].params[k], v), k
