@@ -2,11 +2,13 @@
 
 A merge used to be durable once its fragment file (64 MB of Theta and 64 MB of momentum
 for a 16M-parameter fragment) was written and fsynced, and that write was half of the
-merge's time (bench/RESULTS.md, issue 15). The merge's inputs are already durable: every
-update it took is a record in the fragment's pending log. So a merge now appends one small
-record here and fsyncs it (`MergeRecord`: the fragment's version before, which learners'
-updates up to which order it took, in the round's order, the live token mass, the merge
-policy, and a digest of the result) and its version is served; the fragment file is
+merge's time (bench/RESULTS.md, issue 15). The merge's inputs are on disk already: every
+update it took is a record in the fragment's pending log, written before the update joined
+its round (its uploader's fsync comes after, so the merge syncs those segments first:
+mostly at once). So a merge now appends one small record here and fsyncs it
+(`MergeRecord`: the fragment's version before, which learners' updates up to which order
+it took, in the round's order, the live token mass, the merge policy, and a digest of the
+result) and its version is served; the fragment file is
 written after, by `Snapshots` in the background, and only then are the journal's records
 and the log's segments it covers let go.
 

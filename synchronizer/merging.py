@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+from collections.abc import Sequence
 
 from ddiloco.synchronizer.buffers import POOL
 from ddiloco.synchronizer.contribution import Contribution
@@ -83,7 +84,7 @@ class Merging:
             phases: dict[str, float] = {}
             try:
                 outcome, new, served, journaled = self._merged(
-                    p, spec, fs, taken, live_tokens, resync, phases, summed
+                    p, spec, fs, taken, live_tokens, resync, phases, summed, segments
                 )
             except NonFiniteMerge as e:
                 self._put_back(p, taken)
@@ -170,12 +171,15 @@ class Merging:
         resync: bool = False,
         phases: dict[str, float] | None = None,
         summed: RoundSum | None = None,
+        segments: Sequence[PendingLog] = (),
     ) -> tuple[MergeOutcome | None, FragmentState, tuple[int, memoryview], bool]:
         """The next state of fragment p from `taken`, durable, and its served encoding;
         `fs` and the contributions are only read. Durable as a merge journal record (True
         last), or (False) in the fragment file, written here: then the caller holds
         `snapshots.locks[p]` on return and releases it once it has let go of the journal.
-        `phases` gets the seconds of compute, durable and encode."""
+        `phases` gets the seconds of compute, durable and encode. `segments`: the pending
+        log's segments that hold `taken`'s records, made durable before the journal record
+        that names them (an update is in its round before its uploader's fsync returns)."""
         phases = {} if phases is None else phases
         t0 = self.clock()
         try:
@@ -198,6 +202,7 @@ class Merging:
         assert self.snapshots is not None
         try:
             if journaled:
+                self._inputs_durable(p, segments)
                 record = MergeRecord(
                     version=fs.version,
                     ids=list(taken),
@@ -223,6 +228,19 @@ class Merging:
         served = self._encode(p, new)
         phases["durable"], phases["encode"] = t2 - t1, self.clock() - t2
         return outcome, new, served, journaled
+
+    def _inputs_durable(self, p: int, segments: Sequence[PendingLog]) -> None:
+        """The records a journaled merge names, durable before its record: replay rebuilds
+        the merge from them, and an update joins its round before its uploader's fsync
+        returns. Mostly at once (those fsyncs ran beside the compute); a failed one stops
+        the process, as the uploader's would (`_make_durable`)."""
+        try:
+            for seg in segments:
+                seg.sync_all()
+        except OSError as e:
+            log.critical("fsync of the pending log of fragment %d failed (%s): stopping", p, e)
+            self.on_fatal()
+            raise
 
     def _write_file(self, p: int) -> None:
         """Write fragment p's served state to its file if the file is behind, then let go of

@@ -240,6 +240,10 @@ class PendingLog:
     def append(self, payload: bytes | bytearray) -> None:
         self.sync(self.write(payload))
 
+    def sync_all(self) -> None:
+        """Every record written so far durable (a sealed segment takes no more: all of it)."""
+        self.sync((self.generation, self.written))
+
     def read(self, *, repair: bool = True) -> list[bytes]:
         """Every whole record; a torn tail (a crash mid-append) is cut off the file, unless
         `repair` is False (a reader beside a running synchronizer: `ddiloco export`)."""

@@ -194,6 +194,37 @@ def test_a_replay_that_differs_in_its_bits_takes_one_version_more(
     assert same_bits(fs.params, served[-1]["params"])  # the same bits after all, here
 
 
+def test_a_journaled_merge_makes_the_records_it_names_durable_before_its_record(
+    tmp_path: Path,
+) -> None:
+    """An update joins its round under the fragment's lock and its uploader fsyncs after:
+    a merge may take it in between. Replay rebuilds a journaled merge from the log's
+    records, so the merge's record must not be durable before theirs (a power loss would
+    leave a journal naming updates the log lacks: a synchronizer that cannot restart)."""
+    sync = make(tmp_path, Clock())
+    start(sync)
+    stop_writer(sync)
+    paused: list[object] = []
+    # both uploaders stopped just before their fsync (their threads not scheduled yet)
+    sync._make_durable = lambda p, plog, ticket: paused.append(ticket)  # type: ignore[method-assign]
+    assert sync.submit(update("a", 10, 0, 1)).status == "accepted"
+    assert sync.submit(update("b", 10, 0, 2)).status == "accepted"
+    segments = sync.store.pending(0)._segments()
+    assert len(paused) == 2 and segments and all(s.synced < s.written for s in segments)
+    journal = sync.journals[0]
+    at_record: list[bool] = []
+    real_append = journal.append
+
+    def append(rec: Any) -> None:
+        at_record.append(all(s.synced == s.written for s in segments))
+        real_append(rec)
+
+    journal.append = append  # type: ignore[method-assign]
+    assert sync.merge(0) == 1
+    assert at_record == [True]  # synced before the record was written
+    assert [r.version for r in MergeJournal(tmp_path, 0).records()] == [0]
+
+
 def test_after_a_put_back_round_the_next_merge_writes_its_file_first(tmp_path: Path) -> None:
     sync = make(tmp_path, Clock())
     start(sync)
