@@ -7,8 +7,10 @@ worker thread, never on the event loop.
 Who owns what: `admission` decides accept / duplicate / refuse; `Rounds` owns the quorum,
 the grace window and all of its inputs (liveness, step times); `MergePolicy` turns a round
 into the next version; `StateStore` keeps fragments, pending updates and the ledger on disk.
-The merge path (`merge`, making a merge durable, the background file writes) is the mixin
-`Merging` in merging.py.
+Three mixins hold the rest of its methods: the update path (`submit`, from a body to a
+durable record in its round) in updates.py, the learner calls (`join`, `heartbeat`, `poll`)
+in learners.py, the merge path (`merge`, making a merge durable, the background file
+writes) in merging.py.
 
 The contract: an update answered `accepted` is in the fragment's pending log on disk before
 the answer, and is merged exactly once, whatever crashes: a restarted synchronizer replays
@@ -37,61 +39,34 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-import torch
-
-from ddiloco.synchronizer import admission, codec, ledger, passes, shards, wire
-from ddiloco.synchronizer.buffers import POOL
+from ddiloco.synchronizer import codec, ledger, shards
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.contribution import Contribution
 from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
-from ddiloco.synchronizer.journal import (
-    MergeJournal,
-    Snapshots,
-    replay,
-)
+from ddiloco.synchronizer.journal import MergeJournal, Snapshots, replay
+from ddiloco.synchronizer.learners import Learners
 from ddiloco.synchronizer.ledger import LearnerRecord
 from ddiloco.synchronizer.locks import FragmentLock, MergeGate
-from ddiloco.synchronizer.merge import (
-    MergePolicy,
-    cap_counters,
-)
+from ddiloco.synchronizer.merge import MergePolicy
 from ddiloco.synchronizer.merging import Merging
-from ddiloco.synchronizer.metrics import BROADCAST_ENCODINGS, SyncMetrics, encoding_of
-from ddiloco.synchronizer.passes import Term
+from ddiloco.synchronizer.metrics import BROADCAST_ENCODINGS, SyncMetrics
 from ddiloco.synchronizer.prime import prime
 from ddiloco.synchronizer.protocol import (
-    MAX_DATA_POSITION,
     MODEL_KEY,
     FragmentStatus,
-    Heartbeat,
-    HeartbeatResponse,
     InitResponse,
-    JoinRequest,
-    JoinResponse,
     Layout,
     ModelSpec,
     Status,
-    UpdateMeta,
-    UpdateResponse,
 )
-from ddiloco.synchronizer.quant import Quantized
 from ddiloco.synchronizer.rounds import GracePolicy, Rounds
 from ddiloco.synchronizer.served import Served
-from ddiloco.synchronizer.state import (
-    FragmentLog,
-    FragmentState,
-    Order,
-    PendingLog,
-    StateStore,
-    Ticket,
-)
+from ddiloco.synchronizer.state import FragmentState, PendingLog, StateStore
 from ddiloco.synchronizer.stream import RoundSum
+from ddiloco.synchronizer.updates import Updates
 
 log = logging.getLogger(__name__)
 
-
-HEADER_SLACK = 1 << 20
-"""Bytes a safetensors header with metadata may add to a fragment's tensors."""
 
 __all__ = ["SyncError", "Synchronizer"]
 
@@ -107,7 +82,7 @@ def model_from_metadata(meta: dict[str, str]) -> ModelSpec | None:
         raise PayloadError(f"init payload has an invalid model spec: {str(e)[:500]}") from None
 
 
-class Synchronizer(Merging):
+class Synchronizer(Updates, Learners, Merging):
     """State: layout, per-fragment Theta/momentum/version, open rounds, learner ledger."""
 
     def __init__(self, settings: SyncSettings, clock: Callable[[], float] = time.monotonic) -> None:
@@ -181,9 +156,9 @@ class Synchronizer(Merging):
         self.upload_port: int | None = None
         """The bound port of the upload listener (bulk.py), told to learners at join."""
         self.on_change: Callable[[], None] = lambda: None
+        """Called (from any thread) when versions or open rounds change: wakes long polls."""
         self.on_fatal: Callable[[], None] = lambda: os._exit(70)
         """Called when durability cannot be kept (a failed fsync): ends the process."""
-        """Called (from any thread) when versions or open rounds change: wakes long polls."""
         self.metrics = SyncMetrics(self.status, enabled=s.metrics)
         """Prometheus instruments, observed below as things happen (metrics.py)."""
         saved = self.store.load_ledger()
@@ -287,79 +262,6 @@ class Synchronizer(Merging):
         """Published versions: durable on disk and served (a merge in progress is not)."""
         return [version for version, _ in self.served]
 
-    def body_limit(self, p: int | None) -> int:
-        """The largest body the update route of fragment p (None: the init route) can need;
-        pure and lock-free. An update before init, or to a fragment that does not exist, is
-        refused from its header alone."""
-        if p is None:
-            return self.settings.max_init_bytes
-        if self.layout is None or not 0 <= p < len(self.layout.fragments):
-            return HEADER_SLACK
-        return self.layout.fragments[p].numel() * 4 + HEADER_SLACK
-
-    def _save_ledger(self) -> None:
-        with self.ledger_lock:
-            with self.lock:
-                totals = {**self.totals, "refusals": dict(self.refusals)}
-                snap = ledger.snapshot(self.learners, totals)
-            self.store.save_ledger(snap)
-
-    def _learner(self, learner_id: str) -> LearnerRecord:
-        rec = self.learners.get(learner_id)
-        if rec is None:
-            raise SyncError(
-                Refusal.UNKNOWN_LEARNER,
-                f"learner {learner_id!r} has not joined; POST /v1/join first",
-            )
-        return rec
-
-    # ---- learner calls -----------------------------------------------------------
-    def join(self, req: JoinRequest) -> JoinResponse:
-        with self.lock:
-            digest = self.layout.digest() if self.layout else None
-            if digest and req.layout_digest and req.layout_digest != digest:
-                raise SyncError(
-                    Refusal.CONFLICT,
-                    f"layout digest {req.layout_digest} differs from the "
-                    f"job's {digest}: same model, P and fragment rule on every learner",
-                )
-            rec = self.learners.setdefault(req.learner_id, LearnerRecord(req.learner_id))
-            if rec.incarnation:
-                rec.past_compute_seconds += rec.compute_seconds
-                rec.past_uptime_seconds += rec.uptime_seconds
-                rec.compute_seconds = rec.uptime_seconds = 0.0
-                rec.past_tokens_total += rec.tokens_total
-                rec.tokens_total = 0
-            rec.incarnation += 1
-            rec.last_seen = self.clock()
-            self.rounds.heard(req.learner_id)
-            incarnation = rec.incarnation
-            # the slot resumes where it was counted; the joiner reserves what it will draw
-            # before its first heartbeat can report it (learner/corpus.py)
-            resume = rec.data_position
-            rec.data_position = min(MAX_DATA_POSITION, resume + req.data_reserve)
-        # durable before the answer: an incarnation (and a data position) is never handed
-        # out twice
-        self._save_ledger()
-        log.info(
-            "Learner joined learner=%s incarnation=%d host=%s",
-            req.learner_id,
-            incarnation,
-            req.host,
-        )
-        return JoinResponse(
-            initialized=self.layout is not None,
-            layout_digest=digest,
-            versions=self.versions(),
-            incarnation=incarnation,
-            data_position=resume,
-            update_encodings=list(self.settings.update_encodings),
-            shard=self.settings.shard,
-            shards=self.settings.shards,
-            owned=list(self.owned),
-            upload_port=self.upload_port,
-        )
-
     def init(self, payload: bytes) -> InitResponse:
         header = codec.read_header(payload)
         layout = codec.layout_from_metadata(header.metadata)
@@ -419,192 +321,6 @@ class Synchronizer(Merging):
                 f"this shard {self.settings.shard}: send it to shard {owner} (the learner's "
                 "DDILOCO_SYNC_URL lists the shards in order)",
             )
-
-    def _high_water(self, p: int, learner_id: str) -> Order | None:
-        """The highest order held for this learner and fragment, merged or pending."""
-        marks = [self.fragments[p].high_water.get(learner_id)]
-        for held in (self.rounds.rounds[p].contributions, self.merging[p]):
-            c = held.get(learner_id)
-            marks.append(c.order if c is not None else None)
-        known = [m for m in marks if m is not None]
-        return max(known) if known else None
-
-    def submit(self, payload: bytes, path_fragment: int | None = None) -> UpdateResponse:
-        if self.layout is None:
-            raise SyncError(Refusal.NOT_INITIALIZED, "no global model yet: nothing to update")
-        header = codec.read_header(payload, codes=True)  # checked once, used twice
-        meta = admission.parse_update(header, path_fragment, len(self.fragments))
-        self.check_owner(meta.fragment)
-        self._learner(meta.learner_id)
-        p, s = meta.fragment, self.settings
-        spec = self.layout.fragments[p]
-        with self.lock:  # a duplicate stays one (high-water marks only grow): no decode
-            if admission.is_duplicate(meta, self._high_water(p, meta.learner_id)):
-                return UpdateResponse(
-                    status="duplicate", fragment=p, round_version=self.fragments[p].version
-                )
-        # The passes over the bytes run before the fragment's lock, so concurrent updates
-        # of one fragment decode side by side: views of the body in the layout's shapes, in
-        # an accepted encoding (415 else, wire.py), its finite norm, the log record's
-        # checksum. At most `cpu_slots` uploads measure and checksum at once (`cpu`): a merge
-        # is not one runnable thread of sixteen. A quantized update is dequantized once into
-        # float32 of `POOL` for its norm and its round-sum term (passes.py, stream.py), with
-        # no slot: dequantizing is where its ingest spends its cores (one slot for it cut
-        # int4's capacity from 0.34 to 0.20 GB/s here); it waits between chunks while a merge
-        # computes instead (`merge_first`, locks.py). The round keeps only its codes.
-        delta = wire.decode_update(payload, header, spec, self.accepted)  # views of payload
-        dense = None
-        if any(isinstance(t, Quantized) for t in delta.values()):
-            dense = {k: passes.dense(t, self.computing.wait) for k, t in delta.items()}
-        held = False
-        try:
-            with self.cpu:
-                norms = admission.delta_norms(dense or delta, spec)
-                n = codec.total_norm(norms)
-                record = PendingLog.record(payload)
-            plog = self.store.pending(p)
-            with self.frag_locks[p]:
-                fs = self.fragments[p]
-                verdict = admission.admit(
-                    meta,
-                    version=fs.version,
-                    high_water=self._high_water(p, meta.learner_id),
-                    max_staleness=s.max_staleness,
-                )
-                if verdict == "duplicate":
-                    return UpdateResponse(status="duplicate", fragment=p, round_version=fs.version)
-                admission.check_norm(
-                    n,
-                    spec,
-                    theta_norm=self._theta_norm(fs),
-                    recent=fs.norms,
-                    max_update_ratio=s.max_update_ratio,
-                    max_norm_ratio=s.max_norm_ratio,
-                )
-                ticket = plog.write(payload, record)
-                fs.norms = [*fs.norms, n][-admission.NORM_HISTORY :]
-                self._hold(
-                    p, meta, delta, opens=verdict == "fresh", norms=norms, body=payload, dense=dense
-                )
-                held = True
-                summing = self.sums[p]
-                # the round after the one a merge in flight took, if any
-                round_version = fs.version + (2 if self.merging[p] else 1)
-        finally:
-            if not held and dense is not None:  # refused, or a duplicate
-                POOL.give(dense.values())
-        with self.cpu:
-            summing.drain()  # its term in the round's sum (stream.py), unless another adds it
-        self._make_durable(p, plog, ticket)  # one fsync for every record written before it
-        with self.lock:
-            self.rounds.heard(meta.learner_id)
-            self.totals["bytes_up"] += len(payload)
-        m = self.metrics
-        m.updates_accepted.inc()
-        m.update_bytes.observe(len(payload))
-        m.bytes_received.labels(encoding_of(e.dtype for e in header.tensors.values())).inc(
-            len(payload)
-        )
-        self.on_change()
-        return UpdateResponse(status="accepted", fragment=p, round_version=round_version)
-
-    def _make_durable(self, p: int, plog: FragmentLog, ticket: Ticket) -> None:
-        """The update behind `ticket` is held in its round; return once it is durable too.
-        If the fsync fails, what the disk holds is unknown (a failed fsync may drop the
-        dirty pages it could not write), and the update is held in memory where a retry is
-        answered `duplicate`: the only answer that keeps "accepted means kept" is to stop
-        the process, so a restart replays exactly what the log holds (the clients re-send
-        what they were never told was accepted)."""
-        try:
-            plog.sync(ticket)
-        except OSError as e:
-            log.critical("fsync of the pending log of fragment %d failed (%s): stopping", p, e)
-            self.on_fatal()
-            raise
-
-    @staticmethod
-    def _theta_norm(fs: FragmentState) -> float:
-        """The global fragment's norm, once per version (every update's guard needs it; it
-        was a full pass over the fragment per update)."""
-        if fs.theta_norm is None:
-            fs.theta_norm = codec.norm(fs.params)
-        return fs.theta_norm
-
-    def _hold(
-        self,
-        p: int,
-        meta: UpdateMeta,
-        delta: dict[str, Term],
-        opens: bool | None = None,
-        norms: dict[str, float] | None = None,
-        body: memoryview | bytes | None = None,
-        dense: dict[str, torch.Tensor] | None = None,
-    ) -> None:
-        """Add an accepted update to p's open round (the caller holds p or is starting up);
-        `body`: the payload `delta` views (None: `delta` is float32 of `POOL`, a test's).
-        `dense`: a quantized `delta`'s float32 of `POOL`: its round-sum term, or what a second
-        update of the learner's in this round adds to its contribution (consumed either way)."""
-        if opens is None:
-            opens = meta.base_version == self.fragments[p].version
-        with self.lock:
-            pending = self.rounds.rounds[p].contributions.get(meta.learner_id)
-            if pending is None:
-                pending = Contribution.of(meta, delta, norms, body)
-                self.sums[p].offer(pending, dense)
-            else:
-                self.sums[p].spoil()  # the term queued for it is no longer its own
-                if dense is not None:  # summed from the float32 made already (same bits)
-                    pending.absorb(meta, dense)
-                else:
-                    pending.absorb(meta, delta, body)
-            self.rounds.add(p, meta.learner_id, pending, opens=opens)
-            if (rec := self.learners.get(meta.learner_id)) is not None:
-                rec.period_tokens = cap_counters(
-                    meta.tokens, meta.steps, self.policy.counter_cap_steps
-                )[0]
-
-    def reject(self, kind: Refusal | str = Refusal.INVALID) -> None:
-        with self.lock:
-            self.refusals[str(kind)] += 1
-
-    def heartbeat(self, hb: Heartbeat) -> HeartbeatResponse:
-        with self.lock:
-            rec = self._learner(hb.learner_id)
-            rec.last_seen = self.clock()
-            rec.step, rec.tokens_total, rec.step_seconds = hb.step, hb.tokens_total, hb.step_seconds
-            rec.compute_seconds, rec.uptime_seconds = hb.compute_seconds, hb.uptime_seconds
-            rec.loss, rec.steps = hb.loss, hb.steps
-            self.rounds.heard(hb.learner_id, hb.step_seconds)
-            advanced = hb.data_position > rec.data_position
-            rec.data_position = max(rec.data_position, hb.data_position)
-        if advanced:  # a new reservation is durable before it is answered (learner/corpus.py)
-            self._save_ledger()
-        return self.poll(hb.learner_id)
-
-    def model_spec(self) -> ModelSpec:
-        """What the job trains, as its init upload said (kind `unknown` if it said nothing)."""
-        if self.layout is None:
-            raise SyncError(
-                Refusal.NOT_INITIALIZED, "no global model yet: the first learner uploads it"
-            )
-        return self.model or ModelSpec()
-
-    def poll(self, learner_id: str) -> HeartbeatResponse:
-        """What a learner should know now: versions, and rounds it could still join."""
-        with self.lock:
-            steps = self.learners[learner_id].steps
-            requested = [
-                p
-                for p in self.rounds.collecting()
-                if learner_id not in self.rounds.rounds[p].contributions
-                and p < len(steps)
-                and steps[p] > 0
-            ]
-            return HeartbeatResponse(versions=self.versions(), requested=requested)
-
-    @staticmethod
-    def news(hb: Heartbeat, resp: HeartbeatResponse) -> bool:
-        return resp.versions != hb.known_versions or set(resp.requested) != set(hb.known_requested)
 
     # ---- status ------------------------------------------------------------------
     def _mean_merge_scale(self) -> float:
