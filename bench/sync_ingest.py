@@ -23,7 +23,8 @@ synchronizer's own /metrics histograms) as a fraction of tau x step time for a 1
 Also the time from a round's quorum to its merged fragment being served (the grace window,
 the merge and persisting it), and from the round's close (its window's end) to served: the
 synchronizer's own part, which the window (Eq. 3: half the slack, at most one step) does not
-hold; each part of a merge in ms (compute, durable, encode, install, finish); and the
+hold; each part of a merge in ms (compute, durable, encode, install, finish), and the
+slowest merges of each arm with their parts (the synchronizer logs each merge's); and the
 synchronizer's peak resident memory. Arms are every combination of a transport (`--arms`: up,
 HTTP/1.1 into the synchronizer's upload port, which learners use (synchronizer/bulk.py); h1,
 HTTP/1.1 into the main port's ASGI server; h2, HTTP/2 cleartext by prior knowledge into the
@@ -411,6 +412,7 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
             except subprocess.TimeoutExpired:
                 proc.kill()
             log.close()
+        logged = slow_merges(root)
         shutil.rmtree(root, ignore_errors=True)
     acc_bytes = sum(t.accepted_bytes for t in tallies)
     accepted = sum(t.accepted for t in tallies)
@@ -479,11 +481,49 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
             for by in ("background", "merge")
             for h in [histogram(metrics, "ddiloco_fragment_file_write_seconds", f'by="{by}"')]
         },
+        "slowest": logged[:SLOWEST],
         "served_mean_frac": ratio(mean(metrics, "ddiloco_round_served_seconds")),
         "grace_mean_s": mean(metrics, "ddiloco_grace_window_seconds"),
         "refused": refused,
         "errors": sum(t.errors for t in tallies),
     }
+
+
+MERGED = re.compile(r"Merged fragment=(\d+) version=(\d+) .* in (\d+) ms \((.*)\)")
+SLOWEST = 5
+"""The slowest merges of an arm printed with their parts (from the synchronizer's log)."""
+
+
+def slow_merges(root: Path) -> list[dict[str, Any]]:
+    """Every merge the shards logged, slowest first: fragment, version, ms, and its parts in
+    ms (the log line `merging.py` writes as the merge is served)."""
+    out = []
+    for f in root.glob("sync-*.log"):
+        for m in MERGED.finditer(f.read_text(errors="replace")):
+            parts = dict(kv.rsplit(" ", 1) for kv in m.group(4).split(", ") if " " in kv)
+            out.append(
+                {
+                    "fragment": int(m.group(1)),
+                    "version": int(m.group(2)),
+                    "ms": int(m.group(3)),
+                    "parts": {k: int(v) for k, v in parts.items()},
+                }
+            )
+    return sorted(out, key=lambda r: -r["ms"])
+
+
+def slowest_table(rows: list[dict[str, Any]]) -> str:
+    """Each arm's slowest merges and where their time went: the merges that make the p99."""
+    lines = []
+    for r in rows:
+        cells = [
+            f"f{m['fragment']} v{m['version']} {m['ms']} ms ("
+            + " ".join(f"{k[0]}{v}" for k, v in m["parts"].items())
+            + ")"
+            for m in r["slowest"]
+        ]
+        lines.append(f"  {r['arm']:<30} " + "; ".join(cells))
+    return "\n".join(lines)
 
 
 def fmt(v: Any, spec: str) -> str:
@@ -645,6 +685,11 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, mem))
     print("\nparts of a merge (ddiloco_merge_phase_seconds), ms p50/p99:")
     print(phase_table(rows))
+    print(
+        f"\nthe {SLOWEST} slowest merges (the synchronizer's log): fragment, version, ms"
+        " (c compute, d durable, e encode, i install, f finish)"
+    )
+    print(slowest_table(rows))
     print(f"\nmerges and close->served within {GOAL} of tau x step (count / all):")
     for r in rows:
         print(

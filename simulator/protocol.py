@@ -10,10 +10,11 @@ local run decided that), split into incarnations (a killed process loses its sta
 replacement joins afresh), the tokens behind each step, and stretches in which the process
 was frozen (SIGSTOP: no heartbeat). This module decides what becomes of that work.
 
-Synchronizer (synchronizer/service.py `submit`, `merge`; admission.py): the service's own
-`ddiloco.synchronizer.rounds.Rounds`, on the event loop's clock. A running learner process
-heartbeats (long polls) from its join until it is killed or frozen; before Rounds is
-consulted, each learner's latest heartbeat is delivered to `Rounds.heard` at its own time.
+Synchronizer (synchronizer/updates.py `submit`, merging.py `merge`; admission.py): the
+service's own `ddiloco.synchronizer.rounds.Rounds`, on the event loop's clock. A running
+learner process heartbeats (long polls) from its join until it is killed or frozen; before
+Rounds is consulted, each learner's latest heartbeat is delivered to `Rounds.heard` at its
+own time.
 An update based on the current version is fresh and may start p's round; one at most
 `max_staleness` versions old is late and waits in p's next round (`add(..., opens=False)`);
 an older one is refused and its work lost. A learner's contributions to one round sum.

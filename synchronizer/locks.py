@@ -15,7 +15,7 @@ bench/RESULTS.md, issue 15). Here a merge waits for the holder only: plain acqui
 while anyone waits in `first`.
 
     gate = MergeGate()
-    with gate:              # a merge computing (service.py `_merged`)
+    with gate:              # a merge computing (merging.py `_merged`)
         ...
     gate.wait()             # an upload port's body read, before each chunk (bulk.py)
 

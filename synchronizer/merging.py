@@ -151,13 +151,15 @@ class Merging:
         self._save_ledger()
         self.on_change()
         if outcome is not None:
-            log.info(
-                "Merged fragment=%d version=%d rule=%s contributors=%d tokens=%d",
+            log.info(  # served `now`: its time and parts, as the merge histograms saw them
+                "Merged fragment=%d version=%d rule=%s contributors=%d tokens=%d in %.0f ms (%s)",
                 p,
                 fs.version,
                 outcome.rule,
                 outcome.contributors,
                 outcome.tokens,
+                (now - t_merge) * 1e3,
+                ", ".join(f"{part} {s * 1e3:.0f}" for part, s in phases.items()),
             )
         return fs.version if outcome is not None else None
 
