@@ -87,6 +87,15 @@ class SyncSettings(BaseSettings):
     128 MB file of a 16M-parameter fragment is then written in the background, and that
     many merges' updates stay on disk until it is. 0: every merge writes its fragment file
     before its version is served (the old path, half of the merge's time)."""
+    snapshot_every: int = Field(0, ge=0, le=64)
+    """How many merges a fragment's file trails before the background writer writes it
+    again (the latest state; the merges in between are in the journal). 0: half of
+    `snapshot_lag`, at least 1. Each file is 128 MB for a 16M-parameter fragment (Theta and
+    momentum): written after every merge, those writes were most of the disk's bytes, and a
+    merge's journal fsync waited behind them (at 0.5-0.8 GB/s the durable part's p99 fell
+    from 320-355 ms to 228-247 with every 2nd merge written, bench/RESULTS.md). A restart
+    redoes at most `snapshot_lag` merges either way. At most `snapshot_lag`: the writer
+    needs the merges in between to finish before a merge would write the file itself."""
     torch_threads: int = Field(0, ge=0, le=1024)
     """Threads one tensor operation may use (`torch.set_num_threads`, set by `ddiloco
     synchronizer`). The synchronizer runs many operations at once (a thread per upload, a
@@ -205,6 +214,20 @@ class SyncSettings(BaseSettings):
                 f"give 0 <= shard < shards"
             )
         return self
+
+    @model_validator(mode="after")
+    def _snapshot_every(self) -> SyncSettings:
+        if self.snapshot_lag and self.snapshot_every > self.snapshot_lag:
+            raise ValueError(
+                f"DDILOCO_SNAPSHOT_EVERY={self.snapshot_every} exceeds DDILOCO_SNAPSHOT_LAG="
+                f"{self.snapshot_lag}: a fragment's file would trail more than the lag before "
+                "the writer wrote it; give at most the lag (0: half of it)"
+            )
+        return self
+
+    def snapshot_period(self) -> int:
+        """Merges between the background writer's files of a fragment (`snapshot_every`)."""
+        return self.snapshot_every or max(1, self.snapshot_lag // 2)
 
     @model_validator(mode="after")
     def _tls_files(self) -> SyncSettings:

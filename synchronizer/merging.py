@@ -113,8 +113,9 @@ class Merging:
             t_finish = self.clock()
             phases["install"] = t_finish - t_install
             assert self.snapshots is not None
-            if journaled:
-                self.snapshots.request(p)
+            if journaled:  # the file every `snapshot_every` merges (config.py)
+                if new.version - self.file_versions[p] >= self.settings.snapshot_period():
+                    self.snapshots.request(p)
             else:  # the file holds it: the journal's records and the segments let go
                 try:
                     self._let_go(p, new.version, segments)
@@ -275,8 +276,12 @@ class Merging:
         self.store.pending(p).drop(list(unique.values()))
 
     def flush(self, timeout: float = 60.0) -> None:
-        """Return once every fragment file holds its served version (tests, export)."""
+        """Return once every fragment file holds its served version (tests, export), those
+        the writer was not yet asked for (`snapshot_every`) too."""
         if self.snapshots is not None:
+            for p in self.owned:
+                if self.fragments[p].version > self.file_versions[p]:
+                    self.snapshots.request(p)
             self.snapshots.flush(timeout)
 
     def _put_back(self, p: int, taken: dict[str, Contribution]) -> None:

@@ -71,6 +71,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "serving (env DDILOCO_SNAPSHOT_LAG, default 4; synchronizer/journal.py)",
     )
     ap.add_argument(
+        "--snapshot-every",
+        type=int,
+        help="merges a fragment's file trails before the background writer writes it "
+        "(env DDILOCO_SNAPSHOT_EVERY, default 0: half the lag, at least 1)",
+    )
+    ap.add_argument(
         "--quorum", type=int, help="K, minimum contributors per merge (env DDILOCO_QUORUM)"
     )
     ap.add_argument("--no-grace", action="store_true", help="merge at the quorum, no grace window")
@@ -131,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             "upload_port": args.upload_port,
             "state_dir": args.state_dir,
             "snapshot_lag": args.snapshot_lag,
+            "snapshot_every": args.snapshot_every,
             "quorum": args.quorum,
             "merge": args.merge,
             "shard": args.shard,

@@ -157,6 +157,47 @@ def test_the_file_trails_its_served_version_by_at_most_snapshot_lag(tmp_path: Pa
     assert len(remaining) == 1  # the merged segments are gone; a's waiting update is kept
 
 
+def one_merge(sync: Synchronizer, n: int) -> None:
+    v = sync.versions()[0]
+    assert sync.submit(update("a", 100 + n, v, n)).status == "accepted"
+    assert sync.merge(0) == v + 1
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_the_writer_writes_a_file_every_snapshot_every_merges(tmp_path: Path, every: int) -> None:
+    sync = make(tmp_path, Clock(), snapshot_lag=4, snapshot_every=every)
+    start(sync)
+    assert sync.snapshots is not None
+    files = []
+    for n in range(1, 7):
+        one_merge(sync, n)
+        sync.snapshots.flush()  # what the writer was asked for, written
+        files.append(sync.store.load_fragment(0).version)
+    assert files == [n // every * every for n in range(1, 7)]  # 1..6, or 0 0 3 3 3 6
+    assert sync.versions() == [6]
+    assert len(sync.journals[0].records()) == 6 - files[-1]  # kept until a file holds them
+
+
+def test_flush_writes_a_file_the_writer_was_not_yet_asked_for(tmp_path: Path) -> None:
+    sync = make(tmp_path, Clock(), snapshot_lag=4, snapshot_every=3)
+    start(sync)
+    one_merge(sync, 1)
+    sync.flush()
+    assert sync.store.load_fragment(0).version == 1
+    assert sync.journals[0].records() == []
+
+
+def test_snapshot_every_defaults_to_half_the_lag_and_never_exceeds_it() -> None:
+    def period(**kw: object) -> int:
+        return SyncSettings(token="t", **kw).snapshot_period()  # type: ignore[arg-type]
+
+    assert [period(snapshot_lag=lag) for lag in (0, 1, 2, 4, 9)] == [1, 1, 1, 2, 4]
+    assert period(snapshot_lag=4, snapshot_every=4) == 4
+    assert period(snapshot_lag=0, snapshot_every=5) == 5  # every merge writes its own file
+    with pytest.raises(ValueError, match="DDILOCO_SNAPSHOT_EVERY=5 exceeds DDILOCO_SNAPSHOT_LAG=4"):
+        period(snapshot_lag=4, snapshot_every=5)
+
+
 def test_the_writer_lets_go_of_journal_and_segments_once_the_file_is_written(
     tmp_path: Path,
 ) -> None:
