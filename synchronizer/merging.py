@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import statistics
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from ddiloco.synchronizer.buffers import POOL
 from ddiloco.synchronizer.contribution import Contribution
@@ -31,6 +32,10 @@ log = logging.getLogger("ddiloco.synchronizer.service")
 """The merge's lines log as the synchronizer's, as before the split."""
 
 __all__ = ["Merging"]
+
+DURABLES = ThreadPoolExecutor(32, thread_name_prefix="ddiloco-durable")
+"""Where a merge's durable part (its fsyncs) runs while the merge's thread encodes the
+payload it will serve (`Merging._merged`); threads are made as merges overlap."""
 
 
 class Merging:
@@ -180,9 +185,13 @@ class Merging:
         `fs` and the contributions are only read. Durable as a merge journal record (True
         last), or (False) in the fragment file, written here: then the caller holds
         `snapshots.locks[p]` on return and releases it once it has let go of the journal.
-        `phases` gets the seconds of compute, durable and encode. `segments`: the pending
-        log's segments that hold `taken`'s records, made durable before the journal record
-        that names them (an update is in its round before its uploader's fsync returns)."""
+        `phases` gets the seconds of compute, encode and durable: the served payload is
+        encoded (the cores) while the durable part waits for the disk (its fsyncs, in a
+        `DURABLES` thread), so `durable` is what the disk took beyond the encode; it is
+        served only once both are done.
+        `segments`: the pending log's segments that hold `taken`'s records, made durable
+        before the journal record that names them (an update is in its round before its
+        uploader's fsync returns)."""
         phases = {} if phases is None else phases
         t0 = self.clock()
         try:
@@ -202,35 +211,54 @@ class Merging:
             and not resync
             and new.version - self.file_versions[p] <= self.settings.snapshot_lag
         )
-        assert self.snapshots is not None
+        persisting = DURABLES.submit(
+            self._persist, p, fs, new, taken, live_tokens, journaled, segments
+        )
+        served = self._encode(p, new)  # beside the fsyncs: the cores while the disk works
+        t2 = self.clock()
         try:
-            if journaled:
-                self._inputs_durable(p, segments)
-                record = MergeRecord(
-                    version=fs.version,
-                    ids=list(taken),
-                    high_water={i: c.order for i, c in taken.items()},
-                    live_tokens=float(live_tokens),
-                    policy=policy_fields(self.policy),
-                    digest=digest(new),
-                )
-                self.journals[p].append(record)
-            else:
-                self.snapshots.locks[p].acquire()  # no older state's write lands after it
-                try:
-                    with self.metrics.file_write.labels("merge").time():
-                        self.store.save_fragment(p, new)
-                except BaseException:
-                    self.snapshots.locks[p].release()
-                    raise
+            durable_at = persisting.result()
         except Exception:
+            self.payloads.retire(p, served[1])  # never served
             if outcome is not None:
                 POOL.give([*outcome.params.values(), *outcome.momentum.values()])
             raise
-        t2 = self.clock()
-        served = self._encode(p, new)
-        phases["durable"], phases["encode"] = t2 - t1, self.clock() - t2
+        phases["encode"], phases["durable"] = t2 - t1, max(0.0, durable_at - t2)
         return outcome, new, served, journaled
+
+    def _persist(
+        self,
+        p: int,
+        fs: FragmentState,
+        new: FragmentState,
+        taken: dict[str, Contribution],
+        live_tokens: float,
+        journaled: bool,
+        segments: Sequence[PendingLog],
+    ) -> float:
+        """`new` durable: as a journal record of its inputs, or in its file (then holding
+        `snapshots.locks[p]`, see `_merged`); returns when it was done (the clock's)."""
+        assert self.snapshots is not None
+        if journaled:
+            self._inputs_durable(p, segments)
+            record = MergeRecord(
+                version=fs.version,
+                ids=list(taken),
+                high_water={i: c.order for i, c in taken.items()},
+                live_tokens=float(live_tokens),
+                policy=policy_fields(self.policy),
+                digest=digest(new),
+            )
+            self.journals[p].append(record)
+        else:
+            self.snapshots.locks[p].acquire()  # no older state's write lands after it
+            try:
+                with self.metrics.file_write.labels("merge").time():
+                    self.store.save_fragment(p, new)
+            except BaseException:
+                self.snapshots.locks[p].release()
+                raise
+        return self.clock()
 
     def _inputs_durable(self, p: int, segments: Sequence[PendingLog]) -> None:
         """The records a journaled merge names, durable before its record: replay rebuilds

@@ -134,10 +134,11 @@ class SyncMetrics:
         )
         self.merge_phase: Any = Histogram(
             "ddiloco_merge_phase_seconds",
-            "Each part of ddiloco_merge_duration_seconds: compute (merge math), durable (its "
-            "journal record or fragment file), encode (the served copy), install (waiting for "
-            "the fragment's lock and swapping the served version in), finish (letting go of "
-            "what the merge took)",
+            "Each part of ddiloco_merge_duration_seconds: compute (merge math), encode (the "
+            "served copy, made while the merge's journal record or fragment file is fsynced), "
+            "durable (what that fsync took beyond the encode), install (waiting for the "
+            "fragment's lock and swapping the served version in), finish (letting go of what "
+            "the merge took)",
             ["phase"],
             registry=r,
             buckets=SECONDS,

@@ -266,6 +266,31 @@ def test_a_journaled_merge_makes_the_records_it_names_durable_before_its_record(
     assert [r.version for r in MergeJournal(tmp_path, 0).records()] == [0]
 
 
+def test_a_merge_encodes_what_it_will_serve_while_its_record_is_fsynced(tmp_path: Path) -> None:
+    sync = make(tmp_path, Clock())
+    start(sync)
+    stop_writer(sync)
+    assert sync.submit(update("a", 10, 0, 1)).status == "accepted"
+    events: list[str] = []
+    journal, payloads = sync.journals[0], sync.payloads
+    real_append, real_encode = journal.append, payloads.encode
+
+    def slow_append(rec: Any) -> None:  # a disk whose flush takes 0.3 s
+        time.sleep(0.3)
+        real_append(rec)
+        events.append("durable")
+
+    def encode(*args: Any, **kw: Any) -> memoryview:
+        events.append(f"encode, serving {sync.versions()}")
+        return real_encode(*args, **kw)
+
+    journal.append = slow_append  # type: ignore[method-assign]
+    payloads.encode = encode  # type: ignore[method-assign]
+    assert sync.merge(0) == 1
+    assert events == ["encode, serving [0]", "durable"]  # beside the fsync, served after it
+    assert sync.versions() == [1]
+
+
 def test_after_a_put_back_round_the_next_merge_writes_its_file_first(tmp_path: Path) -> None:
     sync = make(tmp_path, Clock())
     start(sync)
