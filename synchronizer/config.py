@@ -92,8 +92,9 @@ class SyncSettings(BaseSettings):
     again (the latest state; the merges in between are in the journal). 0: half of
     `snapshot_lag`, at least 1. Each file is 128 MB for a 16M-parameter fragment (Theta and
     momentum): written after every merge, those writes were most of the disk's bytes, and a
-    merge's journal fsync waited behind them (at 0.5-0.8 GB/s the durable part's p99 fell
-    from 320-355 ms to 228-247 with every 2nd merge written, bench/RESULTS.md). A restart
+    merge's journal fsync waited behind them (with every 2nd merge written, the durable
+    part's p99 fell in three of four pairs side by side, 320-475 -> 228-383 ms, and the
+    files' bytes by half; bench/RESULTS.md). A restart
     redoes at most `snapshot_lag` merges either way. At most `snapshot_lag`: the writer
     needs the merges in between to finish before a merge would write the file itself."""
     torch_threads: int = Field(0, ge=0, le=1024)
