@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import statistics
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from ddiloco.synchronizer.buffers import POOL
 from ddiloco.synchronizer.contribution import Contribution
@@ -214,7 +214,11 @@ class Merging:
         persisting = DURABLES.submit(
             self._persist, p, fs, new, taken, live_tokens, journaled, segments
         )
-        served = self._encode(p, new)  # beside the fsyncs: the cores while the disk works
+        try:
+            served = self._encode(p, new)  # beside the fsyncs: the cores while the disk works
+        except BaseException:
+            self._abandon(p, persisting, journaled, outcome)
+            raise
         t2 = self.clock()
         try:
             durable_at = persisting.result()
@@ -259,6 +263,24 @@ class Merging:
                 self.snapshots.locks[p].release()
                 raise
         return self.clock()
+
+    def _abandon(
+        self, p: int, persisting: Future[float], journaled: bool, outcome: MergeOutcome | None
+    ) -> None:
+        """A merge whose encode failed (its caller puts the round back): wait for its
+        durable part, whatever it did, and let go of the file lock it holds if it wrote the
+        file. A durable state that is never served is harmless: its version is taken again
+        by the next merge, and the file and journal say which updates it merged."""
+        try:
+            persisting.result()
+        except Exception:  # nothing of it held: its own error is the caller's to log
+            pass
+        else:
+            if not journaled:
+                assert self.snapshots is not None
+                self.snapshots.locks[p].release()
+        if outcome is not None:
+            POOL.give([*outcome.params.values(), *outcome.momentum.values()])
 
     def _inputs_durable(self, p: int, segments: Sequence[PendingLog]) -> None:
         """The records a journaled merge names, durable before its record: replay rebuilds

@@ -291,6 +291,35 @@ def test_a_merge_encodes_what_it_will_serve_while_its_record_is_fsynced(tmp_path
     assert sync.versions() == [1]
 
 
+@pytest.mark.parametrize("lag", [0, 4], ids=["file-before-serving", "journal"])
+def test_a_merge_whose_encode_fails_waits_for_its_durable_part_and_its_work_is_merged_once(
+    tmp_path: Path, lag: int
+) -> None:
+    clock = Clock()
+    sync = make(tmp_path, clock, snapshot_lag=lag)
+    start(sync)
+    stop_writer(sync)
+    assert sync.submit(update("a", 10, 0, 1)).status == "accepted"
+    real_encode = sync.payloads.encode
+
+    def out_of_memory(*args: Any, **kw: Any) -> memoryview:
+        raise MemoryError("as if the payload's buffer could not be made")
+
+    sync.payloads.encode = out_of_memory  # type: ignore[method-assign]
+    with pytest.raises(MemoryError):
+        sync.merge(0)
+    sync.payloads.encode = real_encode  # type: ignore[method-assign]
+    assert sync.versions() == [0] and sync.status().fragments[0].tokens_pending == 113
+    assert sync.snapshots is not None
+    assert sync.snapshots.locks[0].acquire(timeout=1)  # the file's lock was let go of
+    sync.snapshots.locks[0].release()
+    assert sync.submit(update("b", 10, 0, 2)).status == "accepted"
+    assert sync.merge(0) == 1
+    assert sync.fragments[0].tokens_merged == 113 + 126  # each update once
+    again = make(tmp_path, clock, snapshot_lag=lag)  # and after a restart
+    assert again.versions() == [1] and again.fragments[0].tokens_merged == 113 + 126
+
+
 def test_after_a_put_back_round_the_next_merge_writes_its_file_first(tmp_path: Path) -> None:
     sync = make(tmp_path, Clock())
     start(sync)
