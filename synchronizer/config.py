@@ -94,9 +94,9 @@ class SyncSettings(BaseSettings):
     momentum): written after every merge, those writes were most of the disk's bytes, and a
     merge's journal fsync waited behind them (with every 2nd merge written, the durable
     part's p99 fell in three of four pairs side by side, 320-475 -> 228-383 ms, and the
-    files' bytes by half; bench/RESULTS.md). A restart
-    redoes at most `snapshot_lag` merges either way. At most `snapshot_lag`: the writer
-    needs the merges in between to finish before a merge would write the file itself."""
+    files' bytes by half; bench/RESULTS.md). A restart redoes at most `snapshot_lag` merges
+    either way. At most `snapshot_lag`: the writer needs the merges in between to finish
+    before a merge would write the file itself."""
     torch_threads: int = Field(0, ge=0, le=1024)
     """Threads one tensor operation may use (`torch.set_num_threads`, set by `ddiloco
     synchronizer`). The synchronizer runs many operations at once (a thread per upload, a
