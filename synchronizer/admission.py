@@ -2,7 +2,7 @@
 
 Pure functions of the update and the fragment's durable state; nothing here changes state
 or needs history that a restart erases (the order high-water marks and the norm history
-live in the fragment file and the pending log, see state.py).
+live in the fragment file and the pending log, see state.py and pending.py).
 
     meta = parse_update(codec.read_header(payload), path_fragment, num_fragments)  # header only
     verdict = admit(meta, version=fs.version, high_water=hw, max_staleness=4)  # before decoding

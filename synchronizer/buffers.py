@@ -123,7 +123,7 @@ class BytePool:
     """Idle page-aligned buffers (anonymous `mmap`s) by capacity (a whole number of
     `grain`s); thread-safe. A body sits `ALIGN` bytes into its buffer, so the pending log
     can write the record header in front of it and the body, padded, straight to the disk
-    (`frame`, state.py: `O_DIRECT`, no copy into the page cache). Bodies under one grain are
+    (`frame`, pending.py: `O_DIRECT`, no copy into the page cache). Bodies under one grain are
     not pooled (a fresh small buffer costs little)."""
 
     def __init__(self, max_bytes: int = 1 << 30, grain: int = 1 << 20) -> None:

@@ -4,7 +4,7 @@
         ...                               # the file system refused O_DIRECT: page cache
 
 The pending log's records need no staging (their bodies sit in aligned buffers already,
-state.py `PendingLog.write`); a fragment file's parts are the tensors' own memory, which is
+pending.py `PendingLog.write`); a fragment file's parts are the tensors' own memory, which is
 not, so they are copied through `STAGE` bytes at a time.
 """
 

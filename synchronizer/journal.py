@@ -49,15 +49,9 @@ from ddiloco.synchronizer import admission, codec, wire
 from ddiloco.synchronizer.contribution import Contribution
 from ddiloco.synchronizer.merge import MergeOutcome, MergePolicy, OuterNesterov
 from ddiloco.synchronizer.passes import Term
+from ddiloco.synchronizer.pending import FragmentLog, PendingLog, _fsync_dir
 from ddiloco.synchronizer.protocol import FragmentSpec, UpdateMeta
-from ddiloco.synchronizer.state import (
-    FragmentLog,
-    FragmentState,
-    Order,
-    PendingLog,
-    StateStore,
-    _fsync_dir,
-)
+from ddiloco.synchronizer.state import FragmentState, Order, StateStore
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,9 @@ from ddiloco.synchronizer.buffers import POOL
 from ddiloco.synchronizer.contribution import Contribution
 from ddiloco.synchronizer.journal import MergeRecord, digest, next_state, policy_fields
 from ddiloco.synchronizer.merge import MergeOutcome, NonFiniteMerge
+from ddiloco.synchronizer.pending import PendingLog
 from ddiloco.synchronizer.protocol import FragmentSpec
-from ddiloco.synchronizer.state import FragmentState, PendingLog
+from ddiloco.synchronizer.state import FragmentState
 from ddiloco.synchronizer.stream import RoundSum
 
 log = logging.getLogger("ddiloco.synchronizer.service")

@@ -50,6 +50,7 @@ from ddiloco.synchronizer.locks import FragmentLock, MergeGate
 from ddiloco.synchronizer.merge import MergePolicy
 from ddiloco.synchronizer.merging import Merging
 from ddiloco.synchronizer.metrics import BROADCAST_ENCODINGS, SyncMetrics
+from ddiloco.synchronizer.pending import PendingLog
 from ddiloco.synchronizer.prime import prime
 from ddiloco.synchronizer.protocol import (
     MODEL_KEY,
@@ -61,7 +62,7 @@ from ddiloco.synchronizer.protocol import (
 )
 from ddiloco.synchronizer.rounds import GracePolicy, Rounds
 from ddiloco.synchronizer.served import Served
-from ddiloco.synchronizer.state import FragmentState, PendingLog, StateStore
+from ddiloco.synchronizer.state import FragmentState, StateStore
 from ddiloco.synchronizer.stream import RoundSum
 from ddiloco.synchronizer.updates import Updates
 

@@ -27,6 +27,7 @@ from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.journal import MergeJournal, Snapshots
 from ddiloco.synchronizer.merge import NonFiniteMerge
+from ddiloco.synchronizer.pending import FragmentLog
 from ddiloco.synchronizer.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
@@ -36,7 +37,6 @@ from ddiloco.synchronizer.protocol import (
     UpdateMeta,
 )
 from ddiloco.synchronizer.service import Synchronizer
-from ddiloco.synchronizer.state import FragmentLog
 from tests.unit.test_contract import Clock
 
 SHAPES = {"a": [37, 53], "b": [1031]}

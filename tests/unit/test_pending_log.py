@@ -33,7 +33,7 @@ import torch
 
 from ddiloco.synchronizer import codec, direct, state
 from ddiloco.synchronizer.buffers import ALIGN, BODIES
-from ddiloco.synchronizer.state import FragmentLog, PendingLog
+from ddiloco.synchronizer.pending import FragmentLog, PendingLog
 from tests.unit.test_contract import Clock, make, start, update
 
 
