@@ -88,15 +88,15 @@ class SyncSettings(BaseSettings):
     many merges' updates stay on disk until it is. 0: every merge writes its fragment file
     before its version is served (the old path, half of the merge's time)."""
     snapshot_every: int = Field(0, ge=0, le=64)
-    """How many merges a fragment's file trails before the background writer writes it
-    again (the latest state; the merges in between are in the journal). 0: half of
-    `snapshot_lag`, at least 1. Each file is 128 MB for a 16M-parameter fragment (Theta and
-    momentum): written after every merge, those writes were most of the disk's bytes, and a
-    merge's journal fsync waited behind them (with every 2nd merge written, the durable
-    part's p99 fell in three of four pairs side by side, 320-475 -> 228-383 ms, and the
-    files' bytes by half; bench/RESULTS.md). A restart redoes at most `snapshot_lag` merges
-    either way. At most `snapshot_lag`: the writer needs the merges in between to finish
-    before a merge would write the file itself."""
+    """How many merges a fragment's file trails (or the version being written, if one is)
+    before the background writer writes it again (the latest state; the merges in between
+    are in the journal). 0: half of `snapshot_lag`, at least 1. Each file is 128 MB for a
+    16M-parameter fragment (Theta and momentum): written after every merge, those writes
+    were most of the disk's bytes, and a merge's journal fsync waited behind them (with
+    every 2nd merge written, the durable part's p99 fell in three of four pairs side by
+    side, 320-475 -> 228-383 ms, and the files' bytes by half; bench/RESULTS.md). A restart
+    redoes at most `snapshot_lag` merges either way. At most `snapshot_lag`: the writer
+    needs the merges in between to finish before a merge would write the file itself."""
     torch_threads: int = Field(0, ge=0, le=1024)
     """Threads one tensor operation may use (`torch.set_num_threads`, set by `ddiloco
     synchronizer`). The synchronizer runs many operations at once (a thread per upload, a

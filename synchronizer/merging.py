@@ -116,11 +116,16 @@ class Merging:
                     self.retired[p] = fs
                 if journaled:  # its segments wait for the file (journal.py)
                     self.unsnapped[p].append((new.version, segments))
+                    # the file every `snapshot_every` merges (config.py), counted from the
+                    # one being written if any: the writer writes the latest state
+                    being = self.writing[p]
+                    held = max(self.file_versions[p], being.version if being else 0)
+                    ask = new.version - held >= self.settings.snapshot_period()
             t_finish = self.clock()
             phases["install"] = t_finish - t_install
             assert self.snapshots is not None
-            if journaled:  # the file every `snapshot_every` merges (config.py)
-                if new.version - self.file_versions[p] >= self.settings.snapshot_period():
+            if journaled:
+                if ask:
                     self.snapshots.request(p)
             else:  # the file holds it: the journal's records and the segments let go
                 try:

@@ -178,6 +178,32 @@ def test_the_writer_writes_a_file_every_snapshot_every_merges(tmp_path: Path, ev
     assert len(sync.journals[0].records()) == 6 - files[-1]  # kept until a file holds them
 
 
+def test_the_writer_counts_merges_from_the_file_it_is_writing(tmp_path: Path) -> None:
+    sync = make(tmp_path, Clock(), snapshot_lag=4, snapshot_every=2)
+    start(sync)
+    assert sync.snapshots is not None
+    real = sync.store.save_fragment
+    writing, go = threading.Event(), threading.Event()
+    written: list[int] = []
+
+    def slow(p: int, fs: Any, *args: Any, **kw: Any) -> None:
+        writing.set()
+        go.wait(5)
+        written.append(fs.version)
+        real(p, fs, *args, **kw)
+
+    sync.store.save_fragment = slow  # type: ignore[method-assign]
+    one_merge(sync, 1)
+    one_merge(sync, 2)  # the file trails by 2: asked for
+    assert writing.wait(5)  # version 2 is being written
+    one_merge(sync, 3)  # one past the file being written: not yet
+    go.set()
+    sync.snapshots.flush()
+    one_merge(sync, 4)  # two past it
+    sync.snapshots.flush()
+    assert written == [2, 4]
+
+
 def test_flush_writes_a_file_the_writer_was_not_yet_asked_for(tmp_path: Path) -> None:
     sync = make(tmp_path, Clock(), snapshot_lag=4, snapshot_every=3)
     start(sync)
