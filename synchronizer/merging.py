@@ -39,6 +39,12 @@ DURABLES = ThreadPoolExecutor(32, thread_name_prefix="ddiloco-durable")
 payload it will serve (`Merging._merged`); threads are made as merges overlap."""
 
 
+def give_back(outcome: MergeOutcome | None) -> None:
+    """A merge's result that will not be installed: its tensors back to the pool."""
+    if outcome is not None:
+        POOL.give([*outcome.params.values(), *outcome.momentum.values()])
+
+
 class Merging:
     """The merge path of `Synchronizer` (a mixin: see the module docstring)."""
 
@@ -230,8 +236,7 @@ class Merging:
             durable_at = persisting.result()
         except Exception:
             self.payloads.retire(p, served[1])  # never served
-            if outcome is not None:
-                POOL.give([*outcome.params.values(), *outcome.momentum.values()])
+            give_back(outcome)
             raise
         phases["encode"], phases["durable"] = t2 - t1, max(0.0, durable_at - t2)
         return outcome, new, served, journaled
@@ -285,8 +290,7 @@ class Merging:
             if not journaled:
                 assert self.snapshots is not None
                 self.snapshots.locks[p].release()
-        if outcome is not None:
-            POOL.give([*outcome.params.values(), *outcome.momentum.values()])
+        give_back(outcome)
 
     def _inputs_durable(self, p: int, segments: Sequence[PendingLog]) -> None:
         """The records a journaled merge names, durable before its record: replay rebuilds
@@ -297,8 +301,7 @@ class Merging:
             for seg in segments:
                 seg.sync_all()
         except OSError as e:
-            log.critical("fsync of the pending log of fragment %d failed (%s): stopping", p, e)
-            self.on_fatal()
+            self._log_lost(p, e)
             raise
 
     def _write_file(self, p: int) -> None:

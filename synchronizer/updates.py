@@ -151,9 +151,13 @@ class Updates:
         try:
             plog.sync(ticket)
         except OSError as e:
-            log.critical("fsync of the pending log of fragment %d failed (%s): stopping", p, e)
-            self.on_fatal()
+            self._log_lost(p, e)
             raise
+
+    def _log_lost(self, p: int, e: OSError) -> None:
+        """A failed fsync of fragment p's pending log: stop the process (`_make_durable`)."""
+        log.critical("fsync of the pending log of fragment %d failed (%s): stopping", p, e)
+        self.on_fatal()
 
     @staticmethod
     def _theta_norm(fs: FragmentState) -> float:

@@ -224,6 +224,19 @@ def test_snapshot_every_defaults_to_half_the_lag_and_never_exceeds_it() -> None:
         period(snapshot_lag=4, snapshot_every=5)
 
 
+def test_the_synchronizer_command_passes_snapshot_every_to_its_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ddiloco.synchronizer import server
+
+    monkeypatch.setenv("DDILOCO_TOKEN", "t")
+    argv = ["--snapshot-every", "9", "--snapshot-lag", "4", "--state-dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as e:  # ignored, the flag would start a server instead
+        server.main(argv)
+    assert e.value.code == 2
+    assert "DDILOCO_SNAPSHOT_EVERY=9 exceeds DDILOCO_SNAPSHOT_LAG=4" in capsys.readouterr().err
+
+
 def test_the_writer_lets_go_of_journal_and_segments_once_the_file_is_written(
     tmp_path: Path,
 ) -> None:
