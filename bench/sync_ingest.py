@@ -494,6 +494,19 @@ SLOWEST = 5
 """The slowest merges of an arm printed with their parts (from the synchronizer's log)."""
 
 
+SHORT = {
+    "compute": "c",
+    "durable": "d",
+    "encode": "e",
+    "install": "i",
+    "finish": "f",
+    "ran": " ran ",
+    "queued": " queued ",
+}
+"""The parts' names in the slowest merges' lines: compute, durable, encode, install,
+finish; then, of the compute, its time on a core (ran) and runnable waiting for one."""
+
+
 def slow_merges(root: Path) -> list[dict[str, Any]]:
     """Every merge the shards logged, slowest first: fragment, version, ms, and its parts in
     ms (the log line `merging.py` writes as the merge is served)."""
@@ -518,7 +531,7 @@ def slowest_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         cells = [
             f"f{m['fragment']} v{m['version']} {m['ms']} ms ("
-            + " ".join(f"{k[0]}{v}" for k, v in m["parts"].items())
+            + " ".join(f"{SHORT.get(k, k)}{v}" for k, v in m["parts"].items())
             + ")"
             for m in r["slowest"]
         ]

@@ -39,6 +39,23 @@ DURABLES = ThreadPoolExecutor(32, thread_name_prefix="ddiloco-durable")
 payload it will serve (`Merging._merged`); threads are made as merges overlap."""
 
 
+SCHED_ONLY = ("ran", "queued")
+"""Parts of a merge its log line gives and no histogram observes: of the compute's time, on
+a core and runnable but waiting for one (`thread_sched`); the rest of it waited for
+something else (the GIL, a page)."""
+
+
+def thread_sched() -> tuple[float, float] | None:
+    """This thread's seconds on a core and runnable without one, so far (Linux's
+    /proc/thread-self/schedstat; None where the kernel does not say)."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            ran, queued = f.read().split()[:2]
+        return int(ran) / 1e9, int(queued) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
 def give_back(outcome: MergeOutcome | None) -> None:
     """A merge's result that will not be installed: its tensors back to the pool."""
     if outcome is not None:
@@ -147,8 +164,9 @@ class Merging:
             if outcome is not None:  # published: its histograms, each observed once
                 now = self.clock()
                 phases["finish"] = now - t_finish
+                timed = {k: v for k, v in phases.items() if k not in SCHED_ONLY}
                 self.metrics.merged(
-                    p, round_, outcome, t_merge, now, len(self.fragments), fs.version - 1, phases
+                    p, round_, outcome, t_merge, now, len(self.fragments), fs.version - 1, timed
                 )
             with self.lock:
                 for learner_id in taken:
@@ -205,7 +223,7 @@ class Merging:
         before the journal record that names them (an update is in its round before its
         uploader's fsync returns)."""
         phases = {} if phases is None else phases
-        t0 = self.clock()
+        t0, sched0 = self.clock(), thread_sched()
         try:
             with self.computing:
                 outcome = self.policy.merge(
@@ -216,8 +234,10 @@ class Merging:
             if summed is not None:
                 summed.discard()  # claimed by the merge, or let go of here
         new = next_state(fs, taken, outcome)
-        t1 = self.clock()
+        t1, sched1 = self.clock(), thread_sched()
         phases["compute"] = t1 - t0
+        if sched0 is not None and sched1 is not None:  # the log line's, not a histogram's
+            phases["ran"], phases["queued"] = sched1[0] - sched0[0], sched1[1] - sched0[1]
         journaled = (
             outcome is not None
             and not resync

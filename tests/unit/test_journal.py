@@ -490,3 +490,23 @@ def test_export_beside_the_writer_reads_again_when_the_file_moves_on(
     assert model.versions == [3]
     assert same_bits(model.params, served[-1]["params"])
     sync.close()
+
+
+def test_each_merge_logs_its_parts_and_where_its_compute_waited(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The merge's log line (bench/sync_ingest.py prints the slowest): its parts in ms and,
+    of its compute, the time on a core and the time runnable without one (Linux's
+    schedstat), which together are at most the compute."""
+    sync = make(tmp_path, Clock())
+    start(sync)
+    with caplog.at_level(logging.INFO, logger="ddiloco.synchronizer.service"):
+        assert sync.submit(update("a", 10, 0, 1)).status == "accepted"
+        assert sync.merge(0) == 1
+    line = next(r.getMessage() for r in caplog.records if "Merged fragment=0" in r.getMessage())
+    parts = dict(kv.rsplit(" ", 1) for kv in line.rsplit("(", 1)[1].rstrip(")").split(", "))
+    assert {"compute", "durable", "encode", "install", "finish"} <= set(parts)
+    if Path("/proc/thread-self/schedstat").exists():
+        ms = {k: int(v) for k, v in parts.items()}
+        assert ms["ran"] + ms["queued"] <= ms["compute"] + 2  # each rounded to 1 ms
+        assert ms["ran"] >= 0 and ms["queued"] >= 0

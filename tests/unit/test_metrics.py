@@ -154,6 +154,7 @@ def test_each_merge_observes_every_fragment_histogram_once(server: SyncServer) -
         parts += value(text, "ddiloco_merge_phase_seconds_sum", phase=phase)
     whole = sum(value(text, "ddiloco_merge_duration_seconds_sum", fragment=f) for f in "01")
     assert 0 < parts <= whole + 1e-9
+    assert 'phase="ran"' not in text and 'phase="queued"' not in text  # the log line's only
     for f in "01":  # close -> served is inside quorum -> served and holds the merge
         close = value(text, "ddiloco_round_close_served_seconds_sum", fragment=f)
         served = value(text, "ddiloco_round_served_seconds_sum", fragment=f)
