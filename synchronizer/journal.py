@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -47,9 +46,10 @@ import xxhash
 
 from ddiloco.synchronizer import admission, codec, wire
 from ddiloco.synchronizer.contribution import Contribution
+from ddiloco.synchronizer.journalfile import JournalFile
 from ddiloco.synchronizer.merge import MergeOutcome, MergePolicy, OuterNesterov
 from ddiloco.synchronizer.passes import Term
-from ddiloco.synchronizer.pending import FragmentLog, PendingLog, _fsync_dir
+from ddiloco.synchronizer.pending import FragmentLog
 from ddiloco.synchronizer.protocol import FragmentSpec, UpdateMeta
 from ddiloco.synchronizer.state import FragmentState, Order, StateStore
 
@@ -109,49 +109,49 @@ class MergeRecord:
 
 
 class MergeJournal:
-    """`merges-PPPP.log`: the fragment's merges not yet in its file, `PendingLog` records."""
+    """`merges-PPPP.log`: the fragment's merges not yet in its file, one record each,
+    written in place into zeros made durable before them (journalfile.py)."""
 
     def __init__(self, root: Path, p: int) -> None:
         self.path = root / f"merges-{p:04d}.log"
-        self.log = PendingLog(self.path)
+        self.file = JournalFile(self.path)
         self.lock = threading.Lock()
 
     def create(self) -> None:
-        """The file, made before the first merge needs it (a directory fsync less then)."""
+        """The file and its zeros, made before the first merge needs them."""
         with self.lock:
-            self.log.create()
+            self.file.create()
 
     def records(self, *, repair: bool = True) -> list[MergeRecord]:
         with self.lock:
-            return [MergeRecord.decode(r) for r in self.log.read(repair=repair)]
+            return [MergeRecord.decode(r) for r in self.file.read(repair=repair)]
 
     def append(self, rec: MergeRecord) -> None:
-        """Durable on return (one small write and one fsync)."""
+        """Durable on return (one small write and one fdatasync)."""
         with self.lock:
-            self.log.append(rec.encode())
+            self.file.append(rec.encode())
 
     def compact(self, version: int) -> None:
-        """Let go of the records of merges the fragment file at `version` holds."""
+        """Let go of the records of merges the fragment file at `version` holds: zeros
+        over them if none is left (in place), else a new file of those left. One caller at
+        a time (the fragment's writer, or the restart before it): merges append meanwhile,
+        and the lock is held for the rename only, not the new file's writing."""
         with self.lock:
-            keep = [r for r in self.log.read() if MergeRecord.decode(r).version >= version]
+            raw = self.file.read()
+            keep = [r for r in raw if MergeRecord.decode(r).version >= version]
             if not keep:
-                if self.path.exists():
-                    self.log.clear()
+                self.file.clear()
                 return
-            self.log.close()
-            tmp = self.path.with_name(f".{self.path.name}.tmp")
-            with open(tmp, "wb") as f:
-                for r in keep:
-                    f.write(PendingLog.encoded(r))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-            _fsync_dir(self.path.parent)
-            self.log = PendingLog(self.path)
+            if len(keep) == len(raw):
+                return
+        tmp = self.file.prepare(keep)  # fsynced, beside the file
+        with self.lock:
+            since = self.file.read()[len(raw) :]  # appended while it was written
+            self.file.replace(tmp, since)
 
     def close(self) -> None:
         with self.lock:
-            self.log.close()
+            self.file.close()
 
 
 def next_state(

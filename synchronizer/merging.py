@@ -275,8 +275,7 @@ class Merging:
         `snapshots.locks[p]`, see `_merged`); returns when it was done (the clock's)."""
         assert self.snapshots is not None
         if journaled:
-            self._inputs_durable(p, segments)
-            record = MergeRecord(
+            record = MergeRecord(  # its digest (the cores) while uploaders' fsyncs finish
                 version=fs.version,
                 ids=list(taken),
                 high_water={i: c.order for i, c in taken.items()},
@@ -284,6 +283,7 @@ class Merging:
                 policy=policy_fields(self.policy),
                 digest=digest(new),
             )
+            self._inputs_durable(p, segments)
             self.journals[p].append(record)
         else:
             self.snapshots.locks[p].acquire()  # no older state's write lands after it

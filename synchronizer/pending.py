@@ -25,7 +25,7 @@ import xxhash
 
 from ddiloco.synchronizer.buffers import ALIGN, BODIES, aligned
 
-__all__ = ["FragmentLog", "PendingLog", "Ticket"]
+__all__ = ["FragmentLog", "PendingLog", "Ticket", "records_in"]
 
 _RECORD = struct.Struct("<QI")  # payload length (| _XXH3 | _ALIGNED), checksum of the payload
 _XXH3 = 1 << 63
@@ -45,6 +45,28 @@ def _fsync_dir(path: Path) -> None:
 
 def _xxh3(data: bytes | bytearray | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data) & 0xFFFFFFFF
+
+
+def records_in(data: bytes, *, zero_ends: bool = False) -> tuple[list[bytes], int]:
+    """The whole records at the start of `data` (`PendingLog`'s format), and where they
+    end: at the end of `data`, a torn record, or (`zero_ends`) a header of zeros, which
+    would read as an empty record of the old format (a preallocated file's free space,
+    journalfile.py)."""
+    out, pos = [], 0
+    while pos + _RECORD.size <= len(data):
+        flagged, crc = _RECORD.unpack_from(data, pos)
+        if zero_ends and flagged == 0 and crc == 0:
+            break
+        n = flagged & ~_FLAGS
+        start = pos + (ALIGN if flagged & _ALIGNED else _RECORD.size)
+        end = start + (aligned(n) if flagged & _ALIGNED else n)
+        body = data[start : start + n]
+        check = _xxh3 if flagged & _XXH3 else zlib.crc32
+        if len(body) < n or end > len(data) or check(body) != crc:
+            break
+        out.append(body)
+        pos = end
+    return out, pos
 
 
 class PendingLog:
@@ -186,18 +208,7 @@ class PendingLog:
         if not self.path.exists():
             return []
         data = self.path.read_bytes()
-        out, pos = [], 0
-        while pos + _RECORD.size <= len(data):
-            flagged, crc = _RECORD.unpack_from(data, pos)
-            n = flagged & ~_FLAGS
-            start = pos + (ALIGN if flagged & _ALIGNED else _RECORD.size)
-            end = start + (aligned(n) if flagged & _ALIGNED else n)
-            body = data[start : start + n]
-            check = _xxh3 if flagged & _XXH3 else zlib.crc32
-            if len(body) < n or end > len(data) or check(body) != crc:
-                break
-            out.append(body)
-            pos = end
+        out, pos = records_in(data)
         if pos < len(data) and repair:
             with open(self.path, "rb+") as f:
                 f.truncate(pos)
