@@ -105,6 +105,13 @@ class SyncSettings(BaseSettings):
     0.99 with torch's default of one per core, and CPU per GB 3.1-3.7 against 3.8-4.3
     (bench/RESULTS.md). 0 (default): a quarter of the cores, at least 1 (1 here; 4 on 16
     cores, where one fragment's merge alone gains from a few)."""
+    merge_threads: int = Field(0, ge=0, le=64)
+    """Pieces a merge splits its passes over a large tensor into, each on a thread of its
+    own (synchronizer/split.py; the same bits as one). On cores shared with uploads (and
+    here with the clients) a merge's one thread got one share of them, and the slowest
+    merges spent most of their compute waiting for a core (bench/RESULTS.md, issue 15).
+    0 (default): the cores this process may run on over `torch_threads` (2 here; 4 on 16
+    cores). 1: one thread, as before."""
     max_init_bytes: int = Field(16 << 30, ge=1 << 10)
     """The largest initial-model upload accepted, before the layout is known (413 above).
     Update bodies are capped by their fragment's size in float32, from the layout."""
@@ -187,6 +194,13 @@ class SyncSettings(BaseSettings):
     def op_threads(self) -> int:
         """`torch_threads`, or its default: a quarter of the cores, at least one."""
         return self.torch_threads or max(1, (os.cpu_count() or 1) // 4)
+
+    def merge_ways(self) -> int:
+        """`merge_threads`, or its default: the usable cores over `op_threads`, at least 1."""
+        if self.merge_threads:
+            return self.merge_threads
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        return max(1, (cores or os.cpu_count() or 1) // self.op_threads())
 
     @field_validator("update_encodings", mode="before")
     @classmethod

@@ -28,6 +28,7 @@ lr > 0) instead of a boolean tensor the size of the fragment.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from ddiloco.synchronizer import passes
+from ddiloco.synchronizer import passes, split
 from ddiloco.synchronizer.buffers import POOL
 from ddiloco.synchronizer.contribution import Contribution
 from ddiloco.synchronizer.passes import Term
@@ -108,15 +109,16 @@ def weighted_mean(
     weights: Sequence[float],
     scale: float = 1.0,
     summed: torch.Tensor | None = None,
+    ways: int = 1,
 ) -> torch.Tensor:
     """scale * sum_m w_m delta_m / sum_m w_m (a new float32 tensor): the sum with relative
-    weights, then one multiplication. `summed`: that sum, already formed (stream.py; it is
-    consumed)."""
+    weights, then one multiplication (in `ways` pieces: split.py). `summed`: that sum,
+    already formed (stream.py; it is consumed)."""
     rel, total = relative(weights)
     if summed is None:
         terms = [(d, r) for d, r in zip(deltas, rel, strict=True) if r]
         summed = _weighted_sum(terms, deltas[0])
-    return summed.mul_(scale / total)
+    return split.scale_(summed, scale / total, ways)
 
 
 def rda(
@@ -125,6 +127,7 @@ def rda(
     norms: Sequence[float | None] | None = None,
     scale: float = 1.0,
     summed: torch.Tensor | None = None,
+    ways: int = 1,
 ) -> torch.Tensor:
     """Radial-directional averaging: mean length times the direction of the mean direction.
 
@@ -136,7 +139,8 @@ def rda(
     `scale` (the merge's sign and `merge_scale`) rides on the final multiplication.
     u is summed with weights relative to the first (`relative`, `term_alpha`): its scale
     cancels in u / ||u||. `summed`: that sum, already formed as the round's contributions
-    arrived (stream.py, same terms in the same order; it is consumed).
+    arrived (stream.py, same terms in the same order; it is consumed). `ways`: the final
+    multiplication's pieces (split.py).
     """
     rel, total = relative(weights)
     known = list(norms) if norms is not None else [None] * len(deltas)
@@ -154,8 +158,8 @@ def rda(
     dn = float(torch.linalg.vector_norm(direction))  # of sum w u / w_ref
     if dn / total <= 1e-6 * max(radius, _EPS) or dn <= _EPS:
         POOL.give([direction])
-        return weighted_mean(deltas, weights, scale)
-    return direction.mul_(scale * radius / dn)
+        return weighted_mean(deltas, weights, scale, ways=ways)
+    return split.scale_(direction, scale * radius / dn, ways)
 
 
 def merge_fragment(
@@ -166,16 +170,19 @@ def merge_fragment(
     norms: Sequence[dict[str, float] | None] | None = None,
     scale: float = 1.0,
     summed: Tensors | None = None,
+    ways: int = 1,
 ) -> Tensors:
     """Combine per-learner outer gradients of one fragment into one outer gradient, times
     `scale`. `norms[i]`: the per-tensor norms of `deltas[i]` when known (per-tensor RDA
     uses them). `summed`: per tensor, the sum of the rule's terms already formed
-    (stream.py; consumed; per-tensor granularity only)."""
+    (stream.py; consumed; per-tensor granularity only). `ways`: pieces of the final
+    multiplication (split.py)."""
     names = list(deltas[0])
     given = summed or {}
     if method == "mean":
         return {
-            n: weighted_mean([d[n] for d in deltas], weights, scale, given.get(n)) for n in names
+            n: weighted_mean([d[n] for d in deltas], weights, scale, given.get(n), ways)
+            for n in names
         }
     if granularity == "tensor":
         known = list(norms) if norms is not None else [None] * len(deltas)
@@ -186,13 +193,14 @@ def merge_fragment(
                 [k[n] if k else None for k in known],
                 scale,
                 given.get(n),
+                ways,
             )
             for n in names
         }
     POOL.give(given.values())
     # Whole-fragment RDA: flatten every contribution, merge once, split back.
     flat = [torch.cat([passes.dense(d[n]).reshape(-1) for n in names]) for d in deltas]
-    merged = rda(flat, weights, scale=scale)
+    merged = rda(flat, weights, scale=scale, ways=ways)
     out: Tensors = {}
     offset = 0
     for n in names:
@@ -220,24 +228,52 @@ class OuterNesterov:
     nesterov: bool = True
 
     def step_into(
-        self, params: Tensors, buffers: Tensors, delta: Tensors
+        self, params: Tensors, buffers: Tensors, delta: Tensors, ways: int = 1
     ) -> tuple[Tensors, Tensors]:
         """`step`, into new tensors: (Theta', b'). The inputs are read, never written. Three
         passes per tensor (two with heavy ball), each one `torch.add(x, y, alpha)`, no
-        temporaries: b' = delta + mu b;  out = delta + mu b';  Theta' = Theta - lr out."""
+        temporaries: b' = delta + mu b;  out = delta + mu b';  Theta' = Theta - lr out;
+        a large tensor's in `ways` pieces at once (split.py: the same bits)."""
+        new_params, new_buffers, _ = self.step_checked(params, buffers, delta, ways, check=False)
+        return new_params, new_buffers
+
+    def step_checked(
+        self, params: Tensors, buffers: Tensors, delta: Tensors, ways: int = 1, check: bool = True
+    ) -> tuple[Tensors, Tensors, bool]:
+        """`step_into` and `finite_after` together, each piece checked as it is made (while
+        it is in the cache); the third value is True without `check`."""
         new_params: Tensors = {}
         new_buffers: Tensors = {}
+        finite_all = True
         for name, p in params.items():
-            d = delta[name]
-            b = torch.add(d, buffers[name], alpha=self.momentum, out=POOL.take(p.shape))
-            out = POOL.take(p.shape)
-            if self.nesterov:
-                torch.add(d, b, alpha=self.momentum, out=out)
-                torch.add(p, out, alpha=-self.lr, out=out)
-            else:
-                torch.add(p, b, alpha=-self.lr, out=out)
+            out, b = POOL.take(p.shape), POOL.take(p.shape)
+            flat = [t.reshape(-1) for t in (delta[name], buffers[name], p, out, b)]
+            piece = functools.partial(self._piece, *flat, check)
+            finite_all &= all(split.run(p.numel(), piece, ways))
             new_params[name], new_buffers[name] = out, b
-        return new_params, new_buffers
+        return new_params, new_buffers, finite_all
+
+    def _piece(
+        self,
+        delta: torch.Tensor,
+        momentum: torch.Tensor,
+        params: torch.Tensor,
+        out: torch.Tensor,
+        buffer: torch.Tensor,
+        check: bool,
+        s: slice,
+    ) -> bool:
+        """`step_checked` over one piece `s` of flat tensors; whether it is finite."""
+        d, b, o = delta[s], buffer[s], out[s]
+        torch.add(d, momentum[s], alpha=self.momentum, out=b)
+        if self.nesterov:
+            torch.add(d, b, alpha=self.momentum, out=o)
+            torch.add(params[s], o, alpha=-self.lr, out=o)
+        else:
+            torch.add(params[s], b, alpha=-self.lr, out=o)
+        if not check:
+            return True
+        return finite(o) and (self.lr > 0 or finite(b))
 
     def finite_after(self, params: Tensors, buffers: Tensors) -> bool:
         """Whether a step's results are finite everywhere. With lr > 0, Theta' = Theta - lr
@@ -296,6 +332,9 @@ class MergePolicy:
     counter_cap_steps: int = 96
     scale: Literal["contributors", "live"] = "contributors"
     outer: OuterNesterov = OuterNesterov()
+    threads: int = 1
+    """Pieces a large tensor's passes are split into (split.py; `SyncSettings.merge_threads`):
+    how the merge runs, not what it computes (the same bits), so no journal record names it."""
 
     @classmethod
     def from_settings(cls, s: SyncSettings) -> MergePolicy:
@@ -306,6 +345,7 @@ class MergePolicy:
             counter_cap_steps=s.counter_cap_steps,
             scale=s.merge_scale,
             outer=OuterNesterov(lr=s.outer_lr, momentum=s.outer_momentum, nesterov=s.nesterov),
+            threads=s.merge_ways(),
         )
 
     def rule_for(self, spec: FragmentSpec) -> MergeRule:
@@ -364,10 +404,14 @@ class MergePolicy:
             scale = min(1.0, capped_tokens / live_tokens)
         # The outer gradient, -scale x the merged progress: sign and scale ride on the
         # average's final multiplication (no pass over the fragment for either).
-        delta = merge_fragment(deltas, weights, rule, self.granularity, norms, -scale, given)
-        new_params, new_momentum = self.outer.step_into(params, momentum, delta)
+        delta = merge_fragment(
+            deltas, weights, rule, self.granularity, norms, -scale, given, self.threads
+        )
+        new_params, new_momentum, ok = self.outer.step_checked(
+            params, momentum, delta, self.threads
+        )
         POOL.give(delta.values())
-        if not self.outer.finite_after(new_params, new_momentum):
+        if not ok:
             POOL.give([*new_params.values(), *new_momentum.values()])
             raise NonFiniteMerge(f"merging fragment {spec.index} would make it non-finite")
         return MergeOutcome(

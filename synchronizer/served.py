@@ -25,7 +25,7 @@ import threading
 
 import torch
 
-from ddiloco.synchronizer import codec
+from ddiloco.synchronizer import codec, split
 
 __all__ = ["Served"]
 
@@ -36,8 +36,10 @@ KEEP = 2
 class Served:
     """Encodes fragments in `dtype` into recycled buffers; thread-safe."""
 
-    def __init__(self, dtype: str, fragments: int = 0) -> None:
+    def __init__(self, dtype: str, fragments: int = 0, ways: int = 1) -> None:
         self.dtype = codec.WIRE_DTYPES[dtype]
+        self.ways = ways
+        """Pieces a large tensor's conversion is split into (split.py)."""
         self.spares: list[list[bytearray]] = [[] for _ in range(fragments)]
         self.lock = threading.Lock()
         self.reused = 0
@@ -62,7 +64,7 @@ class Served:
                     buf, dtype=self.dtype, count=(end - begin) // self.dtype.itemsize,
                     offset=len(head) + begin,
                 )  # fmt: skip
-                out.copy_(tensors[name].detach().reshape(-1))
+                split.copy_(out, tensors[name], self.ways)  # in pieces (split.py)
                 del out
         return memoryview(buf)
 

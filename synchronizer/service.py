@@ -125,7 +125,7 @@ class Synchronizer(Updates, Learners, Merging):
         high-water marks still count (a re-send of one is a duplicate)."""
         self.served: list[tuple[int, memoryview]] = []
         """Per fragment, the version served and its payload (served.py's buffers)."""
-        self.payloads = Served(s.broadcast_dtype)
+        self.payloads = Served(s.broadcast_dtype, ways=s.merge_ways())
         self.journals: list[MergeJournal] = []
         """Per fragment, the merges its file does not hold yet (journal.py)."""
         self.file_versions: list[int] = []
@@ -203,7 +203,9 @@ class Synchronizer(Updates, Learners, Merging):
         self.frag_locks = [FragmentLock() for _ in fragments]
         self.merge_locks = [threading.Lock() for _ in fragments]
         self.merging = [{} for _ in fragments]
-        self.payloads = Served(self.settings.broadcast_dtype, len(fragments))
+        self.payloads = Served(
+            self.settings.broadcast_dtype, len(fragments), self.settings.merge_ways()
+        )
         self.served = [self._encode(p, fs) for p, fs in enumerate(fragments)]
         self.rounds = self._rounds(len(fragments))
         n = len(fragments)
