@@ -40,7 +40,11 @@ its posts on a schedule, as learners that finish their H steps on time do): at s
 (0, the default) a merge competes with every update for the cores, so its time there is a
 queueing figure; below it, the merge's own. `--snapshot-lag 0,4` runs each arm with the
 merge made durable by its fragment file before serving (0) and by a merge journal record,
-the file written after (4, the default; synchronizer/journal.py).
+the file written after (4, the default; synchronizer/journal.py). `--settle S` leaves each
+arm's first S seconds out of the merge and round figures (and the slowest merges): every arm
+starts a fresh synchronizer, whose first rounds are all fragments' at once on a cold process,
+a few merges of a minute's arm but none of an hour's; the merges within the mark are then
+printed for the whole arm too.
 """
 
 from __future__ import annotations
@@ -270,13 +274,13 @@ def within(h: dict[float, float], bound: float) -> tuple[int, int] | None:
     return int(h[bound]), int(h[float("inf")])
 
 
-def mean(text: str, name: str) -> float | None:
-    """sum / count of a Prometheus histogram over its label sets (None without any)."""
+def sum_count(text: str, name: str) -> tuple[float, float]:
+    """(sum, count) of a Prometheus histogram over its label sets."""
     sums = [float(x) for x in re.findall(rf"^{name}_sum(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)]
     counts = [
         float(x) for x in re.findall(rf"^{name}_count(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
     ]
-    return sum(sums) / sum(counts) if sum(counts) else None
+    return sum(sums), sum(counts)
 
 
 def memcpy_gbps(nbytes: int, repeat: int = 7) -> float:
@@ -391,7 +395,12 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
         own0 = cpu_seconds(os.getpid())
         for th in threads:
             th.start()
-        time.sleep(args.seconds)
+        before, settled_at = "", None  # the metrics as the arm settles (--settle)
+        if 0 < args.settle < args.seconds:
+            time.sleep(args.settle)
+            settled_at = time.time()
+            before = "".join(b.request("GET", "/metrics")[2].decode() for b in bosses)
+        time.sleep(args.seconds - (args.settle if settled_at else 0.0))
         stop.set()
         for th in threads:
             th.join(timeout=120)
@@ -412,7 +421,7 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
             except subprocess.TimeoutExpired:
                 proc.kill()
             log.close()
-        logged = slow_merges(root)
+        logged = slow_merges(root, settled_at)
         shutil.rmtree(root, ignore_errors=True)
     acc_bytes = sum(t.accepted_bytes for t in tallies)
     accepted = sum(t.accepted for t in tallies)
@@ -423,10 +432,22 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
             refused[k] = refused.get(k, 0) + v
     lat = sorted(x for t in tallies for x in t.latencies)
     budget = TAU * STEP_S
+    whole = histogram(metrics, "ddiloco_merge_duration_seconds")
+
+    def hist(name: str, label: str = "") -> dict[float, float]:
+        """The histogram of what was observed once the arm settled (all of it without
+        --settle)."""
+        h, h0 = histogram(metrics, name, label), histogram(before, name, label)
+        return {le: n - h0.get(le, 0.0) for le, n in h.items()}
 
     def frac(name: str, q: float) -> float | None:
-        v = quantile(histogram(metrics, name), q)
+        v = quantile(hist(name), q)
         return None if v is None else v / budget
+
+    def mean(text: str, name: str) -> float | None:
+        s1, n1 = sum_count(text, name)
+        s0, n0 = sum_count(before, name)
+        return (s1 - s0) / (n1 - n0) if n1 > n0 else None
 
     def ratio(v: float | None) -> float | None:
         return None if v is None else v / budget
@@ -459,16 +480,14 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
         "publish_p50_frac": frac("ddiloco_round_publish_seconds", 0.5),
         "publish_p99_frac": frac("ddiloco_round_publish_seconds", 0.99),
         "merge_mean_frac": ratio(mean(metrics, "ddiloco_merge_duration_seconds")),
-        "merges_within": within(
-            histogram(metrics, "ddiloco_merge_duration_seconds"), GOAL * budget
-        ),
-        "close_within": within(
-            histogram(metrics, "ddiloco_round_close_served_seconds"), GOAL * budget
-        ),
+        "merges_within_whole": within(whole, GOAL * budget),
+        "merge_p99_whole_frac": ratio(quantile(whole, 0.99)),
+        "merges_within": within(hist("ddiloco_merge_duration_seconds"), GOAL * budget),
+        "close_within": within(hist("ddiloco_round_close_served_seconds"), GOAL * budget),
         "phases": {
             ph: (
-                quantile(histogram(metrics, "ddiloco_merge_phase_seconds", f'phase="{ph}"'), 0.5),
-                quantile(histogram(metrics, "ddiloco_merge_phase_seconds", f'phase="{ph}"'), 0.99),
+                quantile(hist("ddiloco_merge_phase_seconds", f'phase="{ph}"'), 0.5),
+                quantile(hist("ddiloco_merge_phase_seconds", f'phase="{ph}"'), 0.99),
             )
             for ph in PHASES
         },
@@ -479,7 +498,7 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
                 quantile(h, 0.99),
             )
             for by in ("background", "merge")
-            for h in [histogram(metrics, "ddiloco_fragment_file_write_seconds", f'by="{by}"')]
+            for h in [hist("ddiloco_fragment_file_write_seconds", f'by="{by}"')]
         },
         "slowest": logged[:SLOWEST],
         "served_mean_frac": ratio(mean(metrics, "ddiloco_round_served_seconds")),
@@ -489,7 +508,9 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
     }
 
 
-MERGED = re.compile(r"Merged fragment=(\d+) version=(\d+) .* in (\d+) ms \((.*)\)")
+MERGED = re.compile(
+    r"^(\S+ [0-9:]+),(\d+) .*Merged fragment=(\d+) version=(\d+) .* in (\d+) ms \((.*)\)$", re.M
+)
 SLOWEST = 5
 """The slowest merges of an arm printed with their parts (from the synchronizer's log)."""
 
@@ -507,18 +528,22 @@ SHORT = {
 finish; then, of the compute, its time on a core (ran) and runnable waiting for one."""
 
 
-def slow_merges(root: Path) -> list[dict[str, Any]]:
-    """Every merge the shards logged, slowest first: fragment, version, ms, and its parts in
-    ms (the log line `merging.py` writes as the merge is served)."""
+def slow_merges(root: Path, since: float | None = None) -> list[dict[str, Any]]:
+    """Every merge the shards logged (served at `since`, a time.time(), or later), slowest
+    first: fragment, version, ms, and its parts in ms (the log line `merging.py` writes as
+    the merge is served, after the local time it was)."""
     out = []
     for f in root.glob("sync-*.log"):
         for m in MERGED.finditer(f.read_text(errors="replace")):
-            parts = dict(kv.rsplit(" ", 1) for kv in m.group(4).split(", ") if " " in kv)
+            at = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1e3
+            if since is not None and at < since:
+                continue
+            parts = dict(kv.rsplit(" ", 1) for kv in m.group(6).split(", ") if " " in kv)
             out.append(
                 {
-                    "fragment": int(m.group(1)),
-                    "version": int(m.group(2)),
-                    "ms": int(m.group(3)),
+                    "fragment": int(m.group(3)),
+                    "version": int(m.group(4)),
+                    "ms": int(m.group(5)),
                     "parts": {k: int(v) for k, v in parts.items()},
                 }
             )
@@ -608,6 +633,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--learners", type=int, default=16)
     ap.add_argument("--quorum", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=0.0,
+        help="seconds at each arm's start whose merges the merge and round figures leave out"
+        " (each arm starts a fresh synchronizer: its first rounds are every fragment's at once,"
+        " on a cold process); the merges within the mark are printed for the whole arm too",
+    )
     ap.add_argument("--arms", default="up,h1,h2", help="transports, comma-separated: up, h1, h2")
     ap.add_argument(
         "--encodings", default="bfloat16", help="update encodings, comma-separated (wire.py)"
@@ -708,6 +741,12 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  {r['arm']:<30} merge {share(r['merges_within'])}, close->served "
             f"{share(r['close_within'])}"
+            + (
+                f"; whole arm: merge {share(r['merges_within_whole'])}, p99 "
+                f"{fmt(r['merge_p99_whole_frac'], '.3f')}"
+                if args.settle
+                else ""
+            )
         )
     print("\nsynchronizer peak resident memory (VmHWM, the largest shard's), MB:")
     for r in rows:
