@@ -47,7 +47,8 @@ import xxhash
 from ddiloco.synchronizer import admission, codec, wire
 from ddiloco.synchronizer.contribution import Contribution
 from ddiloco.synchronizer.journalfile import JournalFile
-from ddiloco.synchronizer.merge import MergeOutcome, MergePolicy, OuterNesterov
+from ddiloco.synchronizer.merge import MergeOutcome, MergePolicy
+from ddiloco.synchronizer.outer import OuterNesterov
 from ddiloco.synchronizer.passes import Term
 from ddiloco.synchronizer.pending import FragmentLog
 from ddiloco.synchronizer.protocol import FragmentSpec, UpdateMeta

@@ -21,7 +21,7 @@ from safetensors.torch import load as st_load
 
 from ddiloco.synchronizer import codec, passes
 from ddiloco.synchronizer.buffers import ALIGN, BODIES, BytePool, Float32Pool, aligned
-from ddiloco.synchronizer.merge import OuterNesterov, finite
+from ddiloco.synchronizer.outer import OuterNesterov, finite
 from ddiloco.synchronizer.served import Served
 from tests.unit.test_contract import A, B, Clock, make, served, start, update
 

@@ -23,7 +23,8 @@ import torch
 from ddiloco.synchronizer import split
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.contribution import Contribution
-from ddiloco.synchronizer.merge import MergePolicy, NonFiniteMerge, OuterNesterov
+from ddiloco.synchronizer.merge import MergePolicy, NonFiniteMerge
+from ddiloco.synchronizer.outer import OuterNesterov
 from ddiloco.synchronizer.protocol import FragmentSpec, TensorSpec, UpdateMeta
 from ddiloco.synchronizer.served import Served
 from ddiloco.synchronizer.service import Synchronizer
