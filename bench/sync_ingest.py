@@ -545,6 +545,7 @@ def slow_merges(root: Path, since: float | None = None) -> list[dict[str, Any]]:
                     "version": int(m.group(4)),
                     "ms": int(m.group(5)),
                     "parts": {k: int(v) for k, v in parts.items()},
+                    "resummed": " sum=resummed " in m.group(0),
                 }
             )
     return sorted(out, key=lambda r: -r["ms"])
@@ -555,7 +556,7 @@ def slowest_table(rows: list[dict[str, Any]]) -> str:
     lines = []
     for r in rows:
         cells = [
-            f"f{m['fragment']} v{m['version']} {m['ms']} ms ("
+            f"f{m['fragment']} v{m['version']}{' R' if m.get('resummed') else ''} {m['ms']} ms ("
             + " ".join(f"{SHORT.get(k, k)}{v}" for k, v in m["parts"].items())
             + ")"
             for m in r["slowest"]
@@ -733,7 +734,8 @@ def main(argv: list[str] | None = None) -> int:
     print(phase_table(rows))
     print(
         f"\nthe {SLOWEST} slowest merges (the synchronizer's log): fragment, version, ms"
-        " (c compute, d durable, e encode, i install, f finish)"
+        " (c compute, d durable, e encode, i install, f finish; R: the merge summed its round"
+        " itself, not as it came)"
     )
     print(slowest_table(rows))
     print(f"\nmerges and close->served within {GOAL} of tau x step (count / all):")

@@ -30,6 +30,7 @@ the step of a large tensor in pieces on threads of their own (split.py, the same
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -93,17 +94,30 @@ def term_alpha(rel: float, norm: float) -> float | None:
     return rel / norm if norm > _EPS else None
 
 
-def _weighted_sum(terms: Sequence[tuple[Term, float]], like: Term) -> torch.Tensor:
+def _weighted_sum(terms: Sequence[tuple[Term, float]], like: Term, ways: int = 1) -> torch.Tensor:
     """sum of alpha * t into a new float32 tensor: the first term written, the others added
-    (passes.py: a bf16 term is read once, in cache-sized chunks)."""
+    (passes.py: a bf16 term is read once, in cache-sized chunks); in `ways` pieces when every
+    term is a tensor (split.py: each piece adds every term over its values, the same bits)."""
     out = POOL.take(like.shape)
     if not terms:
         return out.zero_()
+    if ways > 1 and all(isinstance(t, torch.Tensor) for t, _ in terms):
+        flat = out.view(-1)
+        flats = [(t.reshape(-1), a) for t, a in terms]  # type: ignore[union-attr]
+        split.run(flat.numel(), functools.partial(_sum_piece, flat, flats), ways)
+        return out
     (first, alpha), *rest = terms
     passes.scale_into(out, first, alpha)
     for t, a in rest:
         passes.axpy(out, t, a)
     return out
+
+
+def _sum_piece(out: torch.Tensor, terms: Sequence[tuple[torch.Tensor, float]], s: slice) -> None:
+    (first, alpha), *rest = terms
+    passes.scale_into(out[s], first[s], alpha)
+    for t, a in rest:
+        passes.axpy(out[s], t[s], a)
 
 
 def weighted_mean(
@@ -119,7 +133,7 @@ def weighted_mean(
     rel, total = relative(weights)
     if summed is None:
         terms = [(d, r) for d, r in zip(deltas, rel, strict=True) if r]
-        summed = _weighted_sum(terms, deltas[0])
+        summed = _weighted_sum(terms, deltas[0], ways)
     return split.scale_(summed, scale / total, ways)
 
 
@@ -156,7 +170,7 @@ def rda(
         if (alpha := term_alpha(r, n)) is not None:
             terms.append((d, alpha))
     radius /= total
-    direction = summed if summed is not None else _weighted_sum(terms, deltas[0])
+    direction = summed if summed is not None else _weighted_sum(terms, deltas[0], ways)
     dn = float(torch.linalg.vector_norm(direction))  # of sum w u / w_ref
     if dn / total <= 1e-6 * max(radius, _EPS) or dn <= _EPS:
         POOL.give([direction])
@@ -232,6 +246,9 @@ class MergeOutcome:
     """Indices (into the contributions given) of those merged: the ones that weighed."""
     scale: float = 1.0
     """The factor the merged progress was multiplied by (`merge_scale = live`; else 1)."""
+    streamed: bool = False
+    """Whether the round's sum formed as it arrived was used (stream.py); else the merge
+    summed the contributions itself (a learner twice in the round, a refused merge's put back)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -328,5 +345,13 @@ class MergePolicy:
             POOL.give([*new_params.values(), *new_momentum.values()])
             raise NonFiniteMerge(f"merging fragment {spec.index} would make it non-finite")
         return MergeOutcome(
-            new_params, new_momentum, rule, len(deltas), tokens, staleness, tuple(included), scale
+            new_params,
+            new_momentum,
+            rule,
+            len(deltas),
+            tokens,
+            staleness,
+            tuple(included),
+            scale,
+            streamed=given is not None,
         )

@@ -188,12 +188,14 @@ class Merging:
         self.on_change()
         if outcome is not None:
             log.info(  # served `now`: its time and parts, as the merge histograms saw them
-                "Merged fragment=%d version=%d rule=%s contributors=%d tokens=%d in %.0f ms (%s)",
+                "Merged fragment=%d version=%d rule=%s contributors=%d tokens=%d sum=%s in %.0f ms"
+                " (%s)",
                 p,
                 fs.version,
                 outcome.rule,
                 outcome.contributors,
                 outcome.tokens,
+                "streamed" if outcome.streamed else "resummed",
                 (now - t_merge) * 1e3,
                 ", ".join(f"{part} {s * 1e3:.0f}" for part, s in phases.items()),
             )

@@ -510,3 +510,10 @@ def test_each_merge_logs_its_parts_and_where_its_compute_waited(
         ms = {k: int(v) for k, v in parts.items()}
         assert ms["ran"] + ms["queued"] <= ms["compute"] + 2  # each rounded to 1 ms
         assert ms["ran"] >= 0 and ms["queued"] >= 0
+    assert " sum=streamed " in line  # the round's sum, formed as its update came
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ddiloco.synchronizer.service"):
+        for step in (20, 30):  # the same learner twice in one round: summed by the merge
+            assert sync.submit(update("a", step, 1, step)).status == "accepted"
+        assert sync.merge(0) == 2
+    assert any(" sum=resummed " in r.getMessage() for r in caplog.records)

@@ -108,11 +108,11 @@ def test_a_piece_no_helper_started_is_done_by_the_merge_itself(
     busy.shutdown()
 
 
-def contribution(lid: str, seed: int) -> Contribution:
+def contribution(lid: str, seed: int, dtype: torch.dtype = torch.float32) -> Contribution:
     meta = UpdateMeta(
         learner_id=lid, fragment=0, base_version=0, learner_step=10, tokens=1000, steps=10
     )
-    return Contribution.of(meta, tensors(seed, 1e-3))
+    return Contribution.of(meta, {k: v.to(dtype) for k, v in tensors(seed, 1e-3).items()})
 
 
 SPEC = FragmentSpec(
@@ -122,13 +122,14 @@ SPEC = FragmentSpec(
 
 @pytest.mark.parametrize("rule", ["rda", "mean"])
 def test_a_merge_in_pieces_is_the_merge_in_one(rule: str) -> None:
-    """The policy end to end (the rule's final scaling, the step, the check): bit-identical
-    whatever `threads`, so replay (which runs with one) reproduces a merge's digest."""
+    """The policy end to end (the sum of float32 and bf16 terms, the rule's final scaling,
+    the step, the check): bit-identical whatever `threads`, so replay (which runs with one)
+    reproduces a merge's digest."""
     params, momentum = tensors(1), tensors(2, 0.01)
     results = []
     for threads in (1, 2, 3):
         policy = MergePolicy(rule=rule, threads=threads)  # type: ignore[arg-type]
-        cs = [contribution("a", 4), contribution("b", 5)]
+        cs = [contribution("a", 4), contribution("b", 5, torch.bfloat16), contribution("c", 6)]
         out = policy.merge(SPEC, params, momentum, 0, cs)
         assert out is not None
         results.append(out)
@@ -164,4 +165,5 @@ def test_merge_threads_reaches_the_merge_and_the_served_copy(tmp_path: Path) -> 
         assert sync.policy.threads == threads and sync.payloads.ways == threads
         before = split.stats["pieces"]
         sync.policy.merge(SPEC, tensors(1), tensors(2), 0, [contribution("a", 4)])
-        assert split.stats["pieces"] - before == 2 * (threads - 1)  # the scaling, the step
+        pieces = split.stats["pieces"] - before
+        assert pieces == 3 * (threads - 1)  # the sum (not streamed here), the scaling, the step
