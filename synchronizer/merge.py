@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from ddiloco.synchronizer import passes, split
+from ddiloco.synchronizer import passes, quant, split
 from ddiloco.synchronizer.buffers import POOL
 from ddiloco.synchronizer.contribution import Contribution
 from ddiloco.synchronizer.outer import OuterNesterov
@@ -96,14 +96,15 @@ def term_alpha(rel: float, norm: float) -> float | None:
 
 def _weighted_sum(terms: Sequence[tuple[Term, float]], like: Term, ways: int = 1) -> torch.Tensor:
     """sum of alpha * t into a new float32 tensor: the first term written, the others added
-    (passes.py: a bf16 term is read once, in cache-sized chunks); in `ways` pieces when every
-    term is a tensor (split.py: each piece adds every term over its values, the same bits)."""
+    (passes.py: a bf16 term is read once, in cache-sized chunks); in `ways` pieces (split.py:
+    each piece adds every term over its values, the same bits), a quantized term's whole
+    blocks dequantized in each."""
     out = POOL.take(like.shape)
     if not terms:
         return out.zero_()
-    if ways > 1 and all(isinstance(t, torch.Tensor) for t, _ in terms):
+    if ways > 1 and all(_splits(t) for t, _ in terms):
         flat = out.view(-1)
-        flats = [(t.reshape(-1), a) for t, a in terms]  # type: ignore[union-attr]
+        flats = [(t.reshape(-1) if isinstance(t, torch.Tensor) else t, a) for t, a in terms]
         split.run(flat.numel(), functools.partial(_sum_piece, flat, flats), ways)
         return out
     (first, alpha), *rest = terms
@@ -113,11 +114,22 @@ def _weighted_sum(terms: Sequence[tuple[Term, float]], like: Term, ways: int = 1
     return out
 
 
-def _sum_piece(out: torch.Tensor, terms: Sequence[tuple[torch.Tensor, float]], s: slice) -> None:
+def _splits(t: Term) -> bool:
+    """Whether a term can be summed in pieces: a tensor, or codes whose blocks divide the
+    pieces' stride (a piece then holds whole blocks)."""
+    return isinstance(t, torch.Tensor) or split.STRIDE % t.block == 0
+
+
+def _piece_of(t: Term, s: slice) -> Term:
+    return t[s] if isinstance(t, torch.Tensor) else quant.values(t, s.start, s.stop)
+
+
+def _sum_piece(out: torch.Tensor, terms: Sequence[tuple[Term, float]], s: slice) -> None:
+    """`_weighted_sum` over the values `s` of flat `out` and flat (or quantized) terms."""
     (first, alpha), *rest = terms
-    passes.scale_into(out[s], first[s], alpha)
+    passes.scale_into(out[s], _piece_of(first, s), alpha)
     for t, a in rest:
-        passes.axpy(out[s], t[s], a)
+        passes.axpy(out[s], _piece_of(t, s), a)
 
 
 def weighted_mean(

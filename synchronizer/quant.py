@@ -169,6 +169,19 @@ def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return nibbles.sub_(qmax).view(torch.int8)  # 0..2 qmax -> -qmax..qmax (mod 256)
 
 
+def values(q: Quantized, start: int, end: int) -> Quantized:
+    """Values `start`..`end` of `q` (flat) as a Quantized of their own, views of its codes
+    and scales: `start` a multiple of its block, `end` one too or its last value (a merge's
+    piece, split.py; dequantized, the same bits as those values of `q`)."""
+    if start % q.block or (end % q.block and end != q.numel):
+        raise ValueError(f"values {start}..{end} do not start and end on {q.block}-value blocks")
+    b0, b1 = start // q.block, _blocks(end, q.block)
+    per = q.block // 2 if q.encoding == "int4" else q.block
+    return Quantized(
+        q.encoding, (end - start,), q.block, q.codes[b0 * per : b1 * per], q.scales[b0:b1]
+    )
+
+
 def dequantize_blocks(q: Quantized, b0: int, b1: int, out: torch.Tensor) -> torch.Tensor:
     """Blocks `b0`..`b1` of `q` as float32, written into `out` (flat, at least that many
     values, the last block's padding included): `out`'s first (b1 - b0) x block values,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddiloco.synchronizer import split
+from ddiloco.synchronizer import quant, split
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.contribution import Contribution
 from ddiloco.synchronizer.merge import MergePolicy, NonFiniteMerge
@@ -108,11 +108,15 @@ def test_a_piece_no_helper_started_is_done_by_the_merge_itself(
     busy.shutdown()
 
 
-def contribution(lid: str, seed: int, dtype: torch.dtype = torch.float32) -> Contribution:
+def contribution(lid: str, seed: int, dtype: torch.dtype | str = torch.float32) -> Contribution:
+    """A learner's contribution in float32, bf16, or quantized (`int8`, `int4`: codes)."""
     meta = UpdateMeta(
         learner_id=lid, fragment=0, base_version=0, learner_step=10, tokens=1000, steps=10
     )
-    return Contribution.of(meta, {k: v.to(dtype) for k, v in tensors(seed, 1e-3).items()})
+    raw = tensors(seed, 1e-3)
+    if isinstance(dtype, str):
+        return Contribution.of(meta, {k: quant.quantize(v, dtype) for k, v in raw.items()})  # type: ignore[arg-type]
+    return Contribution.of(meta, {k: v.to(dtype) for k, v in raw.items()})
 
 
 SPEC = FragmentSpec(
@@ -122,16 +126,24 @@ SPEC = FragmentSpec(
 
 @pytest.mark.parametrize("rule", ["rda", "mean"])
 def test_a_merge_in_pieces_is_the_merge_in_one(rule: str) -> None:
-    """The policy end to end (the sum of float32 and bf16 terms, the rule's final scaling,
+    """The policy end to end (the sum of float32, bf16, int8 and int4 terms, the rule's final scaling,
     the step, the check): bit-identical whatever `threads`, so replay (which runs with one)
     reproduces a merge's digest."""
     params, momentum = tensors(1), tensors(2, 0.01)
     results = []
     for threads in (1, 2, 3):
         policy = MergePolicy(rule=rule, threads=threads)  # type: ignore[arg-type]
-        cs = [contribution("a", 4), contribution("b", 5, torch.bfloat16), contribution("c", 6)]
+        cs = [
+            contribution("a", 4),
+            contribution("b", 5, torch.bfloat16),
+            contribution("c", 6, "int8"),
+            contribution("d", 7, "int4"),
+        ]
+        before = split.stats["pieces"]
         out = policy.merge(SPEC, params, momentum, 0, cs)
         assert out is not None
+        handed = len(split.bounds(BIG, threads)) - 1
+        assert split.stats["pieces"] - before == 3 * handed  # the sum, the scaling, the step
         results.append(out)
     for out in results[1:]:
         for k in params:
@@ -167,3 +179,12 @@ def test_merge_threads_reaches_the_merge_and_the_served_copy(tmp_path: Path) -> 
         sync.policy.merge(SPEC, tensors(1), tensors(2), 0, [contribution("a", 4)])
         pieces = split.stats["pieces"] - before
         assert pieces == 3 * (threads - 1)  # the sum (not streamed here), the scaling, the step
+
+
+def test_a_quantized_term_in_pieces_holds_whole_blocks() -> None:
+    q = quant.quantize(tensors(9)["big"], "int4")
+    whole = quant.dequantize(q)
+    for a, b in split.bounds(q.numel, 3):
+        assert torch.equal(quant.dequantize(quant.values(q, a, b)), whole[a:b])
+    with pytest.raises(ValueError, match="blocks"):
+        quant.values(q, q.block // 2, q.block)
