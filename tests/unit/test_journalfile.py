@@ -72,14 +72,20 @@ def test_a_file_an_older_synchronizer_wrote_is_read_and_given_its_zeros(
     assert JournalFile(path).read() == [payload(0), payload(1), payload(2)]
 
 
-def test_a_torn_record_ends_the_records_and_is_zeroed_before_the_next(
-    tmp_path: Path,
-) -> None:
+def two_records(tmp_path: Path) -> Path:
+    """A closed journal file of payloads 0 and 1 (two blocks each), for a crash to tear."""
     path = tmp_path / "j.log"
     f = JournalFile(path)
     f.append(payload(0))
     f.append(payload(1))
     f.close()
+    return path
+
+
+def test_a_torn_record_ends_the_records_and_is_zeroed_before_the_next(
+    tmp_path: Path,
+) -> None:
+    path = two_records(tmp_path)
     data = bytearray(path.read_bytes())
     torn = PendingLog.encoded(payload(2, 10000))  # four blocks; the crash wrote three
     data[4 * BLOCK : 7 * BLOCK] = torn[: 3 * BLOCK]
@@ -99,11 +105,7 @@ def test_a_clear_torn_by_a_crash_never_lets_a_stale_record_follow_a_new_one(
     first record's header was zeroed and the second's was not: the file reads empty, and
     the second is zeroed before a record of the first's size is written where the first
     was (without that, the stale second would read back after it)."""
-    path = tmp_path / "j.log"
-    f = JournalFile(path)
-    f.append(payload(0))
-    f.append(payload(1))
-    f.close()
+    path = two_records(tmp_path)
     data = bytearray(path.read_bytes())
     data[:BLOCK] = bytes(BLOCK)
     path.write_bytes(bytes(data))
