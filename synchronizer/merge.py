@@ -30,7 +30,6 @@ the step of a large tensor in pieces on threads of their own (split.py, the same
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -95,41 +94,45 @@ def term_alpha(rel: float, norm: float) -> float | None:
 
 
 def _weighted_sum(terms: Sequence[tuple[Term, float]], like: Term, ways: int = 1) -> torch.Tensor:
-    """sum of alpha * t into a new float32 tensor: the first term written, the others added
-    (passes.py: a bf16 term is read once, in cache-sized chunks); in `ways` pieces (split.py:
-    each piece adds every term over its values, the same bits), a quantized term's whole
-    blocks dequantized in each."""
+    """sum of alpha * t into a new float32 tensor (`accumulate`)."""
     out = POOL.take(like.shape)
     if not terms:
         return out.zero_()
-    if ways > 1 and all(_splits(t) for t, _ in terms):
-        flat = out.view(-1)
-        flats = [(t.reshape(-1) if isinstance(t, torch.Tensor) else t, a) for t, a in terms]
-        split.run(flat.numel(), functools.partial(_sum_piece, flat, flats), ways)
-        return out
-    (first, alpha), *rest = terms
-    passes.scale_into(out, first, alpha)
-    for t, a in rest:
-        passes.axpy(out, t, a)
+    accumulate(out, terms, True, ways)
     return out
 
 
-def _splits(t: Term) -> bool:
+def accumulate(
+    dst: torch.Tensor, terms: Sequence[tuple[Term, float]], fresh: bool, ways: int = 1
+) -> None:
+    """dst (+)= each alpha * t in order (`fresh`: the first written, not added: no zeroed
+    pass before it; passes.py: a bf16 term is read once, in cache-sized chunks), in `ways`
+    pieces (split.py: each piece adds every term over its values, the same bits; a
+    quantized term's whole blocks dequantized in each), or a term at a time over the whole
+    tensor. A merge's sum, and the terms a round's sum still queues when the merge claims it
+    (stream.py)."""
+    if ways > 1 and all(splits(t) for t, _ in terms):
+        d = dst.view(-1)
+        flats = [(t.reshape(-1) if isinstance(t, torch.Tensor) else t, a) for t, a in terms]
+
+        def piece(s: slice) -> None:
+            for k, (t, a) in enumerate(flats):
+                (passes.scale_into if k == 0 and fresh else passes.axpy)(d[s], piece_of(t, s), a)
+
+        split.run(d.numel(), piece, ways)
+        return
+    for k, (t, a) in enumerate(terms):
+        (passes.scale_into if k == 0 and fresh else passes.axpy)(dst, t, a)
+
+
+def splits(t: Term) -> bool:
     """Whether a term can be summed in pieces: a tensor, or codes whose blocks divide the
     pieces' stride (a piece then holds whole blocks)."""
     return isinstance(t, torch.Tensor) or split.STRIDE % t.block == 0
 
 
-def _piece_of(t: Term, s: slice) -> Term:
+def piece_of(t: Term, s: slice) -> Term:
     return t[s] if isinstance(t, torch.Tensor) else quant.values(t, s.start, s.stop)
-
-
-def _sum_piece(out: torch.Tensor, terms: Sequence[tuple[Term, float]], s: slice) -> None:
-    """`_weighted_sum` over the values `s` of flat `out` and flat (or quantized) terms."""
-    (first, alpha), *rest = terms
-    passes.scale_into(out[s], _piece_of(first, s), alpha)
-    for t, a in rest:
-        passes.axpy(out[s], _piece_of(t, s), a)
 
 
 def weighted_mean(

@@ -31,9 +31,8 @@ import threading
 from collections import deque
 from typing import TYPE_CHECKING
 
-from ddiloco.synchronizer import passes
 from ddiloco.synchronizer.buffers import BODIES, POOL
-from ddiloco.synchronizer.merge import cap_counters, contribution_weight, term_alpha
+from ddiloco.synchronizer.merge import accumulate, cap_counters, contribution_weight, term_alpha
 
 if TYPE_CHECKING:
     from ddiloco.synchronizer.contribution import Contribution, Tensors
@@ -41,6 +40,9 @@ if TYPE_CHECKING:
 
 Key = tuple[str, ...]
 """A contribution's update ids: what it holds."""
+Queued = tuple["Tensors", dict[str, float], "memoryview | bytes | None", bool]
+"""A queued term: its tensors, each one's factor, the body it views (pinned until added),
+and whether the tensors are the sum's to give back to the pool (a dequantized update's)."""
 
 
 class RoundSum:
@@ -52,13 +54,13 @@ class RoundSum:
         self.enabled = policy.granularity == "tensor" or rule == "mean"
         self.lock = threading.Lock()
         """Held while terms are added: one adder at a time, in queue order."""
-        self.queue: deque[tuple[Tensors, dict[str, float], memoryview | bytes | None, bool]] = (
-            deque()
-        )
+        self.queue: deque[Queued] = deque()
         self.keys: list[Key] = []
         self.sum: Tensors = {}
         self.w_ref: float | None = None
         self.valid = self.enabled
+        self.claiming = False
+        """A merge is taking the sum: uploaders stop adding (the merge adds the rest)."""
 
     def offer(self, c: Contribution, dense: Tensors | None = None) -> None:
         """Queue the term of `c`, a contribution new to the round (the caller holds the
@@ -107,40 +109,53 @@ class RoundSum:
 
     def drain(self, wait: bool = False) -> None:
         """Add every queued term. Without `wait`, only if no other thread is adding (that
-        one adds what is queued, ours too)."""
-        while self.queue:
+        one adds what is queued, ours too) and no merge is claiming the sum (the merge adds
+        what is left, in pieces: `claim`)."""
+        while self.queue and not (self.claiming and not wait):
             if not self.lock.acquire(blocking=wait):
                 return
             try:
-                while self.queue:
+                while self.queue and not (self.claiming and not wait):
                     self._add(*self.queue.popleft())
             finally:
                 self.lock.release()
 
     def _add(self, tensors: Tensors, alphas: dict[str, float], body: object, owned: bool) -> None:
+        self._add_all([(tensors, alphas, body, owned)])
+
+    def _add_all(self, items: list[Queued], ways: int = 1) -> None:
+        """Add `items`' terms, in queue order, each tensor's in `ways` pieces (split.py:
+        each piece adds every term over its values in that order, so the bits are those of
+        one term at a time); their bodies and owned tensors are let go of either way."""
         try:
             if not self.valid:
                 return
-            for name, a in alphas.items():
-                t = tensors[name]
+            names = list(dict.fromkeys(name for _, alphas, _, _ in items for name in alphas))
+            for name in names:
+                terms = [(t[name], a[name]) for t, a, _, _ in items if name in a]
                 into = self.sum.get(name)
+                fresh = into is None
                 if into is None:
-                    self.sum[name] = into = POOL.take(t.shape)
-                    passes.scale_into(into, t, a)
-                else:
-                    passes.axpy(into, t, a)
+                    self.sum[name] = into = POOL.take(terms[0][0].shape)
+                accumulate(into, terms, fresh, ways)
         finally:
-            if body is not None:
-                BODIES.unpin(body)  # type: ignore[arg-type]
-            if owned:
-                POOL.give(tensors.values())  # type: ignore[arg-type]
+            for tensors, _, body, owned in items:
+                if body is not None:
+                    BODIES.unpin(body)  # type: ignore[arg-type]
+                if owned:
+                    POOL.give(tensors.values())  # type: ignore[arg-type]
 
     def claim(self, keys: list[Key], policy: MergePolicy, rule: str) -> Tensors | None:
         """The sum, if its terms are exactly the contributions `keys` names, in that order,
         as `policy` and `rule` form them (the sum is then the caller's); else None. Either
-        way this round sum is done."""
-        self.drain(wait=True)
+        way this round sum is done. Terms still queued (the updates admitted just before
+        the round closed, often the one that made the quorum) are added here, in the
+        policy's `threads` pieces: an uploader adding a term stops after it."""
+        self.claiming = True
         with self.lock:
+            items = list(self.queue)
+            self.queue.clear()
+            self._add_all(items, policy.threads)
             out, self.sum = self.sum, {}
             if self.valid and keys == self.keys and (policy, rule) == (self.policy, self.rule):
                 return out

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddiloco.synchronizer import codec
+from ddiloco.synchronizer import codec, passes, quant, split
 from ddiloco.synchronizer.buffers import BODIES
 from ddiloco.synchronizer.merge import Contribution, MergePolicy, OuterNesterov
 from ddiloco.synchronizer.protocol import FragmentSpec, UpdateMeta
@@ -184,3 +184,86 @@ def test_cpu_slots_default_to_every_core_but_one(tmp_path: Path) -> None:
     sync = make(tmp_path, Clock())
     assert sync.settings.cpu_slots == 0
     assert sync.cpu._value == max(1, len(os.sched_getaffinity(0)) - 1)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("rule", ["rda", "mean"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int4"])
+def test_terms_still_queued_when_the_merge_claims_are_added_by_it_in_pieces(
+    rule: str, dtype: torch.dtype | str
+) -> None:
+    """The updates admitted just before a round closes are still queued when its merge
+    claims the sum: the merge adds them in `threads` pieces (split.py), the same bits as
+    one term at a time (a replay's), and the sum's first term may be among them. A
+    quantized term queues as its codes where a replay holds it (not dequantized)."""
+    big = (2 << 20) + 1031  # two pieces of 1 Mi values and more, a vector tail
+    shapes = {"big": (big,), "small": (37, 53)}
+
+    def contribution(i: int) -> Contribution:
+        g = torch.Generator().manual_seed(i)
+        raw = {k: torch.randn(s, generator=g) * (i + 1) for k, s in shapes.items()}
+        meta = UpdateMeta(
+            learner_id=f"l{i}", fragment=1, base_version=0, steps=10, tokens=100 * (i + 1),
+            learner_step=i + 1,
+        )  # fmt: skip
+        if isinstance(dtype, str):
+            codes = {k: quant.quantize(v, dtype) for k, v in raw.items()}  # type: ignore[arg-type]
+            norms = {k: passes.norm(v) for k, v in codes.items()}
+            return Contribution.of(meta, codes, norms)  # type: ignore[arg-type]
+        delta = {k: v.to(dtype) for k, v in raw.items()}
+        norms = {k: float(torch.linalg.vector_norm(v.float())) for k, v in delta.items()}
+        return Contribution.of(meta, delta, norms)
+
+    g = torch.Generator().manual_seed(99)
+    params = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    momentum = {k: torch.randn(s, generator=g) * 0.1 for k, s in shapes.items()}
+    outer = OuterNesterov(lr=0.7, momentum=0.9)
+    cs = [contribution(i) for i in range(4)]
+    results = []
+    for added, threads in ((4, 1), (1, 2), (0, 2)):  # one by one; the rest at the merge
+        policy = MergePolicy(rule=rule, outer=outer, threads=threads)  # type: ignore[arg-type]
+        rs = RoundSum(policy, rule)
+        for i, c in enumerate(cs):
+            rs.offer(c)
+            if i < added:
+                rs.drain()
+        assert len(rs.queue) == len(cs) - added
+        before = split.stats["pieces"]
+        out = policy.merge(SPEC, params, momentum, 3, cs, None, rs)
+        assert out is not None and out.streamed
+        if added < len(cs):  # the queued terms' pieces, the scaling's and the step's
+            assert split.stats["pieces"] - before == 3
+        results.append(out)
+    plain = MergePolicy(rule=rule, outer=outer).merge(SPEC, params, momentum, 3, cs, None)  # type: ignore[arg-type]
+    assert plain is not None
+    for out in results:
+        for k in shapes:
+            assert torch.equal(out.params[k], plain.params[k]), k
+            assert torch.equal(out.momentum[k], plain.momentum[k]), k
+
+
+def test_an_uploader_stops_adding_once_a_merge_claims_the_sum() -> None:
+    """The merge adds what is left in pieces; an uploader's drain adds nothing then, and
+    one that was adding stops after its term."""
+    policy = MergePolicy()
+    cs = [contribution(i, torch.bfloat16) for i in range(3)]
+    rs = RoundSum(policy, "rda")
+    for c in cs:
+        rs.offer(c)
+    rs.claiming = True
+    rs.drain()
+    assert len(rs.queue) == 3 and not rs.sum
+    rs.claiming = False
+    added: list[int] = []
+    real_add = rs._add_all
+
+    def add_and_claim(items: list, ways: int = 1) -> None:  # type: ignore[type-arg]
+        added.append(len(items))
+        real_add(items, ways)
+        rs.claiming = True  # a merge claims while this uploader adds its first term
+
+    rs._add_all = add_and_claim  # type: ignore[method-assign]
+    rs.drain()
+    assert added == [1] and len(rs.queue) == 2
+    rs._add_all = real_add  # type: ignore[method-assign]
+    summed = rs.claim([tuple(c.ids) for c in cs], policy, "rda")
+    assert summed is not None and not rs.queue
