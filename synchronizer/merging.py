@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import statistics
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from ddiloco.synchronizer.buffers import POOL
 from ddiloco.synchronizer.contribution import Contribution
@@ -37,6 +37,11 @@ __all__ = ["Merging"]
 DURABLES = ThreadPoolExecutor(32, thread_name_prefix="ddiloco-durable")
 """Where a merge's durable part (its fsyncs) runs while the merge's thread encodes the
 payload it will serve (`Merging._merged`); threads are made as merges overlap."""
+INPUTS = ThreadPoolExecutor(32, thread_name_prefix="ddiloco-inputs")
+"""Where a journaled merge fsyncs the segments that hold its inputs while its durable part
+computes the record's digest (`Merging._persist`): a pool of its own, as its callers run
+in `DURABLES` (a task waiting for one queued behind it in the same pool could wait for
+good)."""
 
 
 SCHED_ONLY = ("ran", "queued")
@@ -277,15 +282,19 @@ class Merging:
         `snapshots.locks[p]`, see `_merged`); returns when it was done (the clock's)."""
         assert self.snapshots is not None
         if journaled:
-            record = MergeRecord(  # its digest (the cores) while uploaders' fsyncs finish
-                version=fs.version,
-                ids=list(taken),
-                high_water={i: c.order for i, c in taken.items()},
-                live_tokens=float(live_tokens),
-                policy=policy_fields(self.policy),
-                digest=digest(new),
-            )
-            self._inputs_durable(p, segments)
+            inputs = INPUTS.submit(self._inputs_durable, p, segments)  # the disk, beside
+            try:
+                record = MergeRecord(  # its digest (the cores)
+                    version=fs.version,
+                    ids=list(taken),
+                    high_water={i: c.order for i, c in taken.items()},
+                    live_tokens=float(live_tokens),
+                    policy=policy_fields(self.policy),
+                    digest=digest(new),
+                )
+            finally:
+                wait([inputs])  # before the record, whatever the digest did
+            inputs.result()
             self.journals[p].append(record)
         else:
             self.snapshots.locks[p].acquire()  # no older state's write lands after it
@@ -317,8 +326,9 @@ class Merging:
     def _inputs_durable(self, p: int, segments: Sequence[PendingLog]) -> None:
         """The records a journaled merge names, durable before its record: replay rebuilds
         the merge from them, and an update joins its round before its uploader's fsync
-        returns. Mostly at once (those fsyncs ran beside the compute); a failed one stops
-        the process, as the uploader's would (`_make_durable`)."""
+        returns. Mostly at once (those fsyncs ran beside the compute), and beside the
+        record's digest (`_persist`, in `INPUTS`); a failed one stops the process, as the
+        uploader's would (`_make_durable`)."""
         try:
             for seg in segments:
                 seg.sync_all()

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from ddiloco.cli.export import from_state_dir
-from ddiloco.synchronizer import codec
+from ddiloco.synchronizer import codec, merging
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.journal import MergeJournal, Snapshots
 from ddiloco.synchronizer.merge import NonFiniteMerge
@@ -303,6 +303,41 @@ def test_a_journaled_merge_makes_the_records_it_names_durable_before_its_record(
     assert sync.merge(0) == 1
     assert at_record == [True]  # synced before the record was written
     assert [r.version for r in MergeJournal(tmp_path, 0).records()] == [0]
+
+
+def test_a_merge_fsyncs_its_inputs_while_its_digest_is_computed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The segments' fsync (the disk) and the record's digest (the cores) run side by side;
+    the record is written only after both."""
+    sync = make(tmp_path, Clock())
+    start(sync)
+    stop_writer(sync)
+    sync._make_durable = lambda p, plog, ticket: None  # type: ignore[method-assign]
+    assert sync.submit(update("a", 10, 0, 1)).status == "accepted"  # its fsync not done
+    events: list[str] = []
+    real_digest, real_inputs = merging.digest, sync._inputs_durable
+    real_append = sync.journals[0].append
+
+    def slow_digest(fs: Any) -> str:
+        time.sleep(0.3)
+        events.append("digested")
+        return real_digest(fs)
+
+    def inputs(p: int, segments: Any) -> None:
+        real_inputs(p, segments)
+        events.append("inputs durable")
+
+    def append(rec: Any) -> None:
+        events.append("record")
+        real_append(rec)
+
+    monkeypatch.setattr(merging, "digest", slow_digest)
+    sync._inputs_durable = inputs  # type: ignore[method-assign]
+    sync.journals[0].append = append  # type: ignore[method-assign]
+    assert sync.merge(0) == 1
+    assert events == ["inputs durable", "digested", "record"]
+    assert all(s.synced == s.written for s in sync.store.pending(0)._segments())
 
 
 def test_a_merge_encodes_what_it_will_serve_while_its_record_is_fsynced(tmp_path: Path) -> None:
