@@ -80,13 +80,18 @@ class SyncSettings(BaseSettings):
     each fragment took 1.2-1.7 s on a cold process under load, every later one well under
     0.5 s (bench/RESULTS.md, issue 15). False (`DDILOCO_PRIME_BUFFERS=0`): pools fill as
     the work needs them."""
-    snapshot_lag: int = Field(4, ge=0, le=64)
+    snapshot_lag: int = Field(8, ge=0, le=64)
     """How many merges a fragment's file may trail the version it serves. A merge is durable
     once a small record of its inputs is in the merge journal (synchronizer/journal.py): the
     updates it took are in the pending log already, and a restart redoes it from them. The
     128 MB file of a 16M-parameter fragment is then written in the background, and that
-    many merges' updates stay on disk until it is. 0: every merge writes its fragment file
-    before its version is served (the old path, half of the merge's time)."""
+    many merges' updates stay on disk until it is (the state volume holds up to this many
+    rounds of updates per fragment beside the files), and a restart redoes up to that many
+    merges. 8 (was 4): the files are written half as often, and the disk's flushes that a
+    merge's durable part waits for hold half their bytes (its p99 at 0.8 GB/s and
+    saturated 413-420 -> 232-236 ms side by side, bench/RESULTS.md). 0: every merge writes
+    its fragment file before its version is served (the old path, half of the merge's
+    time)."""
     snapshot_every: int = Field(0, ge=0, le=64)
     """How many merges a fragment's file trails (or the version being written, if one is)
     before the background writer writes it again (the latest state; the merges in between

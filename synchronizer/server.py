@@ -68,7 +68,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--snapshot-lag",
         type=int,
         help="merges a fragment's file may trail its served version; 0 writes it before "
-        "serving (env DDILOCO_SNAPSHOT_LAG, default 4; synchronizer/journal.py)",
+        "serving (env DDILOCO_SNAPSHOT_LAG, default 8; synchronizer/journal.py)",
     )
     ap.add_argument(
         "--snapshot-every",
