@@ -30,7 +30,7 @@ from ddiloco.synchronizer.client import SyncUnavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 TOKEN = "e2e-ledger"
-M, P, STEPS = 3, 2, 160
+M, P, STEPS = 3, 2, 480  # long enough that four merges happen while all three train
 
 
 def wait_for(pred, timeout: float, what: str):  # type: ignore[no-untyped-def]
