@@ -108,21 +108,19 @@ def accumulate(
     """dst (+)= each alpha * t in order (`fresh`: the first written, not added: no zeroed
     pass before it; passes.py: a bf16 term is read once, in cache-sized chunks), in `ways`
     pieces (split.py: each piece adds every term over its values, the same bits; a
-    quantized term's whole blocks dequantized in each), or a term at a time over the whole
-    tensor. A merge's sum, and the terms a round's sum still queues when the merge claims it
-    (stream.py)."""
-    if ways > 1 and all(splits(t) for t, _ in terms):
-        d = dst.view(-1)
-        flats = [(t.reshape(-1) if isinstance(t, torch.Tensor) else t, a) for t, a in terms]
+    quantized term's whole blocks dequantized in each; one piece when a term's blocks do
+    not divide the pieces' stride). A merge's sum, and the terms a round's sum still
+    queues when the merge claims it (stream.py)."""
+    if not all(splits(t) for t, _ in terms):
+        ways = 1  # one piece: the whole of every term
+    d = dst.view(-1)
+    flats = [(t.reshape(-1) if isinstance(t, torch.Tensor) else t, a) for t, a in terms]
 
-        def piece(s: slice) -> None:
-            for k, (t, a) in enumerate(flats):
-                (passes.scale_into if k == 0 and fresh else passes.axpy)(d[s], piece_of(t, s), a)
+    def piece(s: slice) -> None:
+        for k, (t, a) in enumerate(flats):
+            (passes.scale_into if k == 0 and fresh else passes.axpy)(d[s], piece_of(t, s), a)
 
-        split.run(d.numel(), piece, ways)
-        return
-    for k, (t, a) in enumerate(terms):
-        (passes.scale_into if k == 0 and fresh else passes.axpy)(dst, t, a)
+    split.run(d.numel(), piece, ways)
 
 
 def splits(t: Term) -> bool:

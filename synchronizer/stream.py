@@ -116,12 +116,9 @@ class RoundSum:
                 return
             try:
                 while self.queue and not (self.claiming and not wait):
-                    self._add(*self.queue.popleft())
+                    self._add_all([self.queue.popleft()])
             finally:
                 self.lock.release()
-
-    def _add(self, tensors: Tensors, alphas: dict[str, float], body: object, owned: bool) -> None:
-        self._add_all([(tensors, alphas, body, owned)])
 
     def _add_all(self, items: list[Queued], ways: int = 1) -> None:
         """Add `items`' terms, in queue order, each tensor's in `ways` pieces (split.py:
@@ -153,11 +150,13 @@ class RoundSum:
         policy's `threads` pieces: an uploader adding a term stops after it."""
         self.claiming = True
         with self.lock:
+            if keys != self.keys or (policy, rule) != (self.policy, self.rule):
+                self.valid = False  # not this merge's terms: what is queued is only let go of
             items = list(self.queue)
             self.queue.clear()
             self._add_all(items, policy.threads)
             out, self.sum = self.sum, {}
-            if self.valid and keys == self.keys and (policy, rule) == (self.policy, self.rule):
+            if self.valid:
                 return out
             POOL.give(out.values())
             return None
