@@ -37,7 +37,8 @@ class Contribution:
     ids: list[str] = field(default_factory=list)
     norms: dict[str, float] | None = None
     """Each tensor's norm of `delta`, when admission measured it (one update; None once
-    another is absorbed): the merge's `rda` then needs no norm pass of its own."""
+    another is absorbed, unless the round's sum measured the sum's: `RoundSum.absorb`):
+    the merge's `rda` then needs no norm pass of its own."""
     body: memoryview | bytes | None = None
     """The payload `delta` views, pinned in `BODIES` (None once `delta` is `owned`)."""
     owned: bool = False

@@ -15,7 +15,10 @@ and the log's segments it covers let go.
 A restart (and `ddiloco export`) rebuilds what the fragment file lacks with `replay`: from
 the file's state, each journaled merge in order, its contributions rebuilt from the log's
 records exactly as admission built them (same decode, same norms, the same learner order
-and absorption order), merged by the policy the record names (not today's settings). The
+and absorption order), merged by the policy the record names (not today's settings), from
+the round's sum formed in the log's order as admission formed it (stream.py) when the
+record says the merge took that sum (`stream`: a learner's second update in a round
+replaces its term there, which a sum from the contributions cannot reproduce). The
 result is checked against the record's digest: the same code on the same kind of machine
 gives the same bits. If it does not (another CPU's vector unit, another torch), the
 contributions are still merged exactly once, but the bytes differ from those served under
@@ -53,6 +56,7 @@ from ddiloco.synchronizer.passes import Term
 from ddiloco.synchronizer.pending import FragmentLog
 from ddiloco.synchronizer.protocol import FragmentSpec, UpdateMeta
 from ddiloco.synchronizer.state import FragmentState, Order, StateStore
+from ddiloco.synchronizer.stream import RoundSum
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +100,10 @@ class MergeRecord:
     policy: dict[str, Any]
     digest: str
     """`digest` of the merged state."""
+    stream: bool = False
+    """The merge took the round's sum formed as its updates were admitted (`RoundSum`; a
+    replay forms it again from the log, in the log's order); else it summed the
+    contributions. (A record without it, from before the field: the same bits either way.)"""
 
     def encode(self) -> bytes:
         d = dataclasses.asdict(self)
@@ -221,14 +229,20 @@ def replay(
                 f"fragment {spec.index}: journaled merge from version {rec.version}, the "
                 f"state is at {out.state.version}"
             )
-        taken: dict[str, Contribution] = {i: None for i in rec.ids}  # type: ignore[misc]
-        left = []
-        for meta, delta, norms, body in updates:
-            hw = rec.high_water.get(meta.learner_id)
-            if hw is None or meta.order() > hw:
-                left.append((meta, delta, norms, body))
-            elif (c := taken[meta.learner_id]) is None:
-                taken[meta.learner_id] = Contribution.of(meta, delta, norms, body)
+        mine, left = [], []
+        for u in updates:
+            hw = rec.high_water.get(u[0].learner_id)
+            (left if hw is None or u[0].order() > hw else mine).append(u)
+        policy = policy_from(rec.policy)
+        summed = RoundSum(policy, policy.rule_for(spec)) if rec.stream else None
+        taken: dict[str, Contribution] = dict.fromkeys(rec.ids)  # type: ignore[arg-type]
+        for meta, delta, norms, body in mine:  # the log's order: admission's
+            if (c := taken[meta.learner_id]) is None:
+                taken[meta.learner_id] = c = Contribution.of(meta, delta, norms, body)
+                if summed is not None:
+                    summed.offer(c)
+            elif summed is not None:
+                summed.absorb(c, meta, delta, body)
             else:
                 c.absorb(meta, delta, body)
         missing = [i for i, c in taken.items() if c is None]
@@ -236,10 +250,14 @@ def replay(
             raise ValueError(
                 f"fragment {spec.index}: journaled merge {rec.version} lacks {missing}"
             )
-        outcome = policy_from(rec.policy).merge(
-            spec, out.state.params, out.state.momentum, out.state.version,
-            list(taken.values()), rec.live_tokens,
-        )  # fmt: skip
+        try:
+            outcome = policy.merge(
+                spec, out.state.params, out.state.momentum, out.state.version,
+                list(taken.values()), rec.live_tokens, summed,
+            )  # fmt: skip
+        finally:
+            if summed is not None:
+                summed.discard()
         new = next_state(out.state, taken, outcome)
         if digest(new) != rec.digest:
             out.exact = False

@@ -76,11 +76,13 @@ def cap_counters(tokens: int, steps: int, max_steps: int) -> tuple[int, int]:
     return round(tokens * max_steps / steps), max_steps
 
 
-def relative(weights: Sequence[float]) -> tuple[list[float], float]:
-    """Each weight over the first positive one, and their sum: the terms of a sum that can
-    start before the last weight is known (stream.py sums a round's direction as its
+def relative(weights: Sequence[float], ref: float | None = None) -> tuple[list[float], float]:
+    """Each weight over the first positive one (or `ref`: the one a round's sum took, which
+    a learner's later update may have changed since), and their sum: the terms of a sum that
+    can start before the last weight is known (stream.py sums a round's direction as its
     contributions arrive, with the same numbers in the same order)."""
-    ref = next((w for w in weights if w > 0), 0.0)
+    if ref is None:
+        ref = next((w for w in weights if w > 0), 0.0)
     if ref <= 0.0:
         raise ValueError("merge needs at least one contribution with a positive weight")
     rel = [w / ref for w in weights]
@@ -139,11 +141,12 @@ def weighted_mean(
     scale: float = 1.0,
     summed: torch.Tensor | None = None,
     ways: int = 1,
+    ref: float | None = None,
 ) -> torch.Tensor:
     """scale * sum_m w_m delta_m / sum_m w_m (a new float32 tensor): the sum with relative
     weights, then one multiplication (in `ways` pieces: split.py). `summed`: that sum,
-    already formed (stream.py; it is consumed)."""
-    rel, total = relative(weights)
+    already formed (stream.py; it is consumed), its weights relative to `ref`."""
+    rel, total = relative(weights, ref)
     if summed is None:
         terms = [(d, r) for d, r in zip(deltas, rel, strict=True) if r]
         summed = _weighted_sum(terms, deltas[0], ways)
@@ -157,6 +160,7 @@ def rda(
     scale: float = 1.0,
     summed: torch.Tensor | None = None,
     ways: int = 1,
+    ref: float | None = None,
 ) -> torch.Tensor:
     """Radial-directional averaging: mean length times the direction of the mean direction.
 
@@ -168,10 +172,10 @@ def rda(
     `scale` (the merge's sign and `merge_scale`) rides on the final multiplication.
     u is summed with weights relative to the first (`relative`, `term_alpha`): its scale
     cancels in u / ||u||. `summed`: that sum, already formed as the round's contributions
-    arrived (stream.py, same terms in the same order; it is consumed). `ways`: the final
+    arrived (stream.py; it is consumed), its weights relative to `ref`. `ways`: the final
     multiplication's pieces (split.py).
     """
-    rel, total = relative(weights)
+    rel, total = relative(weights, ref)
     known = list(norms) if norms is not None else [None] * len(deltas)
     radius = 0.0
     terms = []
@@ -187,7 +191,7 @@ def rda(
     dn = float(torch.linalg.vector_norm(direction))  # of sum w u / w_ref
     if dn / total <= 1e-6 * max(radius, _EPS) or dn <= _EPS:
         POOL.give([direction])
-        return weighted_mean(deltas, weights, scale, ways=ways)
+        return weighted_mean(deltas, weights, scale, ways=ways, ref=ref)
     return split.scale_(direction, scale * radius / dn, ways)
 
 
@@ -200,17 +204,18 @@ def merge_fragment(
     scale: float = 1.0,
     summed: Tensors | None = None,
     ways: int = 1,
+    ref: float | None = None,
 ) -> Tensors:
     """Combine per-learner outer gradients of one fragment into one outer gradient, times
     `scale`. `norms[i]`: the per-tensor norms of `deltas[i]` when known (per-tensor RDA
     uses them). `summed`: per tensor, the sum of the rule's terms already formed
-    (stream.py; consumed; per-tensor granularity only). `ways`: pieces of the final
-    multiplication (split.py)."""
+    (stream.py; consumed; per-tensor granularity only), with weights relative to `ref`.
+    `ways`: pieces of the final multiplication (split.py)."""
     names = list(deltas[0])
     given = summed or {}
     if method == "mean":
         return {
-            n: weighted_mean([d[n] for d in deltas], weights, scale, given.get(n), ways)
+            n: weighted_mean([d[n] for d in deltas], weights, scale, given.get(n), ways, ref)
             for n in names
         }
     if granularity == "tensor":
@@ -223,6 +228,7 @@ def merge_fragment(
                 scale,
                 given.get(n),
                 ways,
+                ref,
             )
             for n in names
         }
@@ -261,7 +267,8 @@ class MergeOutcome:
     """The factor the merged progress was multiplied by (`merge_scale = live`; else 1)."""
     streamed: bool = False
     """Whether the round's sum formed as it arrived was used (stream.py); else the merge
-    summed the contributions itself (a learner twice in the round, a refused merge's put back)."""
+    summed the contributions itself (a refused merge's put back). A journal record says
+    which: a replay sums the same way."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -313,8 +320,8 @@ class MergePolicy:
         contributions' capped tokens / live_tokens). None or 0: no scaling.
 
         `summed`: the round's terms summed as they arrived (stream.py), used if they are
-        exactly the terms of the contributions merged here, in order (the result is the
-        same bits either way)."""
+        exactly the terms of the contributions merged here, in order (the same bits as the
+        merge's own sum unless a learner's term in it was replaced: `RoundSum.absorb`)."""
         deltas, weights, tokens, staleness, included = [], [], 0, 0, []
         norms: list[dict[str, float] | None] = []
         capped_tokens = 0
@@ -336,10 +343,11 @@ class MergePolicy:
             staleness += version - c.base_version
             included.append(i)
         rule = self.rule_for(spec)
-        given = None
+        given, ref = None, None
         if summed is not None:
             keys = [tuple(contributions[i].ids) for i in included]
             given = summed.claim(keys, self, rule)
+            ref = summed.w_ref if given is not None else None
         if not deltas:
             return None
         scale = 1.0
@@ -348,7 +356,7 @@ class MergePolicy:
         # The outer gradient, -scale x the merged progress: sign and scale ride on the
         # average's final multiplication (no pass over the fragment for either).
         delta = merge_fragment(
-            deltas, weights, rule, self.granularity, norms, -scale, given, self.threads
+            deltas, weights, rule, self.granularity, norms, -scale, given, self.threads, ref
         )
         new_params, new_momentum, ok = self.outer.step_checked(
             params, momentum, delta, self.threads

@@ -251,8 +251,9 @@ class Merging:
             and new.version - self.file_versions[p] <= self.settings.snapshot_lag
         )
         persisting = DURABLES.submit(
-            self._persist, p, fs, new, taken, live_tokens, journaled, segments
-        )
+            self._persist, p, fs, new, taken, live_tokens, journaled, segments,
+            outcome is not None and outcome.streamed,
+        )  # fmt: skip
         try:
             served = self._encode(p, new)  # beside the fsyncs: the cores while the disk works
         except BaseException:
@@ -277,6 +278,7 @@ class Merging:
         live_tokens: float,
         journaled: bool,
         segments: Sequence[PendingLog],
+        streamed: bool = False,
     ) -> float:
         """`new` durable: as a journal record of its inputs, or in its file (then holding
         `snapshots.locks[p]`, see `_merged`); returns when it was done (the clock's)."""
@@ -291,6 +293,7 @@ class Merging:
                     live_tokens=float(live_tokens),
                     policy=policy_fields(self.policy),
                     digest=digest(new),
+                    stream=streamed,
                 )
             finally:
                 wait([inputs])  # before the record, whatever the digest did

@@ -14,15 +14,21 @@ term queued), and the merge only adds what is still queued:
     rs = RoundSum(policy)                         # a fragment's open round
     rs.offer(contribution)                        # as it is admitted (fragment's lock held)
     rs.drain()                                    # after, by the admitting thread
+    rs.absorb(contribution, meta, delta, body)    # its learner again (fragment's lock held)
     summed = rs.claim(keys)                       # the merge: the sum, if it holds exactly
                                                   # the terms `keys` names, in that order
 
 The terms are the ones `merge.rda` / `merge.weighted_mean` form, in the same order, with
-the same factors, through the same `passes`: a journal replay, which merges from the log's
-records without a stream, reproduces the served bits. `claim` returns the sum only if its
-terms are exactly the merged contributions', in order (a learner that contributed twice in
-one round, a contribution put back by a refused merge, a weightless one: the merge sums
-from the contributions, as before). A queued bf16 term keeps its body pinned until added.
+the same factors, through the same `passes`. A learner's second update in the round
+(`absorb`) replaces its term: every queued term is added, the old term taken out (added
+times -1), the summed contribution's term queued. From then on the sum is not the bits the
+merge would sum from the contributions, but it is a function of the round's updates in the
+order they were admitted, which is their order in the fragment's log: a journal replay
+sums the log's records through a `RoundSum` the same way when the merge's record says it
+was streamed (journal.replay), and serves the same bits. `claim` returns the sum only if
+its terms are exactly the merged contributions', in order (a contribution put back by a
+refused merge, or a weightless one absorbing another update: the merge sums from the
+contributions, as before). A queued bf16 term keeps its body pinned until added.
 """
 
 from __future__ import annotations
@@ -31,12 +37,14 @@ import threading
 from collections import deque
 from typing import TYPE_CHECKING
 
+from ddiloco.synchronizer import passes
 from ddiloco.synchronizer.buffers import BODIES, POOL
 from ddiloco.synchronizer.merge import accumulate, cap_counters, contribution_weight, term_alpha
 
 if TYPE_CHECKING:
     from ddiloco.synchronizer.contribution import Contribution, Tensors
     from ddiloco.synchronizer.merge import MergePolicy
+    from ddiloco.synchronizer.protocol import UpdateMeta
 
 Key = tuple[str, ...]
 """A contribution's update ids: what it holds."""
@@ -58,6 +66,10 @@ class RoundSum:
         self.keys: list[Key] = []
         self.sum: Tensors = {}
         self.w_ref: float | None = None
+        """The weight every term's is relative to: the first term's, as it was offered (the
+        merge divides by it too: `merge.relative`)."""
+        self.members: dict[int, tuple[int, dict[str, float]]] = {}
+        """Per contribution with a term (by `id`): its place in `keys`, its term's factors."""
         self.valid = self.enabled
         self.claiming = False
         """A merge is taking the sum: uploaders stop adding (the merge adds the rest)."""
@@ -78,7 +90,41 @@ class RoundSum:
             body = c.body
             BODIES.pin(body)  # until added: the contribution may let go of it first
         self.queue.append((tensors, alphas, body, dense is not None))
+        self.members[id(c)] = (len(self.keys), alphas)
         self.keys.append(tuple(c.ids))
+
+    def absorb(
+        self,
+        c: Contribution,
+        meta: UpdateMeta,
+        delta: Tensors,
+        body: memoryview | bytes | None = None,
+    ) -> None:
+        """`c`, its learner's contribution to this round, with that learner's next update
+        added in (`Contribution.absorb`: `delta` consumed), and c's term in the sum replaced
+        by the new sum's: every queued term added (c's old one too, before c changes under
+        it), the old term added times -1, the new one queued. The caller holds the
+        fragment's lock (the round's order); for RDA, c's norms are measured here (the merge
+        reuses them). A contribution with no term (weightless) spoils the sum."""
+        member = self.members.pop(id(c), None) if self.valid else None
+        if member is None:
+            self.spoil()
+            c.absorb(meta, delta, body)
+            return
+        place, old = member
+        self.drain(wait=True)
+        with self.lock:
+            self._add_all([(c.delta, {name: -a for name, a in old.items()}, None, False)])
+        c.absorb(meta, delta, body)
+        if self.rule != "mean":
+            c.norms = {name: passes.norm(t) for name, t in c.delta.items()}
+        alphas = self._alphas(c)
+        if alphas is None:
+            self.valid = False
+            return
+        self.queue.append((c.delta, alphas, None, False))  # c's, not the sum's to give back
+        self.members[id(c)] = (place, alphas)
+        self.keys[place] = tuple(c.ids)
 
     def _alphas(self, c: Contribution) -> dict[str, float] | None:
         """Each tensor's factor of `c`'s term (None: no term; the sum is spoiled if its
@@ -103,8 +149,8 @@ class RoundSum:
         return alphas
 
     def spoil(self) -> None:
-        """The round's contributions changed under the queued terms (a learner's second
-        update summed into its first, a refused merge's put back): stop summing."""
+        """The round's contributions changed under the queued terms (a refused merge's put
+        back, a weightless contribution's learner again): stop summing."""
         self.valid = False
 
     def drain(self, wait: bool = False) -> None:

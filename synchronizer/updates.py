@@ -183,17 +183,19 @@ class Updates:
         update of the learner's in this round adds to its contribution (consumed either way)."""
         if opens is None:
             opens = meta.base_version == self.fragments[p].version
+        # p's round changes only under p's lock (held): a learner's next update is summed
+        # into its contribution, and its term in the round's sum replaced (passes over the
+        # fragment), outside the synchronizer's lock
+        pending = self.rounds.rounds[p].contributions.get(meta.learner_id)
+        if pending is not None:
+            if dense is not None:  # summed from the float32 made already (same bits)
+                self.sums[p].absorb(pending, meta, dense)
+            else:
+                self.sums[p].absorb(pending, meta, delta, body)
         with self.lock:
-            pending = self.rounds.rounds[p].contributions.get(meta.learner_id)
             if pending is None:
                 pending = Contribution.of(meta, delta, norms, body)
                 self.sums[p].offer(pending, dense)
-            else:
-                self.sums[p].spoil()  # the term queued for it is no longer its own
-                if dense is not None:  # summed from the float32 made already (same bits)
-                    pending.absorb(meta, dense)
-                else:
-                    pending.absorb(meta, delta, body)
             self.rounds.add(p, meta.learner_id, pending, opens=opens)
             if (rec := self.learners.get(meta.learner_id)) is not None:
                 rec.period_tokens = cap_counters(

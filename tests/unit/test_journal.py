@@ -129,6 +129,9 @@ def test_journaled_merges_are_served_before_their_file_and_replay_to_the_same_bi
     assert sync.versions() == [3]
     assert sync.store.load_fragment(0).version == 0  # the file is behind: not yet written
     assert [r.version for r in sync.journals[0].records()] == [0, 1, 2]
+    # each took its round's sum; the second's replaced a's term (a twice): its replay sums
+    # the log's records in their order through a round's sum, as admission did
+    assert [r.stream for r in sync.journals[0].records()] == [True, True, True]
     # the crash: the object is dropped; the restart redoes the three merges from the log
     again = make(tmp_path, clock)
     assert again.versions() == [3]
@@ -548,7 +551,13 @@ def test_each_merge_logs_its_parts_and_where_its_compute_waited(
     assert " sum=streamed " in line  # the round's sum, formed as its update came
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="ddiloco.synchronizer.service"):
-        for step in (20, 30):  # the same learner twice in one round: summed by the merge
+        for step in (20, 30):  # the same learner twice in one round: its term replaced
             assert sync.submit(update("a", step, 1, step)).status == "accepted"
         assert sync.merge(0) == 2
+    assert any(" sum=streamed " in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ddiloco.synchronizer.service"):
+        assert sync.submit(update("b", 40, 2, 40)).status == "accepted"
+        sync.sums[0].spoil()  # as a refused merge's put back does: summed by the merge
+        assert sync.merge(0) == 3
     assert any(" sum=resummed " in r.getMessage() for r in caplog.records)

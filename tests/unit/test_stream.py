@@ -119,7 +119,9 @@ def test_the_synchronizer_sums_a_round_at_admission_and_its_merge_takes_the_sum(
 ) -> None:
     """Three learners' updates: summed as they were accepted; the merge takes the sum and
     serves what a synchronizer that sums at the merge serves. A learner's second update
-    in the round spoils the sum: that merge sums from the contributions."""
+    in the round replaces its term in the sum: the merge still takes the sum (its record
+    says so, for a replay), and serves what the merge of the contributions serves, up to
+    the order of float32 additions."""
     results = []
     for stream in (True, False):
         sync = make(tmp_path / str(stream), Clock(), quorum=3, merge="rda")
@@ -135,16 +137,74 @@ def test_the_synchronizer_sums_a_round_at_admission_and_its_merge_takes_the_sum(
         assert sync.merge(1) == 1
         assert sync.sums[1] is not rs and sync.sums[1].valid  # a new round, a new sum
         results.append(codec.decode(sync.fragment(1)[1])["w"])
-        assert sync.submit(update("a", 1, torch.tensor([0.5, 0.5]), step=2, base=1)).status == (
-            "accepted"
-        )
-        assert sync.submit(update("a", 1, torch.tensor([0.25, 1.0]), step=3, base=1)).status == (
-            "accepted"
-        )
-        assert not sync.sums[1].valid  # a's second update summed into its first
+        if not stream:
+            sync.sums[1].spoil()
+        for step, v in ((2, [0.5, 0.5]), (3, [0.25, 1.0])):
+            body = update("a", 1, torch.tensor(v), step=step, base=1)
+            assert sync.submit(body).status == "accepted"
+        rs = sync.sums[1]
+        assert rs.valid is stream  # a's second update replaced its term
+        if stream:
+            assert rs.keys == [("a/1/1/2", "a/1/1/3")] == [tuple(c.ids) for c in
+                sync.rounds.rounds[1].contributions.values()]  # fmt: skip
         assert sync.merge(1) == 2
+        assert [r.stream for r in sync.journals[1].records()] == [stream, stream]
         results.append(codec.decode(sync.fragment(1)[1])["w"])
-    assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3])
+    assert torch.equal(results[0], results[2])
+    torch.testing.assert_close(results[1], results[3], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("rule", ["rda", "mean"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_learner_again_in_the_round_replaces_its_term_in_the_sum(
+    rule: str, dtype: torch.dtype
+) -> None:
+    """Five learners, the first (whose weight the sum's others are relative to) absorbing
+    two more updates and another one more, interleaved with the rest, terms added early
+    or late: the claimed sum merges to what the merge of the summed contributions gives
+    (up to float32 rounding): the old terms are taken out, the weight reference kept."""
+    policy = MergePolicy(rule=rule, outer=OuterNesterov(lr=0.7, momentum=0.9))  # type: ignore[arg-type]
+    params, momentum = state()
+    for drain_each in (True, False):
+        cs = [contribution(i, dtype, zero=False) for i in range(5)]
+        twins = [contribution(i, dtype, steps=3 + i, zero=False) for i in range(5, 8)]
+        plain = [contribution(i, dtype, zero=False) for i in range(5)]
+        rs = RoundSum(policy, rule)
+        order = [("offer", 0), ("offer", 1), ("absorb", 0), ("offer", 2), ("offer", 3),
+                 ("absorb", 2), ("offer", 4), ("absorb", 0)]  # fmt: skip
+        extra = iter(twins)
+        for op, i in order:
+            if op == "offer":
+                rs.offer(cs[i])
+            else:
+                t = next(extra)
+                meta = UpdateMeta(
+                    learner_id=f"l{i}", fragment=1, base_version=0, steps=t.steps,
+                    tokens=t.tokens, learner_step=100 + len(cs[i].ids),
+                )  # fmt: skip
+                rs.absorb(cs[i], meta, dict(t.delta))
+                plain[i].absorb(meta, dict(t.delta))
+            if drain_each:
+                rs.drain()
+        assert rs.valid and rs.keys == [tuple(c.ids) for c in cs]
+        assert [len(k) for k in rs.keys] == [3, 1, 2, 1, 1]
+        streamed = policy.merge(SPEC, params, momentum, 3, cs, None, rs)
+        direct = policy.merge(SPEC, params, momentum, 3, plain, None)
+        assert streamed is not None and direct is not None and streamed.streamed
+        for k in SHAPES:
+            torch.testing.assert_close(streamed.params[k], direct.params[k], rtol=2e-5, atol=1e-5)
+
+
+def test_a_weightless_contribution_absorbing_an_update_spoils_the_sum() -> None:
+    rs = RoundSum(MergePolicy(), "rda")
+    c = contribution(0, torch.float32, steps=0)
+    rs.offer(c)
+    assert rs.valid and rs.keys == []
+    more = contribution(1, torch.float32)
+    meta = UpdateMeta(learner_id="l0", fragment=1, base_version=0, steps=10, tokens=100,
+                      learner_step=9)  # fmt: skip
+    rs.absorb(c, meta, dict(more.delta))
+    assert not rs.valid and c.steps == 10
 
 
 @pytest.mark.parametrize("slots", [1, 3])

@@ -405,3 +405,30 @@ def test_a_learners_second_quantized_update_in_a_round_adds_the_floats_it_stands
     for k, v in floats.fragments[0].params.items():
         assert torch.equal(live.fragments[0].params[k], v), k
         assert torch.equal(replayed.fragments[0].params[k], v), k
+
+
+@pytest.mark.parametrize("encoding", ["int8", "int4"])
+def test_a_merge_that_replaced_a_learners_quantized_term_replays_to_the_served_bits(
+    tmp_path: Path, encoding: str
+) -> None:
+    """l1, l2, then l1 again in one round: l1's term in the round's sum (from the float32
+    admission dequantized) is replaced; the merge takes the sum and is journaled. A crash
+    (the writer stopped, the object dropped) and a restart: the replay forms the sum again
+    from the log's codes, in the log's order, and serves the same bits under the same
+    version (a replay that differed would take one version more)."""
+    live = sync_with(tmp_path, [encoding], merge="rda")
+    assert live.snapshots is not None
+    live.snapshots.abandon()  # the file stays behind the served version
+    for lid, step, seed in (("l1", 4, 1), ("l2", 4, 2), ("l1", 8, 3)):
+        live.join(JoinRequest(learner_id=lid))
+        meta = META.model_copy(update={"learner_id": lid, "learner_step": step})
+        payload, _ = wire.encode_update(delta(seed=seed), meta, encoding, 64)
+        assert live.submit(payload, 0).status == "accepted"
+    assert live.sums[0].valid and len(live.sums[0].keys) == 2
+    assert live.merge(0) == 1
+    assert [r.stream for r in live.journals[0].records()] == [True]
+    served = {k: v.clone() for k, v in live.fragments[0].params.items()}
+    again = Synchronizer(live.settings)
+    assert again.versions() == [1]
+    for k, v in served.items():
+        assert torch.equal(again.fragments[0].params[k], v), k
