@@ -69,11 +69,31 @@ class Contribution:
         )
 
     def absorb(
-        self, meta: UpdateMeta, delta: Tensors, body: memoryview | bytes | None = None
-    ) -> None:
+        self,
+        meta: UpdateMeta,
+        delta: Tensors,
+        body: memoryview | bytes | None = None,
+        *,
+        fresh: bool = False,
+    ) -> Contribution | None:
         """Add another update of the same learner (in place). `delta` is consumed: its
-        `POOL` buffers go back, its body is let go."""
+        `POOL` buffers go back, its body is let go. `fresh`: into new float32 (`detach`),
+        what `delta` was returned."""
+        old = self.detach() if fresh else None
         self.add(Contribution.of(meta, delta, body=body))
+        return old
+
+    def detach(self) -> Contribution:
+        """`delta` copied into new float32 of `POOL`, this contribution's from now on; what
+        it was (its tensors, its body's pin, its buffers) returned as a contribution of its
+        own, the caller's to release (a round's sum may still read it: stream.py)."""
+        old = Contribution(self.delta, 0, 0, 0, body=self.body, owned=self.owned)
+        copy: Tensors = {}
+        for k, v in self.delta.items():
+            copy[k] = POOL.take(v.shape)
+            passes.scale_into(copy[k], v, 1.0)
+        self.delta, self.body, self.owned = copy, None, True
+        return old
 
     def add(self, newer: Contribution) -> Contribution:
         """This contribution with a newer one of the same learner added in (in place;

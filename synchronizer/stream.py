@@ -101,28 +101,28 @@ class RoundSum:
         body: memoryview | bytes | None = None,
     ) -> None:
         """`c`, its learner's contribution to this round, with that learner's next update
-        added in (`Contribution.absorb`: `delta` consumed), and c's term in the sum replaced
-        by the new sum's: every queued term added (c's old one too, before c changes under
-        it), the old term added times -1, the new one queued. The caller holds the
-        fragment's lock (the round's order); for RDA, c's norms are measured here (the merge
-        reuses them). A contribution with no term (weightless) spoils the sum."""
+        added in (`Contribution.absorb`: `delta` consumed; into new float32, c's old
+        tensors kept for the sum) and c's term in the sum replaced by the new sum's: the old
+        term queued times -1 (its tensors let go of once added), then the new one, so whoever
+        drains adds them in the round's order, after the fragment's lock. The caller holds
+        that lock (the order); for RDA, c's norms are measured here (the merge reuses them).
+        A contribution with no term (weightless) spoils the sum."""
         member = self.members.pop(id(c), None) if self.valid else None
         if member is None:
             self.spoil()
             c.absorb(meta, delta, body)
             return
-        place, old = member
-        self.drain(wait=True)
-        with self.lock:
-            self._add_all([(c.delta, {name: -a for name, a in old.items()}, None, False)])
-        c.absorb(meta, delta, body)
+        place, before = member
+        old = c.absorb(meta, delta, body, fresh=True)
+        assert old is not None
+        self.queue.append((old.delta, {n: -a for n, a in before.items()}, old.body, old.owned))
         if self.rule != "mean":
             c.norms = {name: passes.norm(t) for name, t in c.delta.items()}
         alphas = self._alphas(c)
         if alphas is None:
             self.valid = False
             return
-        self.queue.append((c.delta, alphas, None, False))  # c's, not the sum's to give back
+        self.queue.append((c.delta, alphas, None, False))  # c's: not given back when added
         self.members[id(c)] = (place, alphas)
         self.keys[place] = tuple(c.ids)
 

@@ -38,7 +38,8 @@ def contribution(i: int, dtype: torch.dtype, *, steps: int = 10, zero: bool = Tr
         learner_step=i + 1,
     )  # fmt: skip
     norms = {k: float(torch.linalg.vector_norm(v.float())) for k, v in delta.items()}
-    return Contribution.of(meta, delta, norms)
+    # bf16: views of a body, as admission holds them (float32: the pool's, as a sum is)
+    return Contribution.of(meta, delta, norms, None if dtype == torch.float32 else b"")
 
 
 def state() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -193,6 +194,31 @@ def test_a_learner_again_in_the_round_replaces_its_term_in_the_sum(
         assert streamed is not None and direct is not None and streamed.streamed
         for k in SHAPES:
             torch.testing.assert_close(streamed.params[k], direct.params[k], rtol=2e-5, atol=1e-5)
+
+
+def test_an_absorb_queues_the_old_term_out_and_the_new_one_in_and_adds_nothing_itself() -> None:
+    """Under the fragment's lock the absorb only queues: the old term times -1 (reading
+    the old body, pinned until it is added) and the new sum's term; whoever drains adds
+    them, in that order."""
+    payload = bytes(4096)
+    rs = RoundSum(MergePolicy(), "rda")
+    body = BODIES.take(len(payload))
+    c = contribution(0, torch.bfloat16)
+    c.body = body
+    BODIES.pin(body)  # as Contribution.of pins the body it views
+    rs.offer(c)
+    rs.drain()
+    before = {k: t.clone() for k, t in rs.sum.items()}
+    BODIES.give(body)  # the upload port is done with it
+    more = contribution(1, torch.bfloat16)
+    meta = UpdateMeta(learner_id="l0", fragment=1, base_version=0, steps=10, tokens=100,
+                      learner_step=9)  # fmt: skip
+    rs.absorb(c, meta, dict(more.delta), b"")
+    assert len(rs.queue) == 2 and [a["a"] < 0 for _, a, _, _ in rs.queue] == [True, False]
+    assert all(torch.equal(rs.sum[k], v) for k, v in before.items())  # nothing added yet
+    assert c.owned and c.body is None and id(body.obj) in BODIES.pins  # the queue reads it
+    rs.drain()
+    assert not rs.queue and id(body.obj) not in BODIES.pins
 
 
 def test_a_weightless_contribution_absorbing_an_update_spoils_the_sum() -> None:
