@@ -20,10 +20,11 @@ term queued), and the merge only adds what is still queued:
 
 The terms are the ones `merge.rda` / `merge.weighted_mean` form, in the same order, with
 the same factors, through the same `passes`. A learner's second update in the round
-(`absorb`) replaces its term: every queued term is added, the old term taken out (added
-times -1), the summed contribution's term queued. From then on the sum is not the bits the
-merge would sum from the contributions, but it is a function of the round's updates in the
-order they were admitted, which is their order in the fragment's log: a journal replay
+(`absorb`) replaces its term: the old term is queued times -1, then the summed
+contribution's (added after the fragment's lock, as any term). From then on the sum is not
+the bits the merge would sum from the contributions, but it is a function of the round's
+updates in the order they were admitted, which is their order in the fragment's log (both
+under the fragment's lock): a journal replay
 sums the log's records through a `RoundSum` the same way when the merge's record says it
 was streamed (journal.replay), and serves the same bits. `claim` returns the sum only if
 its terms are exactly the merged contributions', in order (a contribution put back by a
