@@ -24,12 +24,12 @@ the same factors, through the same `passes`. A learner's second update in the ro
 contribution's (added after the fragment's lock, as any term). From then on the sum is not
 the bits the merge would sum from the contributions, but it is a function of the round's
 updates in the order they were admitted, which is their order in the fragment's log (both
-under the fragment's lock): a journal replay
-sums the log's records through a `RoundSum` the same way when the merge's record says it
-was streamed (journal.replay), and serves the same bits. `claim` returns the sum only if
-its terms are exactly the merged contributions', in order (a contribution put back by a
-refused merge, or a weightless one absorbing another update: the merge sums from the
-contributions, as before). A queued bf16 term keeps its body pinned until added.
+under the fragment's lock): a journal replay sums the log's records through a `RoundSum`
+the same way when the merge's record says it was streamed (journal.replay), and serves the
+same bits. `claim` returns the sum only if its terms are exactly the merged contributions',
+in order (a contribution put back by a refused merge, or a weightless one absorbing another
+update: the merge sums from the contributions, as before). A queued bf16 term keeps its
+body pinned until added.
 """
 
 from __future__ import annotations
