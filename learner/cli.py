@@ -16,6 +16,7 @@ in a warning at startup.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import sys
@@ -210,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     if cfg.nproc_per_node > 1 and not under_torchrun():  # a group: spawn its ranks
         return launch(list(sys.argv[1:] if argv is None else argv), cfg.nproc_per_node)
+    # a rank that aborts in native code (a collective's teardown, a std::terminate) prints
+    # every thread's Python stack to stderr first: what it was doing is in its log
+    faulthandler.enable()
     from ddiloco.learner.train import train  # torch is imported only here
 
     try:
