@@ -69,19 +69,11 @@ class Contribution:
         )
 
     def absorb(
-        self,
-        meta: UpdateMeta,
-        delta: Tensors,
-        body: memoryview | bytes | None = None,
-        *,
-        fresh: bool = False,
-    ) -> Contribution | None:
+        self, meta: UpdateMeta, delta: Tensors, body: memoryview | bytes | None = None
+    ) -> None:
         """Add another update of the same learner (in place). `delta` is consumed: its
-        `POOL` buffers go back, its body is let go. `fresh`: into new float32 (`detach`),
-        what `delta` was returned."""
-        old = self.detach() if fresh else None
+        `POOL` buffers go back, its body is let go."""
         self.add(Contribution.of(meta, delta, body=body))
-        return old
 
     def detach(self) -> Contribution:
         """`delta` copied into new float32 of `POOL`, this contribution's from now on; what
@@ -100,12 +92,7 @@ class Contribution:
         `newer`'s buffers go back): another update, or a refused merge's contribution put
         back beside the one its learner sent while the merge ran."""
         if not self.owned:  # views of a body: the sum goes into float32 of our own
-            summed: Tensors = {}
-            for k, v in self.delta.items():
-                summed[k] = POOL.take(v.shape)
-                passes.scale_into(summed[k], v, 1.0)
-            self.release()
-            self.delta, self.owned = summed, True
+            self.detach().release()
         for k, v in newer.delta.items():
             passes.axpy(self.delta[k], v, 1.0)
         newer.release()

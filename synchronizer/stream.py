@@ -102,7 +102,7 @@ class RoundSum:
         body: memoryview | bytes | None = None,
     ) -> None:
         """`c`, its learner's contribution to this round, with that learner's next update
-        added in (`Contribution.absorb`: `delta` consumed; into new float32, c's old
+        added in (`Contribution.absorb`: `delta` consumed; into new float32, `detach`: c's old
         tensors kept for the sum) and c's term in the sum replaced by the new sum's: the old
         term queued times -1 (its tensors let go of once added), then the new one, so whoever
         drains adds them in the round's order, after the fragment's lock. The caller holds
@@ -114,14 +114,14 @@ class RoundSum:
             c.absorb(meta, delta, body)
             return
         place, before = member
-        old = c.absorb(meta, delta, body, fresh=True)
-        assert old is not None
+        old = c.detach()  # c's sum goes into new float32; the -1 term reads the old tensors
+        c.absorb(meta, delta, body)
         self.queue.append((old.delta, {n: -a for n, a in before.items()}, old.body, old.owned))
         if self.rule != "mean":
             c.norms = {name: passes.norm(t) for name, t in c.delta.items()}
         alphas = self._alphas(c)
         if alphas is None:
-            self.valid = False
+            self.spoil()
             return
         self.queue.append((c.delta, alphas, None, False))  # c's: not given back when added
         self.members[id(c)] = (place, alphas)
