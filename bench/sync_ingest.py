@@ -523,9 +523,13 @@ SHORT = {
     "finish": "f",
     "ran": " ran ",
     "queued": " queued ",
+    "inputs": " inputs@",
+    "record": " record@",
 }
 """The parts' names in the slowest merges' lines: compute, durable, encode, install,
-finish; then, of the compute, its time on a core (ran) and runnable waiting for one."""
+finish; then, of the compute, its time on a core (ran) and runnable waiting for one; of a
+journaled merge's durable part, when its inputs' fsync and its record's fdatasync returned
+(ms from its start, the compute's end: they run side by side)."""
 
 
 def slow_merges(root: Path, since: float | None = None) -> list[dict[str, Any]]:

@@ -4,13 +4,15 @@ A merge used to be durable once its fragment file (64 MB of Theta and 64 MB of m
 for a 16M-parameter fragment) was written and fsynced, and that write was half of the
 merge's time (bench/RESULTS.md, issue 15). The merge's inputs are on disk already: every
 update it took is a record in the fragment's pending log, written before the update joined
-its round (its uploader's fsync comes after, so the merge syncs those segments first:
-mostly at once). So a merge now appends one small record here and fsyncs it
-(`MergeRecord`: the fragment's version before, which learners' updates up to which order
-it took, in the round's order, the live token mass, the merge policy, and a digest of the
-result) and its version is served; the fragment file is
-written after, by `Snapshots` in the background, and only then are the journal's records
-and the log's segments it covers let go.
+its round (its uploader's fsync comes after, so the merge syncs those segments too: mostly
+at once). So a merge now appends one small record here and fsyncs it (`MergeRecord`: the
+fragment's version before, which learners' updates up to which order it took, in the
+round's order and how many, the live token mass, the merge policy, and a digest of the
+result), beside its segments' fsync, and its version is served once both are done; the
+fragment file is written after, by `Snapshots` (snapshots.py) in the background, and only
+then are the journal's records and the log's segments it covers let go. A crash between
+the two fsyncs can leave the last record without some of its updates: replay drops it
+(`MergeRecord.inputs`).
 
 A restart (and `ddiloco export`) rebuilds what the fragment file lacks with `replay`: from
 the file's state, each journaled merge in order, its contributions rebuilt from the log's
@@ -38,8 +40,7 @@ import dataclasses
 import json
 import logging
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,11 @@ class MergeRecord:
     """The merge took the round's sum formed as its updates were admitted (`RoundSum`; a
     replay forms it again from the log, in the log's order); else it summed the
     contributions. (A record without it, from before the field: the same bits either way.)"""
+    inputs: int | None = None
+    """How many of the log's updates the merge took. The record is written beside its
+    inputs' fsync (merging.py), so a crash can leave a fragment's last record durable and
+    some of those updates not: its merge was never served, and replay drops it when the
+    log holds fewer (None: a record from before the field, written after its inputs)."""
 
     def encode(self) -> bytes:
         d = dataclasses.asdict(self)
@@ -139,6 +145,11 @@ class MergeJournal:
         """Durable on return (one small write and one fdatasync)."""
         with self.lock:
             self.file.append(rec.encode())
+
+    def clear(self) -> None:
+        """No records (a restart that wrote the file, or dropped a merge never served)."""
+        with self.lock:
+            self.file.clear()
 
     def compact(self, version: int) -> None:
         """Let go of the records of merges the fragment file at `version` holds: zeros
@@ -192,6 +203,8 @@ class Replayed:
     """The log's updates no merge took, decoded, with their norms, in log order."""
     merges: int = 0
     exact: bool = True
+    dropped: MergeRecord | None = None
+    """The last record, not redone: the log lacks some of its inputs (`MergeRecord.inputs`)."""
 
 
 def decode_records(
@@ -221,7 +234,7 @@ def replay(
     and the log's updates left over for the open round."""
     updates = decode_records(payloads, spec, fs.high_water)
     out = Replayed(fs, [])
-    for rec in journal:
+    for k, rec in enumerate(journal):
         if rec.version < out.state.version:
             continue  # in the file
         if rec.version > out.state.version:  # a merge missing between: never written so
@@ -233,6 +246,24 @@ def replay(
         for u in updates:
             hw = rec.high_water.get(u[0].learner_id)
             (left if hw is None or u[0].order() > hw else mine).append(u)
+        short = set(rec.ids) - {u[0].learner_id for u in mine}
+        if rec.inputs is not None and (short or len(mine) < rec.inputs):
+            if k + 1 < len(journal):  # a later merge was served after it: damage
+                raise ValueError(
+                    f"fragment {spec.index}: journaled merge {rec.version} has {len(mine)} of "
+                    f"its {rec.inputs} updates in the log"
+                )
+            log.warning(  # a crash before its inputs' fsync returned: never served
+                "fragment %d: the last journaled merge (version %d) has %d of its %d updates "
+                "in the log; it was never served, and is dropped (those updates wait in the "
+                "round again)",
+                spec.index,
+                rec.version + 1,
+                len(mine),
+                rec.inputs,
+            )
+            out.dropped = rec
+            break
         policy = policy_from(rec.policy)
         summed = RoundSum(policy, policy.rule_for(spec)) if rec.stream else None
         taken: dict[str, Contribution] = dict.fromkeys(rec.ids)  # type: ignore[arg-type]
@@ -273,85 +304,6 @@ def replay(
         )
     out.rest = updates
     return out
-
-
-class Snapshots:
-    """Writes each fragment's latest state to its file, off the merge's path, one thread.
-
-    `request(p)` after a journaled merge; `write(p)` is also called by a merge that must
-    write synchronously, by `flush`, and at close. Per fragment a lock orders the writes,
-    so an older state never replaces a newer file."""
-
-    def __init__(
-        self, write: Callable[[int], None], n: int, lag: Callable[[int], int] = lambda p: 0
-    ) -> None:
-        self._write = write
-        self._lag = lag
-        """How many merges fragment p's file trails its served version."""
-        self.locks = [threading.Lock() for _ in range(n)]
-        self._want: dict[int, None] = {}
-        """Fragments whose file is behind, in the order asked. The writer takes the one
-        that trails most, the first asked among equals: taking the lowest-numbered starved
-        the others at saturation, whose merges then hit `snapshot_lag` and wrote their
-        128 MB files themselves (the merge's p99, bench/RESULTS.md)."""
-        self._cv = threading.Condition()
-        self._stop = False
-        self._busy = False
-        self._thread = threading.Thread(target=self._run, name="ddiloco-snapshots", daemon=True)
-        self._thread.start()
-
-    def request(self, p: int) -> None:
-        with self._cv:
-            self._want.setdefault(p)
-            self._cv.notify_all()
-
-    def write(self, p: int) -> None:
-        with self.locks[p]:
-            self._write(p)
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._want and not self._stop:
-                    self._cv.wait()
-                if self._stop and not self._want:
-                    return
-                p = max(self._want, key=self._lag)
-                del self._want[p]
-                self._busy = True
-            try:
-                self.write(p)
-            except Exception:  # a full disk: the journal still holds it; try again
-                log.exception("writing the file of fragment %d failed; retrying in 1 s", p)
-                time.sleep(1.0)
-                with self._cv:
-                    self._want.setdefault(p)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
-
-    def flush(self, timeout: float = 60.0) -> None:
-        """Return once every requested file is written (or `timeout` passed)."""
-        end = time.monotonic() + timeout
-        with self._cv:
-            while (self._want or self._busy) and time.monotonic() < end:
-                self._cv.wait(0.05)
-
-    def close(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        self._thread.join(timeout=120)
-
-    def abandon(self) -> None:
-        """Stop without writing what is requested: what a SIGKILL leaves (tests); a write
-        under way finishes first."""
-        with self._cv:
-            self._stop = True
-            self._want.clear()
-            self._cv.notify_all()
-        self._thread.join(timeout=120)
 
 
 def recovered(store: StateStore, spec: FragmentSpec, attempts: int = 5) -> FragmentState:

@@ -44,10 +44,11 @@ in `DURABLES` (a task waiting for one queued behind it in the same pool could wa
 good)."""
 
 
-SCHED_ONLY = ("ran", "queued")
+SCHED_ONLY = ("ran", "queued", "inputs", "record")
 """Parts of a merge its log line gives and no histogram observes: of the compute's time, on
 a core and runnable but waiting for one (`thread_sched`); the rest of it waited for
-something else (the GIL, a page)."""
+something else (the GIL, a page). Of a journaled merge's durable part, from its start: when
+its inputs' fsync returned, and when its record's did (they run side by side)."""
 
 
 def thread_sched() -> tuple[float, float] | None:
@@ -261,12 +262,13 @@ class Merging:
             raise
         t2 = self.clock()
         try:
-            durable_at = persisting.result()
+            durable_at, parts = persisting.result()
         except Exception:
             self.payloads.retire(p, served[1])  # never served
             give_back(outcome)
             raise
         phases["encode"], phases["durable"] = t2 - t1, max(0.0, durable_at - t2)
+        phases.update({k: at - t1 for k, at in parts.items()})
         return outcome, new, served, journaled
 
     def _persist(
@@ -279,10 +281,20 @@ class Merging:
         journaled: bool,
         segments: Sequence[PendingLog],
         streamed: bool = False,
-    ) -> float:
+    ) -> tuple[float, dict[str, float]]:
         """`new` durable: as a journal record of its inputs, or in its file (then holding
-        `snapshots.locks[p]`, see `_merged`); returns when it was done (the clock's)."""
+        `snapshots.locks[p]`, see `_merged`); returns when it was done (the clock's), and
+        for a journaled merge when its inputs and its record were (`SCHED_ONLY`).
+
+        The record is written as soon as its digest is computed, beside the inputs' fsync:
+        both wait for the disk's cache flush, and one after the other they waited for two
+        (the record's fdatasync took up to 181 ms after the inputs', bench/RESULTS.md). A
+        crash between the two can leave the record durable and some of its inputs not:
+        that merge was never served (it is served once both are durable), and replay drops
+        the last record of a fragment whose inputs are short of its count (`inputs`,
+        journal.py), so the updates that are there wait in the open round again."""
         assert self.snapshots is not None
+        parts: dict[str, float] = {}
         if journaled:
             inputs = INPUTS.submit(self._inputs_durable, p, segments)  # the disk, beside
             try:
@@ -294,11 +306,13 @@ class Merging:
                     policy=policy_fields(self.policy),
                     digest=digest(new),
                     stream=streamed,
+                    inputs=sum(len(c.ids) for c in taken.values()),
                 )
+                self.journals[p].append(record)
+                parts["record"] = self.clock()
             finally:
-                wait([inputs])  # before the record, whatever the digest did
-            inputs.result()
-            self.journals[p].append(record)
+                wait([inputs])  # whatever the record did: its thread is done with them
+            parts["inputs"] = inputs.result()
         else:
             self.snapshots.locks[p].acquire()  # no older state's write lands after it
             try:
@@ -307,10 +321,14 @@ class Merging:
             except BaseException:
                 self.snapshots.locks[p].release()
                 raise
-        return self.clock()
+        return self.clock(), parts
 
     def _abandon(
-        self, p: int, persisting: Future[float], journaled: bool, outcome: MergeOutcome | None
+        self,
+        p: int,
+        persisting: Future[tuple[float, dict[str, float]]],
+        journaled: bool,
+        outcome: MergeOutcome | None,
     ) -> None:
         """A merge whose encode failed (its caller puts the round back): wait for its
         durable part, whatever it did, and let go of the file lock it holds if it wrote the
@@ -326,18 +344,19 @@ class Merging:
                 self.snapshots.locks[p].release()
         give_back(outcome)
 
-    def _inputs_durable(self, p: int, segments: Sequence[PendingLog]) -> None:
-        """The records a journaled merge names, durable before its record: replay rebuilds
+    def _inputs_durable(self, p: int, segments: Sequence[PendingLog]) -> float:
+        """The records a journaled merge names, durable before it is served: replay rebuilds
         the merge from them, and an update joins its round before its uploader's fsync
         returns. Mostly at once (those fsyncs ran beside the compute), and beside the
-        record's digest (`_persist`, in `INPUTS`); a failed one stops the process, as the
-        uploader's would (`_make_durable`)."""
+        record's digest and write (`_persist`, in `INPUTS`); returns when (the clock's). A
+        failed one stops the process, as the uploader's would (`_make_durable`)."""
         try:
             for seg in segments:
                 seg.sync_all()
         except OSError as e:
             self._log_lost(p, e)
             raise
+        return self.clock()
 
     def _write_file(self, p: int) -> None:
         """Write fragment p's served state to its file if the file is behind, then let go of

@@ -43,7 +43,7 @@ from ddiloco.synchronizer import codec, ledger, shards
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.contribution import Contribution
 from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
-from ddiloco.synchronizer.journal import MergeJournal, Snapshots, replay
+from ddiloco.synchronizer.journal import MergeJournal, replay
 from ddiloco.synchronizer.learners import Learners
 from ddiloco.synchronizer.ledger import LearnerRecord
 from ddiloco.synchronizer.locks import FragmentLock, MergeGate
@@ -62,6 +62,7 @@ from ddiloco.synchronizer.protocol import (
 )
 from ddiloco.synchronizer.rounds import GracePolicy, Rounds
 from ddiloco.synchronizer.served import Served
+from ddiloco.synchronizer.snapshots import Snapshots
 from ddiloco.synchronizer.state import FragmentState, StateStore
 from ddiloco.synchronizer.stream import RoundSum
 from ddiloco.synchronizer.updates import Updates
@@ -253,6 +254,8 @@ class Synchronizer(Updates, Learners, Merging):
                     p,
                     fs.version,
                 )
+            if done.dropped is not None:  # its version is the next merge's: no record of it
+                self.journals[p].clear()
             for meta, delta, norms, body in done.rest:
                 self._hold(p, meta, delta, norms=norms, body=body)
                 count += 1

@@ -24,10 +24,11 @@ import torch
 
 from ddiloco.cli.export import from_state_dir
 from ddiloco.synchronizer import codec, merging
+from ddiloco.synchronizer.buffers import ALIGN, aligned
 from ddiloco.synchronizer.config import SyncSettings
-from ddiloco.synchronizer.journal import MergeJournal, Snapshots
+from ddiloco.synchronizer.journal import MergeJournal, replay
 from ddiloco.synchronizer.merge import NonFiniteMerge
-from ddiloco.synchronizer.pending import FragmentLog
+from ddiloco.synchronizer.pending import FragmentLog, records_in
 from ddiloco.synchronizer.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
@@ -37,6 +38,7 @@ from ddiloco.synchronizer.protocol import (
     UpdateMeta,
 )
 from ddiloco.synchronizer.service import Synchronizer
+from ddiloco.synchronizer.snapshots import Snapshots
 from tests.unit.test_contract import Clock
 
 SHAPES = {"a": [37, 53], "b": [1031]}
@@ -277,13 +279,13 @@ def test_a_replay_that_differs_in_its_bits_takes_one_version_more(
     assert same_bits(fs.params, served[-1]["params"])  # the same bits after all, here
 
 
-def test_a_journaled_merge_makes_the_records_it_names_durable_before_its_record(
+def test_a_journaled_merge_is_served_only_once_the_records_it_names_are_durable(
     tmp_path: Path,
 ) -> None:
     """An update joins its round under the fragment's lock and its uploader fsyncs after:
     a merge may take it in between. Replay rebuilds a journaled merge from the log's
-    records, so the merge's record must not be durable before theirs (a power loss would
-    leave a journal naming updates the log lacks: a synchronizer that cannot restart)."""
+    records, so the merge is not served before theirs are durable (a power loss would leave
+    a served version that no restart can rebuild)."""
     sync = make(tmp_path, Clock())
     start(sync)
     stop_writer(sync)
@@ -294,25 +296,25 @@ def test_a_journaled_merge_makes_the_records_it_names_durable_before_its_record(
     assert sync.submit(update("b", 10, 0, 2)).status == "accepted"
     segments = sync.store.pending(0)._segments()
     assert len(paused) == 2 and segments and all(s.synced < s.written for s in segments)
-    journal = sync.journals[0]
-    at_record: list[bool] = []
-    real_append = journal.append
+    real_install = sync.payloads.retire
+    at_install: list[bool] = []
 
-    def append(rec: Any) -> None:
-        at_record.append(all(s.synced == s.written for s in segments))
-        real_append(rec)
+    def retire(*args: Any) -> None:  # the merge's install: the old payload goes
+        at_install.append(all(s.synced == s.written for s in segments))
+        real_install(*args)
 
-    journal.append = append  # type: ignore[method-assign]
+    sync.payloads.retire = retire  # type: ignore[method-assign]
     assert sync.merge(0) == 1
-    assert at_record == [True]  # synced before the record was written
-    assert [r.version for r in MergeJournal(tmp_path, 0).records()] == [0]
+    assert at_install == [True]  # synced before the version was served
+    assert [(r.version, r.inputs) for r in MergeJournal(tmp_path, 0).records()] == [(0, 2)]
 
 
-def test_a_merge_fsyncs_its_inputs_while_its_digest_is_computed(
+def test_a_merge_writes_its_record_while_its_inputs_are_fsynced(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The segments' fsync (the disk) and the record's digest (the cores) run side by side;
-    the record is written only after both."""
+    """The segments' fsync (the disk) runs beside the record's digest (the cores) and the
+    record's own fdatasync (the same disk flush): the record is written once digested, not
+    after the inputs; the version is served after both."""
     sync = make(tmp_path, Clock())
     start(sync)
     stop_writer(sync)
@@ -323,24 +325,119 @@ def test_a_merge_fsyncs_its_inputs_while_its_digest_is_computed(
     real_append = sync.journals[0].append
 
     def slow_digest(fs: Any) -> str:
-        time.sleep(0.3)
+        time.sleep(0.2)
         events.append("digested")
         return real_digest(fs)
 
-    def inputs(p: int, segments: Any) -> None:
-        real_inputs(p, segments)
-        events.append("inputs durable")
+    def inputs(p: int, segments: Any) -> float:
+        time.sleep(0.6)  # a disk whose flush takes longer than the digest and the record
+        done = real_inputs(p, segments)
+        events.append(f"inputs durable, serving {sync.versions()}")
+        return done
 
     def append(rec: Any) -> None:
-        events.append("record")
         real_append(rec)
+        events.append("record durable")
 
     monkeypatch.setattr(merging, "digest", slow_digest)
     sync._inputs_durable = inputs  # type: ignore[method-assign]
     sync.journals[0].append = append  # type: ignore[method-assign]
     assert sync.merge(0) == 1
-    assert events == ["inputs durable", "digested", "record"]
+    assert events == ["digested", "record durable", "inputs durable, serving [0]"]
     assert all(s.synced == s.written for s in sync.store.pending(0)._segments())
+
+
+def cut_last_record(state: Path) -> None:
+    """What a power loss does to a log record written and not yet fsynced: gone."""
+    seg = sorted(state.glob("pending-0000.*.log"))[-1]
+    records, end = records_in(seg.read_bytes())
+    assert records and end == seg.stat().st_size
+    with open(seg, "rb+") as f:
+        f.truncate(end - ALIGN - aligned(len(records[-1])))
+
+
+@pytest.mark.parametrize("lost", [True, False], ids=["an-input-lost", "inputs-kept"])
+def test_a_crash_between_a_merges_record_and_its_inputs_fsync_merges_each_update_once(
+    tmp_path: Path, lost: bool
+) -> None:
+    """The record is durable, the merge's inputs' fsync never returned (the merge not
+    served). If the disk lost one of them (not acknowledged to its learner: its uploader's
+    fsync did not return either), the restart drops the record, the other update waits in
+    the round and the lost one is taken again when its learner sends it again; if the disk
+    kept them, the restart redoes the merge. Either way each update is merged once."""
+    clock = Clock()
+    sync = make(tmp_path, clock)
+    start(sync)
+    stop_writer(sync)
+    sync._make_durable = lambda p, plog, ticket: None  # type: ignore[method-assign]
+    assert sync.submit(update("a", 10, 0, 1)).status == "accepted"
+    assert sync.submit(update("b", 10, 0, 2)).status == "accepted"
+
+    def power_loss(p: int, segments: Any) -> float:
+        raise OSError("the machine stopped before the inputs' fsync returned")
+
+    sync._inputs_durable = power_loss  # type: ignore[method-assign]
+    with pytest.raises(OSError):
+        sync.merge(0)
+    assert sync.versions() == [0]  # never served
+    assert [(r.version, r.inputs) for r in MergeJournal(tmp_path, 0).records()] == [(0, 2)]
+    if lost:
+        cut_last_record(tmp_path)  # b's
+    again = make(tmp_path, clock)
+    if lost:
+        assert again.versions() == [0] and MergeJournal(tmp_path, 0).records() == []
+        assert again.status().fragments[0].tokens_pending == 113  # a's
+        assert again.submit(update("c", 10, 0, 3)).status == "accepted"
+        assert again.merge(0) == 1  # a and c: a record from version 0 again
+        assert again.submit(update("b", 10, 0, 2)).status == "accepted"  # b's retry
+        assert again.merge(0) == 2
+    else:
+        assert again.versions() == [1] and again.fragments[0].tokens_merged == 113 + 126
+        assert again.submit(update("b", 10, 0, 2)).status == "duplicate"
+        assert again.submit(update("c", 10, 1, 3)).status == "accepted"
+        assert again.merge(0) == 2
+    assert again.fragments[0].tokens_merged == 113 + 126 + 139
+    assert again.status().fragments[0].tokens_pending == 0
+    third = make(tmp_path, clock)  # the dropped record is gone: it would be redone first
+    assert third.versions() == [2] and third.fragments[0].tokens_merged == 113 + 126 + 139
+    assert third.fragment(0) == again.fragment(0)
+
+
+def test_replay_drops_only_the_last_record_short_of_its_inputs(tmp_path: Path) -> None:
+    """A record short of its inputs (`inputs`, the updates it took) is dropped if it is the
+    fragment's last (its merge never served); before another, the state is damaged."""
+    clock = Clock()
+    sync = make(tmp_path, clock)
+    start(sync)
+    stop_writer(sync)
+    base = sync.store.load_fragment(0)
+    rounds(sync)
+    journal = MergeJournal(tmp_path, 0).records()
+    payloads = FragmentLog(tmp_path, 0).read()
+    spec = LAYOUT.fragments[0]
+    assert [r.inputs for r in journal] == [2, 3, 2]
+    full = replay(store_copy(base), spec, payloads, journal)
+    assert full.merges == 3 and full.exact and full.dropped is None
+    assert [u[0].learner_id for u in full.rest] == ["a"]
+    more = dataclasses.replace(journal[-1], inputs=3)  # as if one of its inputs were lost
+    short = replay(store_copy(base), spec, payloads, [*journal[:-1], more])
+    assert short.merges == 2 and short.dropped == more and short.state.version == 2
+    assert [u[0].learner_id for u in short.rest] == ["c", "b", "a"]  # the log's order
+    with pytest.raises(ValueError, match="has 3 of its 4 updates"):
+        replay(store_copy(base), spec, payloads, [journal[0], dataclasses.replace(
+            journal[1], inputs=4), journal[2]])  # fmt: skip
+    old = [dataclasses.replace(r, inputs=None) for r in journal]  # records from before
+    assert replay(store_copy(base), spec, payloads, old).merges == 3
+
+
+def store_copy(fs: Any) -> Any:
+    """A fragment state whose tensors a replay may write (the base is reused)."""
+    return dataclasses.replace(
+        fs,
+        params={k: t.clone() for k, t in fs.params.items()},
+        momentum={k: t.clone() for k, t in fs.momentum.items()},
+        high_water=dict(fs.high_water),
+    )
 
 
 def test_a_merge_encodes_what_it_will_serve_while_its_record_is_fsynced(tmp_path: Path) -> None:
