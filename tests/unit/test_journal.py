@@ -383,6 +383,7 @@ def test_a_crash_between_a_merges_record_and_its_inputs_fsync_merges_each_update
     assert [(r.version, r.inputs) for r in MergeJournal(tmp_path, 0).records()] == [(0, 2)]
     if lost:
         cut_last_record(tmp_path)  # b's
+    assert from_state_dir(tmp_path).versions == [0 if lost else 1]  # `ddiloco export`, too
     again = make(tmp_path, clock)
     if lost:
         assert again.versions() == [0] and MergeJournal(tmp_path, 0).records() == []
