@@ -107,7 +107,7 @@ class MergeRecord:
     contributions. (A record without it, from before the field: the same bits either way.)"""
     inputs: int | None = None
     """How many of the log's updates the merge took. The record is written beside its
-    inputs' fsync (merging.py), so a crash can leave a fragment's last record durable and
+    inputs' fsync (durable.py), so a crash can leave a fragment's last record durable and
     some of those updates not: its merge was never served, and replay drops it when the
     log holds fewer (None: a record from before the field, written after its inputs)."""
 

@@ -9,8 +9,8 @@ the grace window and all of its inputs (liveness, step times); `MergePolicy` tur
 into the next version; `StateStore` keeps fragments, pending updates and the ledger on disk.
 Three mixins hold the rest of its methods: the update path (`submit`, from a body to a
 durable record in its round) in updates.py, the learner calls (`join`, `heartbeat`, `poll`)
-in learners.py, the merge path (`merge`, making a merge durable, the background file
-writes) in merging.py.
+in learners.py, the merge path (`merge`) in merging.py, and making a merge durable, the
+background file writes and a restart's replay in durable.py.
 
 The contract: an update answered `accepted` is in the fragment's pending log on disk before
 the answer, and is merged exactly once, whatever crashes: a restarted synchronizer replays
@@ -43,7 +43,7 @@ from ddiloco.synchronizer import codec, ledger, shards
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.contribution import Contribution
 from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
-from ddiloco.synchronizer.journal import MergeJournal, replay
+from ddiloco.synchronizer.journal import MergeJournal
 from ddiloco.synchronizer.learners import Learners
 from ddiloco.synchronizer.ledger import LearnerRecord
 from ddiloco.synchronizer.locks import FragmentLock, MergeGate
@@ -231,35 +231,6 @@ class Synchronizer(Updates, Learners, Merging):
         """A new round of fragment p's direction, summed as its contributions arrive."""
         assert self.layout is not None
         return RoundSum(self.policy, self.policy.rule_for(self.layout.fragments[p]))
-
-    def _replay(self) -> int:
-        """Redo the journaled merges a fragment file lacks (then write it), and put every
-        accepted, not yet merged update from the pending logs back in its round."""
-        assert self.layout is not None
-        count = 0
-        for p in self.owned:
-            spec = self.layout.fragments[p]
-            journaled = self.journals[p].records()
-            done = replay(self.fragments[p], spec, self.store.pending(p).read(), journaled)
-            if done.merges:
-                fs = self.fragments[p] = done.state
-                self.payloads.retire(p, self.served[p][1])
-                self.served[p] = self._encode(p, fs)
-                self.store.save_fragment(p, fs)
-                self.file_versions[p] = fs.version
-                self.journals[p].compact(fs.version)
-                log.info(
-                    "Redid %d journaled merges of fragment %d: version %d",
-                    done.merges,
-                    p,
-                    fs.version,
-                )
-            if done.dropped is not None:  # its version is the next merge's: no record of it
-                self.journals[p].clear()
-            for meta, delta, norms, body in done.rest:
-                self._hold(p, meta, delta, norms=norms, body=body)
-                count += 1
-        return count
 
     def _encode(self, p: int, fs: FragmentState) -> tuple[int, memoryview]:
         return fs.version, self.payloads.encode(p, fs.params)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from ddiloco.cli.export import from_state_dir
-from ddiloco.synchronizer import codec, merging
+from ddiloco.synchronizer import codec, durable
 from ddiloco.synchronizer.buffers import ALIGN, aligned
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.journal import MergeJournal, replay
@@ -321,7 +321,7 @@ def test_a_merge_writes_its_record_while_its_inputs_are_fsynced(
     sync._make_durable = lambda p, plog, ticket: None  # type: ignore[method-assign]
     assert sync.submit(update("a", 10, 0, 1)).status == "accepted"  # its fsync not done
     events: list[str] = []
-    real_digest, real_inputs = merging.digest, sync._inputs_durable
+    real_digest, real_inputs = durable.digest, sync._inputs_durable
     real_append = sync.journals[0].append
 
     def slow_digest(fs: Any) -> str:
@@ -339,7 +339,7 @@ def test_a_merge_writes_its_record_while_its_inputs_are_fsynced(
         real_append(rec)
         events.append("record durable")
 
-    monkeypatch.setattr(merging, "digest", slow_digest)
+    monkeypatch.setattr(durable, "digest", slow_digest)
     sync._inputs_durable = inputs  # type: ignore[method-assign]
     sync.journals[0].append = append  # type: ignore[method-assign]
     assert sync.merge(0) == 1
