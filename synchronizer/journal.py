@@ -246,12 +246,15 @@ def replay(
         for u in updates:
             hw = rec.high_water.get(u[0].learner_id)
             (left if hw is None or u[0].order() > hw else mine).append(u)
-        short = set(rec.ids) - {u[0].learner_id for u in mine}
-        if rec.inputs is not None and (short or len(mine) < rec.inputs):
-            if k + 1 < len(journal):  # a later merge was served after it: damage
+        absent = sorted(set(rec.ids) - {u[0].learner_id for u in mine})
+        if absent or (rec.inputs is not None and len(mine) < rec.inputs):
+            # a record written after its inputs (no count), or one a later merge followed:
+            # the log lost what was durable
+            if rec.inputs is None or k + 1 < len(journal):
+                of = "" if rec.inputs is None else f" of its {rec.inputs}"
                 raise ValueError(
-                    f"fragment {spec.index}: journaled merge {rec.version} has {len(mine)} of "
-                    f"its {rec.inputs} updates in the log"
+                    f"fragment {spec.index}: journaled merge {rec.version} has {len(mine)}{of} "
+                    f"updates in the log" + (f", none of {absent}" if absent else "")
                 )
             log.warning(  # a crash before its inputs' fsync returned: never served
                 "fragment %d: the last journaled merge (version %d) has %d of its %d updates "
@@ -276,11 +279,6 @@ def replay(
                 summed.absorb(c, meta, delta, body)
             else:
                 c.absorb(meta, delta, body)
-        missing = [i for i, c in taken.items() if c is None]
-        if missing:  # the log lacks what the journal says was merged: never written so
-            raise ValueError(
-                f"fragment {spec.index}: journaled merge {rec.version} lacks {missing}"
-            )
         try:
             outcome = policy.merge(
                 spec, out.state.params, out.state.momentum, out.state.version,

@@ -324,13 +324,14 @@ def test_a_merge_writes_its_record_while_its_inputs_are_fsynced(
     real_digest, real_inputs = durable.digest, sync._inputs_durable
     real_append = sync.journals[0].append
 
-    def slow_digest(fs: Any) -> str:
-        time.sleep(0.2)
+    recorded = threading.Event()
+
+    def digest(fs: Any) -> str:
         events.append("digested")
         return real_digest(fs)
 
     def inputs(p: int, segments: Any) -> float:
-        time.sleep(0.6)  # a disk whose flush takes longer than the digest and the record
+        recorded.wait(10)  # a disk whose flush outlasts the digest and the record's write
         done = real_inputs(p, segments)
         events.append(f"inputs durable, serving {sync.versions()}")
         return done
@@ -338,8 +339,9 @@ def test_a_merge_writes_its_record_while_its_inputs_are_fsynced(
     def append(rec: Any) -> None:
         real_append(rec)
         events.append("record durable")
+        recorded.set()
 
-    monkeypatch.setattr(durable, "digest", slow_digest)
+    monkeypatch.setattr(durable, "digest", digest)
     sync._inputs_durable = inputs  # type: ignore[method-assign]
     sync.journals[0].append = append  # type: ignore[method-assign]
     assert sync.merge(0) == 1
