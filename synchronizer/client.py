@@ -47,6 +47,7 @@ from ddiloco.synchronizer.protocol import (
     UpdateMeta,
     UpdateResponse,
 )
+from ddiloco.synchronizer.sender import Failed, PartsSender
 from ddiloco.synchronizer.tls import ClientTLS
 
 __all__ = ["ClientTLS", "SyncClient", "SyncRefused", "SyncUnavailable"]
@@ -151,6 +152,8 @@ class SyncClient:
         self.tls = tls or ClientTLS()
         self.https = self.base_url.lower().startswith("https://")
         self.curl = pycurl.Curl()
+        self.sender: PartsSender | None = None
+        """A body of parts over HTTP/1.1 goes from its own memory (sender.py)."""
         self.bytes_up = 0
         self.bytes_down = 0
         self.http_version = ""
@@ -161,6 +164,8 @@ class SyncClient:
 
     def close(self) -> None:
         self.curl.close()
+        if self.sender is not None:
+            self.sender.close()
 
     def request(
         self,
@@ -202,6 +207,8 @@ class SyncClient:
     def _perform(
         self, method: str, path: str, body: Body | None, content_type: str, token: str
     ) -> tuple[int, dict[str, str], bytes]:
+        if body is not None and not isinstance(body, bytes) and not self.http2 and method == "POST":
+            return self._send_parts(path, body, content_type, token)
         c = self.curl
         c.reset()
         out = io.BytesIO()
@@ -248,7 +255,32 @@ class SyncClient:
             raise SyncUnavailable(f"{method} {path}: {e.args[-1]}", unreached=unreached) from None
         status = int(c.getinfo(pycurl.RESPONSE_CODE))
         self.http_version = HTTP_VERSIONS.get(int(c.getinfo(pycurl.INFO_HTTP_VERSION)), "?")
-        payload = out.getvalue()
+        return self._answered(method, path, body, status, headers, out.getvalue())
+
+    def _send_parts(
+        self, path: str, body: Sequence[bytes | memoryview], content_type: str, token: str
+    ) -> tuple[int, dict[str, str], bytes]:
+        """A body of parts over HTTP/1.1 (a learner's update to the upload port), sent from
+        the parts' own memory (sender.py), with libcurl's contract."""
+        if self.sender is None:
+            self.sender = PartsSender(self.base_url, timeout=self.timeout, tls=self.tls)
+        try:
+            status, headers, payload = self.sender.post(path, body, content_type, token)
+        except Failed as e:
+            raise SyncUnavailable(f"POST {path}: {e}", unreached=e.unreached) from None
+        self.http_version = "HTTP/1.1"
+        return self._answered("POST", path, body, status, headers, payload)
+
+    def _answered(
+        self,
+        method: str,
+        path: str,
+        body: Body | None,
+        status: int,
+        headers: dict[str, str],
+        payload: bytes,
+    ) -> tuple[int, dict[str, str], bytes]:
+        """Count the bytes moved; a 5xx is `SyncUnavailable`, a 4xx `SyncRefused`."""
         self.bytes_up += body_size(body)
         self.bytes_down += len(payload)
         if status >= 500:

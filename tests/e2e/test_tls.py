@@ -206,6 +206,8 @@ def test_learner_over_mtls_h2_and_token_rotation(tmp_path: Path, certs: Certs) -
             intruder = SyncClient(up_url, OLD, timeout=5, tls=tls_files, http2=False)
             with pytest.raises(SyncUnavailable):
                 intruder.post_update(0, b"{}")
+            with pytest.raises(SyncUnavailable):  # as parts, from their memory (sender.py)
+                intruder.post_update(0, [b"{", memoryview(b"}")])
         assert sync.alive()
 
         # rotation step 1: both tokens valid; the learner, still on the old one, goes on
