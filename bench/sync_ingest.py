@@ -155,6 +155,15 @@ class Tally:
     latencies: list[float] = field(default_factory=list)
 
 
+class CurlClient(SyncClient):
+    """The learner's client as it was before synchronizer/sender.py: a body of parts over
+    HTTP/1.1 through libcurl's read callback (each chunk copied into bytes, then into
+    libcurl's upload buffer), for arms side by side with the client as it is."""
+
+    def _send_parts(self, path, body, content_type, token):  # type: ignore[no-untyped-def]
+        return self._curl("POST", path, body, content_type, token)
+
+
 def client_loop(
     urls: list[str],
     owner: list[int],
@@ -165,6 +174,7 @@ def client_loop(
     t: Tally,
     rate: float = 0.0,
     joined: bool = False,
+    client: type[SyncClient] = SyncClient,
 ) -> None:
     """One learner: joins every shard, heartbeats to each once a second, posts fragment p
     to its owner `owner[p]` against the version that shard last said; with `rate` (bytes
@@ -176,7 +186,7 @@ def client_loop(
     if transport == "up":  # the upload port each shard named at join (synchronizer/bulk.py)
         ports = [j.upload_port for j in joins]
         assert all(ports), "a synchronizer without an upload port"
-        ups = [SyncClient(with_port(u, q), TOKEN, http2=False, timeout=120)
+        ups = [client(with_port(u, q), TOKEN, http2=False, timeout=120)
                for u, q in zip(urls, ports, strict=True)]  # fmt: skip
     versions = [joins[owner[p]].versions[p] for p in range(len(payloads))]
     step, last_hb = 0, 0.0
@@ -310,14 +320,15 @@ class Arm:
     server: str = ""
     """The label of the interpreter that runs the synchronizer (`--servers`; "": this one)."""
     bodies: str = "parts"
-    """How the clients post a body: its parts (header, data) or `joined` into one buffer."""
+    """How the clients post a body: its parts (header, data), `joined` into one buffer, or
+    its parts through libcurl's read callback (`curl`: the client before sender.py)."""
 
     @property
     def name(self) -> str:
         paced = f" @{self.offered:g}" if self.offered else ""
         lag = f" L={self.lag}" if self.lag is not None else ""
         server = f" [{self.server}]" if self.server else ""
-        bodies = " joined" if self.bodies == "joined" else ""
+        bodies = f" {self.bodies}" if self.bodies != "parts" else ""
         return f"{self.transport} {self.encoding} S={self.shards}{lag}{paced}{bodies}{server}"
 
 
@@ -384,6 +395,7 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
                 kwargs={
                     "rate": arm.offered * 1e9 / args.learners,
                     "joined": arm.bodies == "joined",
+                    "client": CurlClient if arm.bodies == "curl" else SyncClient,
                 },
                 daemon=True,
             )
@@ -687,7 +699,8 @@ def main(argv: list[str] | None = None) -> int:
         "--bodies",
         default="parts",
         help="how clients post a body, comma-separated: parts (header and data, not "
-        "joined: as `SyncClient.post_update` takes `codec.pieces`) or joined (one buffer)",
+        "joined: as `SyncClient.post_update` takes `codec.pieces`), joined (one buffer), or "
+        "curl (parts through libcurl's read callback: the learner's client before sender.py)",
     )
     args = ap.parse_args(argv)
     args.pythons = dict(x.split("=", 1) for x in args.servers.split(",")) if args.servers else {}
@@ -708,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
             or a.encoding not in wire.ALL
             or a.shards < 1
             or a.offered < 0
-            or a.bodies not in ("parts", "joined")
+            or a.bodies not in ("parts", "joined", "curl")
         ):
             ap.error(f"unknown arm {a.name!r}: transports up/h1/h2, encodings {sorted(wire.ALL)}")
     lay = layout(int(args.params), args.fragments)

@@ -209,6 +209,12 @@ class SyncClient:
     ) -> tuple[int, dict[str, str], bytes]:
         if body is not None and not isinstance(body, bytes) and not self.http2 and method == "POST":
             return self._send_parts(path, body, content_type, token)
+        return self._curl(method, path, body, content_type, token)
+
+    def _curl(
+        self, method: str, path: str, body: Body | None, content_type: str, token: str
+    ) -> tuple[int, dict[str, str], bytes]:
+        """One request through libcurl (a body of parts through its read callback: `Parts`)."""
         c = self.curl
         c.reset()
         out = io.BytesIO()
