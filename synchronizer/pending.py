@@ -2,13 +2,15 @@
 `accepted` is answered (out of state.py, which keeps the fragment files and the ledger).
 
     log = FragmentLog(root, p)               # its segments, found on disk
-    ticket = log.write(payload, header)      # under the fragment's lock, not yet durable
-    log.sync(ticket)                         # outside it: durable on return (group commit)
+    ticket = log.reserve(payload)            # under the fragment's lock: its place in order
+    log.fill(ticket, payload, header)        # outside it: the bytes written there
+    log.sync(ticket)                         # durable on return (group commit)
     taken = log.seal()                       # a merge takes every record written so far
     log.drop(taken)                          # once the merged fragment is durable
 
 A record is an 8-byte length, a 4-byte checksum and the payload (see `PendingLog`); a
-record torn by a crash (it was never acknowledged) is cut off when the log is read back.
+record torn by a crash, or whose place was reserved and never written (either way it was
+never acknowledged), is cut off when the log is read back, with every record after it.
 """
 
 from __future__ import annotations
@@ -86,12 +88,20 @@ class PendingLog:
     payload, or a file system that refuses `O_DIRECT`, is written through the page cache
     in the same format. Either way `sync` fsyncs.
 
-    Group commit: `write` (under the fragment's lock) appends without waiting for the disk,
-    `sync` (outside it) makes every record written so far durable with one fsync, so the
-    updates of one fragment queue for the page cache copy only, and the ones that arrive
-    while an fsync runs share the next. `clear` (after the merge that consumed every record
-    is durable) truncates in place; a `sync` of a record written before it returns at once:
-    that record is in the durable fragment file."""
+    Order under the lock, bytes outside it: `reserve` (under the fragment's lock, in the
+    order the round takes its updates) allocates the record's place at the end of the file
+    (`posix_fallocate`: a full disk refuses the update there, before it is held), and `fill`
+    writes it there (`pwrite`, outside the lock: a 32 MB direct write took 57 ms at 1 GB/s,
+    and the fragment's other uploads queued behind it for 68 ms more; bench/RESULTS.md,
+    issue 15). `write` is both. Group commit: `sync` waits until every record reserved
+    before its own is filled, then makes them durable with one fsync, so the ones filled
+    while an fsync runs share the next, and a record is acknowledged only once every record
+    before it is durable: a crash leaves, after the acknowledged ones, at most records whose
+    place is zeros or torn, cut off on reading. A failed fill (the disk's error after its
+    place was allocated) fails every `sync` from then on: the caller stops the process.
+    `clear` (after the merge that consumed every record is durable) truncates in place; a
+    `sync` of a record written before it returns at once: that record is in the durable
+    fragment file."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -99,21 +109,34 @@ class PendingLog:
         self.direct: int | None = None
         """The same file opened with `O_DIRECT` (None: not tried yet, or refused)."""
         self.direct_tried = False
+        self.direct_refused = False
+        """A direct write was refused (EINVAL): the page cache from then on (the descriptor
+        stays open until `close`: a concurrent fill may be using it)."""
         self.generation = 0
         """Counts `clear`s: a record written in an earlier generation is merged and durable."""
         self.written = 0
-        """Bytes appended in this generation (writes are serialized by the fragment lock)."""
+        """Bytes reserved in this generation (reservations are serialized by the fragment
+        lock)."""
+        self.filled = 0
+        """Bytes of this generation written, every record up to here (`fill`s end out of
+        order: `done` holds the ones past a gap)."""
+        self.done: dict[int, int] = {}
+        """Filled records past `filled`: start -> end."""
+        self.failed: OSError | None = None
+        """A fill that failed: no record after it can be made durable."""
         self.synced = 0
         """Bytes of this generation known durable."""
         self.sync_lock = threading.Lock()
+        self.fills = threading.Condition()
+        """Guards `filled`, `done`, `failed`; notified as fills end."""
 
     def _open(self) -> int:
         if self.fd is None:
             new = not self.path.exists()
-            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
             if new:
                 _fsync_dir(self.path.parent)
-            self.written = self.synced = os.fstat(self.fd).st_size
+            self.written = self.filled = self.synced = os.fstat(self.fd).st_size
         return self.fd
 
     def create(self) -> None:
@@ -123,11 +146,13 @@ class PendingLog:
     def _direct(self) -> int | None:
         """The `O_DIRECT` descriptor, if the file system takes it and the file ends on a
         block boundary (it does unless an older synchronizer wrote it)."""
+        if self.direct_refused:
+            return None
         if not self.direct_tried:
             self.direct_tried = True
             if self.written % ALIGN == 0:
                 try:
-                    self.direct = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_DIRECT)
+                    self.direct = os.open(self.path, os.O_WRONLY | os.O_DIRECT)
                 except (OSError, AttributeError):  # no O_DIRECT here: the page cache it is
                     self.direct = None
         return self.direct
@@ -142,35 +167,75 @@ class PendingLog:
         self, payload: bytes | bytearray | memoryview, header: bytes | None = None
     ) -> tuple[int, int]:
         """Append one record, not yet durable; returns the ticket `sync` takes."""
+        ticket = self.reserve(len(payload))
+        self.fill(ticket, payload, header)
+        return ticket
+
+    def reserve(self, n: int) -> tuple[int, int]:
+        """The place of a record of an `n`-byte payload at the end of the log, allocated
+        (a full disk raises here, nothing reserved); the caller holds the fragment's lock
+        (records are in the order reserved). Returns the ticket `fill` and `sync` take."""
         fd = self._open()
-        head = header if header is not None else self.record(payload)
+        start = self.written
+        size = ALIGN + aligned(n)
+        try:
+            os.posix_fallocate(fd, start, size)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                os.ftruncate(fd, start)
+                raise
+        self.written = start + size
+        return self.generation, self.written
+
+    def fill(
+        self,
+        ticket: tuple[int, int],
+        payload: bytes | bytearray | memoryview,
+        header: bytes | None = None,
+    ) -> None:
+        """Write the record reserved as `ticket` in its place; outside the fragment's lock,
+        concurrently with other fills. A failure is the disk's (the place was allocated):
+        every `sync` fails from then on."""
+        generation, end = ticket
+        n = len(payload)
+        start = end - ALIGN - aligned(n)
+        try:
+            done = self._pwrite(
+                start, payload, header if header is not None else self.record(payload)
+            )
+            if done != end - start:
+                raise OSError(errno.EIO, f"short write to {self.path}")
+        except OSError as e:
+            with self.fills:
+                if generation == self.generation:
+                    self.failed = e
+                self.fills.notify_all()
+            raise
+        with self.fills:
+            if generation != self.generation:
+                return
+            self.done[start] = end
+            while self.filled in self.done:
+                self.filled = self.done.pop(self.filled)
+            self.fills.notify_all()
+
+    def _pwrite(self, start: int, payload: bytes | bytearray | memoryview, head: bytes) -> int:
         n = len(payload)
         size = ALIGN + aligned(n)
-        frame = BODIES.frame(payload) if self.written % ALIGN == 0 else None
+        frame = BODIES.frame(payload) if start % ALIGN == 0 else None
         direct = self._direct() if frame is not None else None
-        try:
-            if direct is not None and frame is not None:
-                frame[: len(head)] = head  # the block in front of the body is ours
-                frame[len(head) : ALIGN] = bytes(ALIGN - len(head))
-                frame[ALIGN + n :] = bytes(size - ALIGN - n)
-                try:
-                    done = os.write(direct, frame)
-                except OSError as e:
-                    if e.errno != errno.EINVAL:
-                        raise
-                    os.close(direct)  # refused after all (alignment): the page cache
-                    self.direct = None
-                    done = os.writev(fd, self._packed(head, payload, n))
-            else:
-                done = os.writev(fd, self._packed(head, payload, n))
-        except OSError:
-            os.ftruncate(fd, self.written)  # a torn record would hide the ones after it
-            raise
-        if done != size:  # a short write (a full disk): cut it off
-            os.ftruncate(fd, self.written)
-            raise OSError(f"short write to {self.path}")
-        self.written += size
-        return self.generation, self.written
+        assert self.fd is not None
+        if direct is not None and frame is not None:
+            frame[: len(head)] = head  # the block in front of the body is ours
+            frame[len(head) : ALIGN] = bytes(ALIGN - len(head))
+            frame[ALIGN + n :] = bytes(size - ALIGN - n)
+            try:
+                return os.pwrite(direct, frame, start)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self.direct_refused = True  # refused after all (alignment): the page cache
+        return os.pwritev(self.fd, self._packed(head, payload, n), start)
 
     @staticmethod
     def _packed(head: bytes, payload: bytes | bytearray | memoryview, n: int) -> list[Any]:
@@ -184,14 +249,22 @@ class PendingLog:
 
     def sync(self, ticket: tuple[int, int]) -> None:
         """Return once the record behind `ticket` is durable: in the log (one fsync for
-        every record written before it started) or merged into a durable fragment file."""
+        every record filled before it started, once every record before this one is) or
+        merged into a durable fragment file. Raises the failed fill's error if a record up
+        to this one could not be written."""
         generation, end = ticket
         if generation != self.generation or self.synced >= end:
             return  # durable already: no wait for the lock (another fsync, or a `remove`)
+        with self.fills:
+            while generation == self.generation and self.filled < end:
+                if self.failed is not None:
+                    raise OSError(self.failed.errno, f"a record before this one: {self.failed}")
+                self.fills.wait()
         with self.sync_lock:
             if generation != self.generation or self.synced >= end:
                 return
-            target = self.written
+            with self.fills:
+                target = self.filled
             assert self.fd is not None
             os.fsync(self.fd)
             if generation == self.generation:
@@ -210,7 +283,7 @@ class PendingLog:
         if not self.path.exists():
             return []
         data = self.path.read_bytes()
-        out, pos = records_in(data)
+        out, pos = records_in(data, zero_ends=True)  # zeros: a place reserved, never filled
         if pos < len(data) and repair:
             with open(self.path, "rb+") as f:
                 f.truncate(pos)
@@ -226,15 +299,24 @@ class PendingLog:
             else:
                 os.ftruncate(self.fd, 0)
                 os.fsync(self.fd)
+            self._next_generation()
+
+    def _next_generation(self) -> None:
+        """Records written so far are merged and durable elsewhere: a new count (the caller
+        holds `sync_lock`)."""
+        with self.fills:
             self.generation += 1
-            self.written = self.synced = 0
+            self.written = self.filled = self.synced = 0
+            self.done.clear()
+            self.failed = None
+            self.fills.notify_all()
 
     def _close_fds(self) -> None:
         for fd in (self.fd, self.direct):
             if fd is not None:
                 os.close(fd)
         self.fd = self.direct = None
-        self.direct_tried = False
+        self.direct_tried = self.direct_refused = False
 
     def close(self) -> None:
         with self.sync_lock:
@@ -248,8 +330,7 @@ class PendingLog:
         syncing its inputs waited for each segment the writer was deleting."""
         with self.sync_lock:
             self._close_fds()
-            self.generation += 1
-            self.written = self.synced = 0
+            self._next_generation()
         self.path.unlink(missing_ok=True)
 
 
@@ -260,8 +341,9 @@ class FragmentLog:
     """One fragment's pending log as a series of `PendingLog` segments, so a merge can be
     persisted while the next round's updates are logged (bench/RESULTS.md, issue 15):
 
-        ticket = log.write(payload, header)      # under the fragment's lock
-        log.sync(ticket)                         # outside it: durable on return
+        ticket = log.reserve(len(payload))       # under the fragment's lock
+        log.fill(ticket, payload, header)        # outside it
+        log.sync(ticket)                         # durable on return
         taken = log.seal()                       # under the lock, with the round it takes
         ...                                      # the merge computes and saves, unlocked
         log.drop(taken)                          # once the merged fragment is durable
@@ -294,10 +376,24 @@ class FragmentLog:
         return self.root / f"pending-{self.p:04d}.{self.next_seq:06d}.log"
 
     def write(self, payload: bytes | bytearray | memoryview, header: bytes | None = None) -> Ticket:
+        ticket = self.reserve(len(payload))
+        self.fill(ticket, payload, header)
+        return ticket
+
+    def reserve(self, n: int) -> Ticket:
+        """A record's place in the open segment (`PendingLog.reserve`; under the fragment's
+        lock)."""
         if self.open is None:
             self.open = PendingLog(self.root / f"pending-{self.p:04d}.{self.next_seq:06d}.log")
             self.next_seq += 1
-        return self.open, self.open.write(payload, header)
+        return self.open, self.open.reserve(n)
+
+    @staticmethod
+    def fill(
+        ticket: Ticket, payload: bytes | bytearray | memoryview, header: bytes | None = None
+    ) -> None:
+        log, at = ticket
+        log.fill(at, payload, header)
 
     @staticmethod
     def sync(ticket: Ticket) -> None:

@@ -114,7 +114,7 @@ class Updates:
                     max_update_ratio=s.max_update_ratio,
                     max_norm_ratio=s.max_norm_ratio,
                 )
-                ticket = plog.write(payload, record)
+                ticket = plog.reserve(len(payload))  # its place in the log, in round order
                 fs.norms = [*fs.norms, n][-admission.NORM_HISTORY :]
                 self._hold(
                     p, meta, delta, opens=verdict == "fresh", norms=norms, body=payload, dense=dense
@@ -126,9 +126,10 @@ class Updates:
         finally:
             if not held and dense is not None:  # refused, or a duplicate
                 POOL.give(dense.values())
+        self._fill(p, plog, ticket, payload, record)  # its bytes, beside the fragment's others
         with self.cpu:
             summing.drain()  # its term in the round's sum (stream.py), unless another adds it
-        self._make_durable(p, plog, ticket)  # one fsync for every record written before it
+        self._make_durable(p, plog, ticket)  # one fsync for every record filled before it
         with self.lock:
             self.rounds.heard(meta.learner_id)
             self.totals["bytes_up"] += len(payload)
@@ -140,6 +141,19 @@ class Updates:
         )
         self.on_change()
         return UpdateResponse(status="accepted", fragment=p, round_version=round_version)
+
+    def _fill(
+        self, p: int, plog: FragmentLog, ticket: Ticket, payload: memoryview | bytes, record: bytes
+    ) -> None:
+        """Write the update's record in the place reserved for it (pending.py), outside the
+        fragment's lock. The update is held in its round already, so a failed write (the
+        disk's error: its place was allocated) leaves memory ahead of the log: the process
+        stops, as for a failed fsync (`_make_durable`)."""
+        try:
+            plog.fill(ticket, payload, record)
+        except OSError as e:
+            self._log_lost(p, e)
+            raise
 
     def _make_durable(self, p: int, plog: FragmentLog, ticket: Ticket) -> None:
         """The update behind `ticket` is held in its round; return once it is durable too.
@@ -155,8 +169,9 @@ class Updates:
             raise
 
     def _log_lost(self, p: int, e: OSError) -> None:
-        """A failed fsync of fragment p's pending log: stop the process (`_make_durable`)."""
-        log.critical("fsync of the pending log of fragment %d failed (%s): stopping", p, e)
+        """A failed write or fsync of fragment p's pending log: stop the process (`_fill`,
+        `_make_durable`)."""
+        log.critical("the pending log of fragment %d failed (%s): stopping", p, e)
         self.on_fatal()
 
     @staticmethod

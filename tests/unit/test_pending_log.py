@@ -14,6 +14,13 @@ answer when the log's fsync fails.
   meanwhile go to a new one, a restart replays them all in order (an older synchronizer's
   single file first), and a merge deletes only the segments it sealed;
 - a failed fsync stops the process (`on_fatal`) instead of answering `accepted`;
+- order under the fragment's lock, bytes outside it: records are in the order their places
+  were reserved, whatever order they are filled in; a record's `sync` waits until every
+  record before it is filled; a place reserved and never filled (a crash) ends the log there,
+  on reading; a failed fill fails every later `sync` and stops the process, a full disk
+  refuses the update at its reservation (nothing held, the next accepted); an update's
+  write does not hold its fragment's lock (another update of the fragment is admitted and
+  written meanwhile);
 - direct I/O: a body in a `BODIES` buffer is written from it with O_DIRECT, other payloads
   through the page cache, in one block format, read back in order; where O_DIRECT is
   refused (at open or at the first write) the same records go through the page cache; a
@@ -247,13 +254,13 @@ def test_pool_bodies_go_to_the_log_with_o_direct_and_read_back_among_packed_ones
     O_DIRECT (no page cache copy); any other payload through the page cache, in the same
     block format, in the same file; all read back in order, and a corrupt one ends the log."""
     wrote: list[int] = []
-    real_write = os.write
+    real_pwrite = os.pwrite
 
-    def write(fd: int, data: object) -> int:
+    def pwrite(fd: int, data: object, offset: int) -> int:
         wrote.append(fd)
-        return real_write(fd, data)  # type: ignore[arg-type]
+        return real_pwrite(fd, data, offset)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(state.os, "write", write)
+    monkeypatch.setattr(state.os, "pwrite", pwrite)
     path = tmp_path / "p.log"
     log = PendingLog(path)
     sizes = [5000, 1, 4096, 3 << 20, 123_457]
@@ -285,7 +292,7 @@ def test_pool_bodies_go_to_the_log_with_o_direct_and_read_back_among_packed_ones
 def test_a_file_system_that_refuses_o_direct_gets_the_same_records_through_the_page_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
 ) -> None:
-    real_open, real_write = os.open, os.write
+    real_open, real_write, real_pwrite = os.open, os.write, os.pwrite
     direct: set[int] = set()
 
     def refuse_open(path: object, flags: int, *args: object) -> int:
@@ -300,8 +307,14 @@ def test_a_file_system_that_refuses_o_direct_gets_the_same_records_through_the_p
             raise OSError(22, "Invalid argument")
         return real_write(fd, data)  # type: ignore[arg-type]
 
+    def refuse_pwrite(fd: int, data: object, offset: int) -> int:
+        if fd in direct:
+            raise OSError(22, "Invalid argument")
+        return real_pwrite(fd, data, offset)  # type: ignore[arg-type]
+
     monkeypatch.setattr(state.os, "open", refuse_open)
     monkeypatch.setattr(state.os, "write", refuse_write)
+    monkeypatch.setattr(state.os, "pwrite", refuse_pwrite)
     log = PendingLog(tmp_path / "p.log")
     want = [os.urandom(n) for n in (10, 70_000, 2 << 20)]
     for data in want:
@@ -309,7 +322,7 @@ def test_a_file_system_that_refuses_o_direct_gets_the_same_records_through_the_p
         body[:] = data
         log.sync(log.write(body))
         BODIES.give(body)
-    assert log.direct is None
+    assert log._direct() is None  # refused at open, or at the first write
     assert PendingLog(tmp_path / "p.log").read() == want
     # the fragment file too: written through the page cache, read back the same
     g = torch.Generator().manual_seed(1)
@@ -359,3 +372,142 @@ def test_a_fragment_file_written_in_direct_blocks_reads_back_exactly(
     header_len = int.from_bytes(file.read_bytes()[:8], "little")
     data = sum(len(memoryview(p).cast("B")) for p in parts[1:])
     assert file.stat().st_size == 8 + header_len + data  # no padding left at the end
+
+
+def test_records_are_in_reservation_order_and_a_sync_waits_for_every_record_before_it(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "p.log"
+    log = PendingLog(path)
+    a, b, c = os.urandom(5000), os.urandom(70_000), os.urandom(10)
+    ta, tb, tc = log.reserve(len(a)), log.reserve(len(b)), log.reserve(len(c))
+    log.fill(tc, c)
+    log.fill(tb, b)  # a, first in the log, not yet written
+    synced = threading.Event()
+    waiter = threading.Thread(target=lambda: (log.sync(tb), synced.set()))
+    waiter.start()
+    assert not synced.wait(0.3)  # b's sync waits for a
+    assert PendingLog(path).read(repair=False) == []  # a crash now: a's place is zeros
+    log.fill(ta, a)
+    assert synced.wait(10)
+    waiter.join()
+    log.sync(tc)
+    assert PendingLog(path).read() == [a, b, c]
+
+
+def test_a_place_never_filled_ends_the_log_with_every_record_after_it(tmp_path: Path) -> None:
+    """A crash between a reservation and its fill: the records after it were never
+    acknowledged (their sync waits for it); reading cuts the file at the unfilled place,
+    and the records appended after the restart follow the ones kept."""
+    path = tmp_path / "p.log"
+    log = PendingLog(path)
+    kept, lost, after = os.urandom(3000), os.urandom(9000), os.urandom(100)
+    log.sync(log.write(kept))
+    log.reserve(len(os.urandom(50_000)))  # the crash: never filled
+    log.fill(log.reserve(len(lost)), lost)
+    log.close()
+    again = PendingLog(path)
+    assert again.read() == [kept]
+    assert path.stat().st_size == ALIGN + 4096  # cut where the unfilled place began
+    again.sync(again.write(after))
+    assert PendingLog(path).read() == [kept, after]
+
+
+def test_a_failed_fill_fails_every_later_sync_and_stops_the_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = PendingLog(tmp_path / "p.log")
+    ta, tb = log.reserve(10), log.reserve(10)
+    log.fill(tb, b"b" * 10)
+    real = os.pwritev
+
+    def failing(fd: int, buffers: object, offset: int) -> int:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(state.os, "pwritev", failing)
+    with pytest.raises(OSError):
+        log.fill(ta, b"a" * 10)
+    with pytest.raises(OSError, match="a record before this one"):
+        log.sync(tb)
+    monkeypatch.setattr(state.os, "pwritev", real)
+
+    clock = Clock()
+    sync = make(tmp_path / "s", clock, quorum=2)
+    start(sync)
+    stopped: list[bool] = []
+    sync.on_fatal = lambda: stopped.append(True)
+    monkeypatch.setattr(state.os, "pwritev", failing)
+    monkeypatch.setattr(state.os, "pwrite", failing)
+    with pytest.raises(OSError):  # the route answers 500: the client re-sends after a restart
+        sync.submit(update("b", 1, torch.tensor([0.0, 0.1]), step=1))
+    assert stopped == [True]
+    assert sync.metrics.updates_accepted._value.get() == 0
+
+
+def test_a_full_disk_refuses_the_update_at_its_reservation_and_keeps_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = Clock()
+    sync = make(tmp_path, clock, quorum=3)
+    start(sync)
+    stopped: list[bool] = []
+    sync.on_fatal = lambda: stopped.append(True)
+    assert sync.submit(update("a", 1, torch.tensor([0.1, 0.0]), step=1)).status == "accepted"
+    real = os.posix_fallocate
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(state.os, "posix_fallocate", full)
+    with pytest.raises(OSError):
+        sync.submit(update("b", 1, torch.tensor([0.0, 0.1]), step=1))
+    assert sync.status().fragments[1].contributors_pending == 1  # "b" not held
+    monkeypatch.setattr(state.os, "posix_fallocate", real)
+    assert sync.submit(update("b", 1, torch.tensor([0.0, 0.1]), step=1)).status == "accepted"
+    assert stopped == []
+    assert len(sync.store.pending(1).read(repair=False)) == 2
+    again = make(tmp_path, clock, quorum=3)  # a restart replays both
+    assert again.status().fragments[1].contributors_pending == 2
+
+
+def test_an_updates_write_does_not_hold_its_fragments_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While one update's record is being written (its write held here), another update of
+    the same fragment is admitted and written; both are accepted, in the order admitted."""
+    clock = Clock()
+    sync = make(tmp_path, clock, quorum=3)
+    start(sync)
+    real = os.pwritev
+    first_in, release = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def held_first(fd: int, buffers: object, offset: int) -> int:
+        calls.append(offset)
+        if len(calls) == 1:
+            first_in.set()
+            assert release.wait(10)
+        return real(fd, buffers, offset)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(state.os, "pwritev", held_first)
+    answers: dict[str, str] = {}
+
+    def post(lid: str, value: float) -> None:
+        answers[lid] = sync.submit(update(lid, 1, torch.tensor([value, 0.0]), step=1)).status
+
+    ta = threading.Thread(target=post, args=("a", 0.1))
+    ta.start()
+    assert first_in.wait(10)
+    tb = threading.Thread(target=post, args=("b", 0.2))
+    tb.start()
+    deadline = time.monotonic() + 10
+    while len(calls) < 2 and time.monotonic() < deadline:  # b's write, while a's is held
+        time.sleep(0.01)
+    assert len(calls) == 2 and calls[1] > calls[0]
+    assert "b" not in answers  # accepted only once a's record, before it, is durable too
+    release.set()
+    ta.join()
+    tb.join()
+    assert answers == {"a": "accepted", "b": "accepted"}
+    records = sync.store.pending(1).read(repair=False)
+    assert [codec.read_metadata(r)["learner_id"] for r in records] == ["a", "b"]
