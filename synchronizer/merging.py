@@ -156,8 +156,16 @@ class Merging(Durable):
                 now = self.clock()
                 phases["finish"] = now - t_finish
                 timed = {k: v for k, v in phases.items() if k not in SCHED_ONLY}
-                self.metrics.merged(
-                    p, round_, outcome, t_merge, now, len(self.fragments), fs.version - 1, timed
+                self.metrics.merged(  # served since its install: `finish` lets go after
+                    p,
+                    round_,
+                    outcome,
+                    t_merge,
+                    now,
+                    len(self.fragments),
+                    fs.version - 1,
+                    timed,
+                    served=t_finish,
                 )
             with self.lock:
                 for learner_id in taken:

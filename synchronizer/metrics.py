@@ -239,22 +239,26 @@ class SyncMetrics:
         fragments: int,
         base: int,
         phases: Mapping[str, float] | None = None,
+        served: float | None = None,
     ) -> None:
-        """Fragment p's round `r` merged at version `base` (started at `t_merge`) and is
-        served since `now`: each per-fragment histogram observes it once, so their counts
-        are the fragment's merges (`phases`: seconds of each part of the merge, by name); each merged contribution its staleness and its tokens,
-        per fragment (every fragment sees every token)."""
+        """Fragment p's round `r` merged at version `base` (started at `t_merge`, done at
+        `now`) and served since `served` (its install, before the merge lets go of its
+        inputs; None: `now`): each per-fragment histogram observes it once, so their counts
+        are the fragment's merges (`phases`: seconds of each part of the merge, by name); each
+        merged contribution its staleness and its tokens, per fragment (every fragment sees
+        every token)."""
         if not self.enabled:
             return
         frag = str(p)
-        started = r.started_at if r.started_at is not None else now
+        at = now if served is None else served
+        started = r.started_at if r.started_at is not None else at
         self.merge_duration.labels(frag).observe(now - t_merge)
         for phase, seconds in (phases or {}).items():
             self.merge_phase.labels(phase).observe(seconds)
         self.round_quorum.labels(frag).observe(max(0.0, (r.quorum_at or started) - started))
-        self.round_publish.labels(frag).observe(max(0.0, now - started))
-        self.round_served.labels(frag).observe(max(0.0, now - (r.quorum_at or started)))
-        self.round_close.labels(frag).observe(max(0.0, now - (r.due_at or t_merge)))
+        self.round_publish.labels(frag).observe(max(0.0, at - started))
+        self.round_served.labels(frag).observe(max(0.0, at - (r.quorum_at or started)))
+        self.round_close.labels(frag).observe(max(0.0, at - (r.due_at or t_merge)))
         self.grace_window.labels(frag).observe(r.grace)
         self.merge_contributors.labels(frag).observe(outcome.contributors)
         items = list(r.contributions.items())

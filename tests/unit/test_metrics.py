@@ -155,11 +155,16 @@ def test_each_merge_observes_every_fragment_histogram_once(server: SyncServer) -
     whole = sum(value(text, "ddiloco_merge_duration_seconds_sum", fragment=f) for f in "01")
     assert 0 < parts <= whole + 1e-9
     assert 'phase="ran"' not in text and 'phase="queued"' not in text  # the log line's only
-    for f in "01":  # close -> served is inside quorum -> served and holds the merge
+    closes = merges = 0.0
+    for f in "01":  # close -> served is inside quorum -> served
         close = value(text, "ddiloco_round_close_served_seconds_sum", fragment=f)
         served = value(text, "ddiloco_round_served_seconds_sum", fragment=f)
-        merge = value(text, "ddiloco_merge_duration_seconds_sum", fragment=f)
-        assert merge <= close <= served + 1e-9
+        assert close <= served + 1e-9
+        closes += close
+        merges += value(text, "ddiloco_merge_duration_seconds_sum", fragment=f)
+    # and holds the merge up to its install (its `finish` lets go of the inputs after)
+    finish = value(text, "ddiloco_merge_phase_seconds_sum", phase="finish")
+    assert merges - finish <= closes + 1e-9
     assert value(text, "ddiloco_grace_window_seconds_sum", fragment="0") == 0  # grace off
     assert value(text, "ddiloco_update_staleness_count") == 6
     assert value(text, "ddiloco_update_staleness_sum") == 0
@@ -268,3 +273,30 @@ def test_encoding_labels() -> None:
     assert encoding_of(["BF16", "BF16"]) == "bf16"
     assert encoding_of(["F32"]) == "fp32"
     assert encoding_of(["F32", "BF16"]) == "mixed"
+
+
+def test_a_merge_is_served_from_its_install_not_after_it_lets_go_of_its_inputs(
+    tmp_path, monkeypatch
+) -> None:
+    """A merge whose file is written before serving (snapshot_lag 0) deletes its inputs'
+    segments after its install (`finish`): 5 s of it (a disk that stalls) count in the
+    merge's duration, not in the time to its being served."""
+    from tests.unit.test_contract import Clock, make, start
+    from tests.unit.test_contract import update as contract_update
+
+    clock = Clock()
+    sync = make(tmp_path, clock, snapshot_lag=0)
+    start(sync)
+    real = sync._let_go
+
+    def stalled(*args: Any, **kwargs: Any) -> None:
+        clock.now += 5.0
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(sync, "_let_go", stalled)
+    sync.submit(contract_update("a", 1, torch.tensor([0.1, 0.0]), step=1))
+    assert sync.merge(1) == 1
+    m = sync.metrics
+    assert m.merge_duration.labels("1")._sum.get() >= 5.0
+    for served in (m.round_close, m.round_served, m.round_publish):
+        assert served.labels("1")._sum.get() < 1.0
