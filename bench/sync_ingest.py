@@ -155,15 +155,6 @@ class Tally:
     latencies: list[float] = field(default_factory=list)
 
 
-class CurlClient(SyncClient):
-    """The learner's client as it was before synchronizer/sender.py: a body of parts over
-    HTTP/1.1 through libcurl's read callback (each chunk copied into bytes, then into
-    libcurl's upload buffer), for arms side by side with the client as it is."""
-
-    def _send_parts(self, path, body, content_type, token):  # type: ignore[no-untyped-def]
-        return self._curl("POST", path, body, content_type, token)
-
-
 def client_loop(
     urls: list[str],
     owner: list[int],
@@ -174,7 +165,7 @@ def client_loop(
     t: Tally,
     rate: float = 0.0,
     joined: bool = False,
-    client: type[SyncClient] = SyncClient,
+    sendmsg: bool = True,
 ) -> None:
     """One learner: joins every shard, heartbeats to each once a second, posts fragment p
     to its owner `owner[p]` against the version that shard last said; with `rate` (bytes
@@ -186,7 +177,7 @@ def client_loop(
     if transport == "up":  # the upload port each shard named at join (synchronizer/bulk.py)
         ports = [j.upload_port for j in joins]
         assert all(ports), "a synchronizer without an upload port"
-        ups = [client(with_port(u, q), TOKEN, http2=False, timeout=120)
+        ups = [SyncClient(with_port(u, q), TOKEN, http2=False, timeout=120, sendmsg=sendmsg)
                for u, q in zip(urls, ports, strict=True)]  # fmt: skip
     versions = [joins[owner[p]].versions[p] for p in range(len(payloads))]
     step, last_hb = 0, 0.0
@@ -395,7 +386,7 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
                 kwargs={
                     "rate": arm.offered * 1e9 / args.learners,
                     "joined": arm.bodies == "joined",
-                    "client": CurlClient if arm.bodies == "curl" else SyncClient,
+                    "sendmsg": arm.bodies != "curl",
                 },
                 daemon=True,
             )

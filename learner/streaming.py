@@ -366,8 +366,10 @@ class Streamer:
             return client
         if client is not None:
             client.close()
-        http2 = self.cfg.upload_http2 and url == self.urls[shard]
-        return SyncClient(url, self.tokens, http2=http2, tls=self.tls)
+        main = url == self.urls[shard]
+        http2 = self.cfg.upload_http2 and main
+        # to the upload port (or a relay) the parts go from their own memory (sender.py)
+        return SyncClient(url, self.tokens, http2=http2, tls=self.tls, sendmsg=not main)
 
     def _fall_back(self, shard: int, client: SyncClient, e: Exception) -> bool:
         """An upload port never reached (a proxy or firewall that passes only the main port):

@@ -144,6 +144,7 @@ class SyncClient:
         timeout: float = 60.0,
         http2: bool = True,
         tls: ClientTLS | None = None,
+        sendmsg: bool = False,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.tokens: Tokens = StaticTokens(token) if isinstance(token, str) else token
@@ -152,8 +153,12 @@ class SyncClient:
         self.tls = tls or ClientTLS()
         self.https = self.base_url.lower().startswith("https://")
         self.curl = pycurl.Curl()
+        self.sendmsg = sendmsg and not http2
+        """A body of parts (a POST) goes from its own memory over HTTP/1.1 (sender.py): for
+        the upload port (bulk.py), where it saves the sender a fifth of two cores at 1 GB/s;
+        not for uvicorn's main port, which took the same bodies 16% slower that way than
+        through libcurl (bench/RESULTS.md, issue 15)."""
         self.sender: PartsSender | None = None
-        """A body of parts over HTTP/1.1 goes from its own memory (sender.py)."""
         self.bytes_up = 0
         self.bytes_down = 0
         self.http_version = ""
@@ -207,7 +212,7 @@ class SyncClient:
     def _perform(
         self, method: str, path: str, body: Body | None, content_type: str, token: str
     ) -> tuple[int, dict[str, str], bytes]:
-        if body is not None and not isinstance(body, bytes) and not self.http2 and method == "POST":
+        if self.sendmsg and body is not None and not isinstance(body, bytes) and method == "POST":
             return self._send_parts(path, body, content_type, token)
         return self._curl(method, path, body, content_type, token)
 

@@ -203,7 +203,7 @@ def test_learner_over_mtls_h2_and_token_rotation(tmp_path: Path, certs: Certs) -
                 pytest.fail(f"{why}: answered")
         # and the same at the upload port: no update gets in without a client certificate
         for tls_files in (ClientTLS(certs.ca), ClientTLS(certs.dir / "other-ca.crt")):
-            intruder = SyncClient(up_url, OLD, timeout=5, tls=tls_files, http2=False)
+            intruder = SyncClient(up_url, OLD, timeout=5, tls=tls_files, http2=False, sendmsg=True)
             with pytest.raises(SyncUnavailable):
                 intruder.post_update(0, b"{}")
             with pytest.raises(SyncUnavailable):  # as parts, from their memory (sender.py)

@@ -63,12 +63,12 @@ def test_a_refusal_before_the_body_is_heard_not_taken_for_a_broken_pipe(make_syn
     raises the refusal with the server's reason, as libcurl did."""
     server, up = started(make_sync_server)
     big = [bytes(1 << 20), memoryview(bytes(64 << 20))]
-    wrong = SyncClient(up, "not-the-token", http2=False, timeout=30)
+    wrong = SyncClient(up, "not-the-token", http2=False, timeout=30, sendmsg=True)
     t0 = time.monotonic()
     with pytest.raises(SyncRefused) as e:
         wrong.post_update(0, big)
     assert (e.value.status, e.value.kind) == (401, "unauthorized")
-    over = SyncClient(up, server.token, http2=False, timeout=30)
+    over = SyncClient(up, server.token, http2=False, timeout=30, sendmsg=True)
     with pytest.raises(SyncRefused) as e:
         over.post_update(0, big)
     assert e.value.status == 413
@@ -84,7 +84,7 @@ def test_a_kept_alive_connection_the_server_closed_is_made_again(
     sent again on a new one: answered, counted once."""
     monkeypatch.setattr(bulk, "IDLE_S", 0.3)
     server, up = started(make_sync_server)
-    c = SyncClient(up, server.token, http2=False)
+    c = SyncClient(up, server.token, http2=False, sendmsg=True)
     assert c.post_update(0, parts(1)).status == "accepted"
     assert c.sender is not None
     first = c.sender.sock
@@ -100,7 +100,7 @@ def test_a_kept_alive_connection_the_server_closed_is_made_again(
 
 
 def test_nothing_listening_is_unreached() -> None:
-    c = SyncClient(f"http://127.0.0.1:{free_port()}", "t", http2=False, timeout=5)
+    c = SyncClient(f"http://127.0.0.1:{free_port()}", "t", http2=False, timeout=5, sendmsg=True)
     with pytest.raises(SyncUnavailable) as e:
         c.post_update(0, [b"x", b"y"])
     assert e.value.unreached
@@ -111,7 +111,7 @@ def test_a_server_that_never_answers_is_given_up_after_the_timeout() -> None:
     fails after the client's timeout as a reachable but failed request, never hangs."""
     with socket.create_server(("127.0.0.1", 0)) as silent:
         port = silent.getsockname()[1]
-        c = SyncClient(f"http://127.0.0.1:{port}", "t", http2=False, timeout=1.5)
+        c = SyncClient(f"http://127.0.0.1:{port}", "t", http2=False, timeout=1.5, sendmsg=True)
         t0 = time.monotonic()
         with pytest.raises(SyncUnavailable) as e:
             c.post_update(0, [b"head", memoryview(bytes(32 << 20))])

@@ -105,6 +105,8 @@ def test_join_names_the_upload_port_and_only_updates_go_there(make_sync_server) 
     # each shard's two fragments came in through its upload port, nothing else did
     assert [uploads_of(server) for server in servers] == [2, 2]
     assert s.upload_urls == [with_port(x.url, x.sync.upload_port) for x in servers]
+    # to the upload port the parts go from their own memory (sender.py)
+    assert all(s._upload_client(i, None).sendmsg for i in (0, 1))
 
 
 def test_an_unreachable_upload_port_falls_back_to_the_main_url(make_sync_server, caplog) -> None:
@@ -115,6 +117,7 @@ def test_an_unreachable_upload_port_falls_back_to_the_main_url(make_sync_server,
         s = run_learner(cfg, [server])
     assert uploads_of(server) == 0  # all four went to the main port, none was lost
     assert s.fallback_until[0] > time.monotonic()
+    assert not s._upload_client(0, None).sendmsg  # the main port's uvicorn: through libcurl
     assert any("unreachable" in r.getMessage() for r in caplog.records)
 
 
