@@ -176,6 +176,7 @@ class PendingLog:
         (a full disk raises here, nothing reserved); the caller holds the fragment's lock
         (records are in the order reserved). Returns the ticket `fill` and `sync` take."""
         fd = self._open()
+        self._direct()  # decided here, under the lock, not by concurrent fills
         start = self.written
         size = ALIGN + aligned(n)
         try:
@@ -223,7 +224,7 @@ class PendingLog:
         n = len(payload)
         size = ALIGN + aligned(n)
         frame = BODIES.frame(payload) if start % ALIGN == 0 else None
-        direct = self._direct() if frame is not None else None
+        direct = self.direct if frame is not None and not self.direct_refused else None
         assert self.fd is not None
         if direct is not None and frame is not None:
             frame[: len(head)] = head  # the block in front of the body is ours

@@ -86,6 +86,8 @@ class PartsSender:
     ) -> tuple[int, dict[str, str], bytes]:
         """POST the parts, in order, as one body; (status, headers lower-cased, body).
         Raises `Failed` when no answer came."""
+        if any(c in f"{path}{token}{content_type}" for c in "\r\n"):
+            raise ValueError("a line break in a request's path, token or content type")
         views = [memoryview(p).cast("B") for p in parts]
         size = sum(v.nbytes for v in views)
         head = (
