@@ -54,8 +54,8 @@ from ddiloco.synchronizer.journalfile import JournalFile
 from ddiloco.synchronizer.merge import MergeOutcome, MergePolicy
 from ddiloco.synchronizer.outer import OuterNesterov
 from ddiloco.synchronizer.passes import Term
-from ddiloco.synchronizer.pending import FragmentLog
 from ddiloco.synchronizer.protocol import FragmentSpec, UpdateMeta
+from ddiloco.synchronizer.segments import FragmentLog
 from ddiloco.synchronizer.state import FragmentState, Order, StateStore
 from ddiloco.synchronizer.stream import RoundSum
 

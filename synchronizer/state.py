@@ -43,8 +43,9 @@ from safetensors.torch import save_file
 
 from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.direct import write_direct
-from ddiloco.synchronizer.pending import FragmentLog, _fsync_dir
+from ddiloco.synchronizer.pending import _fsync_dir
 from ddiloco.synchronizer.protocol import Layout, ModelSpec
+from ddiloco.synchronizer.segments import FragmentLog
 
 Tensors = dict[str, torch.Tensor]
 Order = tuple[int, int]

@@ -26,9 +26,10 @@ from ddiloco.synchronizer.errors import Refusal, SyncError
 from ddiloco.synchronizer.merge import cap_counters
 from ddiloco.synchronizer.metrics import encoding_of
 from ddiloco.synchronizer.passes import Term
-from ddiloco.synchronizer.pending import FragmentLog, PendingLog, Ticket
+from ddiloco.synchronizer.pending import PendingLog
 from ddiloco.synchronizer.protocol import UpdateMeta, UpdateResponse
 from ddiloco.synchronizer.quant import Quantized
+from ddiloco.synchronizer.segments import FragmentLog, Ticket
 from ddiloco.synchronizer.state import FragmentState, Order
 
 log = logging.getLogger("ddiloco.synchronizer.service")

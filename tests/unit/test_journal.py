@@ -28,7 +28,7 @@ from ddiloco.synchronizer.buffers import ALIGN, aligned
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.journal import MergeJournal, replay
 from ddiloco.synchronizer.merge import NonFiniteMerge
-from ddiloco.synchronizer.pending import FragmentLog, records_in
+from ddiloco.synchronizer.pending import records_in
 from ddiloco.synchronizer.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
@@ -37,6 +37,7 @@ from ddiloco.synchronizer.protocol import (
     TensorSpec,
     UpdateMeta,
 )
+from ddiloco.synchronizer.segments import FragmentLog
 from ddiloco.synchronizer.service import Synchronizer
 from ddiloco.synchronizer.snapshots import Snapshots
 from tests.unit.test_contract import Clock

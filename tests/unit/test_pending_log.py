@@ -41,7 +41,8 @@ import torch
 
 from ddiloco.synchronizer import codec, direct, state
 from ddiloco.synchronizer.buffers import ALIGN, BODIES
-from ddiloco.synchronizer.pending import FragmentLog, PendingLog
+from ddiloco.synchronizer.pending import PendingLog
+from ddiloco.synchronizer.segments import FragmentLog
 from tests.unit.test_contract import Clock, make, start, update
 
 
