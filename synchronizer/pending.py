@@ -218,6 +218,14 @@ class PendingLog:
                 self.filled = self.done.pop(self.filled)
             self.fills.notify_all()
 
+    def abandon(self, ticket: tuple[int, int], err: OSError) -> None:
+        """The record reserved as `ticket` will never be filled: every `sync` of a record
+        from it on fails with `err` (none of them can be made durable)."""
+        with self.fills:
+            if ticket[0] == self.generation:
+                self.failed = err
+            self.fills.notify_all()
+
     def _pwrite(self, start: int, payload: bytes | bytearray | memoryview, head: bytes) -> int:
         n = len(payload)
         size = ALIGN + aligned(n)

@@ -80,6 +80,11 @@ class FragmentLog:
         log.fill(at, payload, header)
 
     @staticmethod
+    def abandon(ticket: Ticket, err: OSError) -> None:
+        log, at = ticket
+        log.abandon(at, err)
+
+    @staticmethod
     def sync(ticket: Ticket) -> None:
         log, at = ticket
         log.sync(at)

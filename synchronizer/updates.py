@@ -15,6 +15,7 @@ norm guard against the durable history.
 
 from __future__ import annotations
 
+import errno
 import logging
 
 import torch
@@ -116,10 +117,15 @@ class Updates:
                     max_norm_ratio=s.max_norm_ratio,
                 )
                 ticket = plog.reserve(len(payload))  # its place in the log, in round order
-                fs.norms = [*fs.norms, n][-admission.NORM_HISTORY :]
-                self._hold(
-                    p, meta, delta, opens=verdict == "fresh", norms=norms, body=payload, dense=dense
-                )
+                try:
+                    fs.norms = [*fs.norms, n][-admission.NORM_HISTORY :]
+                    self._hold(
+                        p, meta, delta, opens=verdict == "fresh", norms=norms, body=payload,
+                        dense=dense,
+                    )  # fmt: skip
+                except BaseException as e:
+                    self._unheld(p, plog, ticket, e)
+                    raise
                 held = True
                 summing = self.sums[p]
                 # the round after the one a merge in flight took, if any
@@ -142,6 +148,15 @@ class Updates:
         )
         self.on_change()
         return UpdateResponse(status="accepted", fragment=p, round_version=round_version)
+
+    def _unheld(self, p: int, plog: FragmentLog, ticket: Ticket, e: BaseException) -> None:
+        """An update whose place in the log was reserved failed to be held (a bug): its place
+        will never be written, so no record after it could be made durable (their syncs
+        would wait for it forever). They fail instead, and the process stops: a restart
+        reads the log up to that place (the records after it were never acknowledged)."""
+        err = OSError(errno.EIO, f"an update's place was reserved and never written: {e!r}")
+        plog.abandon(ticket, err)
+        self._log_lost(p, err)
 
     def _fill(
         self, p: int, plog: FragmentLog, ticket: Ticket, payload: memoryview | bytes, record: bytes

@@ -512,3 +512,32 @@ def test_an_updates_write_does_not_hold_its_fragments_lock(
     assert answers == {"a": "accepted", "b": "accepted"}
     records = sync.store.pending(1).read(repair=False)
     assert [codec.read_metadata(r)["learner_id"] for r in records] == ["a", "b"]
+
+
+def test_an_update_not_held_after_its_reservation_fails_the_next_instead_of_hanging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug between the reservation and the hold leaves a place that is never written:
+    the process stops (`on_fatal`) and the next update of the fragment fails at once,
+    rather than waiting forever for the place before its own."""
+    clock = Clock()
+    sync = make(tmp_path, clock, quorum=3)
+    start(sync)
+    stopped: list[bool] = []
+    sync.on_fatal = lambda: stopped.append(True)
+    real = sync._hold
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(sync, "_hold", broken)
+    with pytest.raises(RuntimeError):
+        sync.submit(update("a", 1, torch.tensor([0.1, 0.0]), step=1))
+    assert stopped == [True]
+    monkeypatch.setattr(sync, "_hold", real)
+    t0 = time.monotonic()
+    with pytest.raises(OSError, match="reserved and never written"):
+        sync.submit(update("b", 1, torch.tensor([0.0, 0.1]), step=1))
+    assert time.monotonic() - t0 < 5
+    assert stopped == [True, True]
+    assert sync.metrics.updates_accepted._value.get() == 0
