@@ -196,19 +196,14 @@ class PendingLog:
         concurrently with other fills. A failure is the disk's (the place was allocated):
         every `sync` fails from then on."""
         generation, end = ticket
-        n = len(payload)
-        start = end - ALIGN - aligned(n)
+        size = ALIGN + aligned(len(payload))
+        start = end - size
         try:
-            done = self._pwrite(
-                start, payload, header if header is not None else self.record(payload)
-            )
-            if done != end - start:
+            head = header if header is not None else self.record(payload)
+            if self._pwrite(start, size, payload, head) != size:
                 raise OSError(errno.EIO, f"short write to {self.path}")
         except OSError as e:
-            with self.fills:
-                if generation == self.generation:
-                    self.failed = e
-                self.fills.notify_all()
+            self.abandon(ticket, e)
             raise
         with self.fills:
             if generation != self.generation:
@@ -226,9 +221,10 @@ class PendingLog:
                 self.failed = err
             self.fills.notify_all()
 
-    def _pwrite(self, start: int, payload: bytes | bytearray | memoryview, head: bytes) -> int:
+    def _pwrite(
+        self, start: int, size: int, payload: bytes | bytearray | memoryview, head: bytes
+    ) -> int:
         n = len(payload)
-        size = ALIGN + aligned(n)
         frame = BODIES.frame(payload) if start % ALIGN == 0 else None
         direct = self.direct if frame is not None and not self.direct_refused else None
         assert self.fd is not None

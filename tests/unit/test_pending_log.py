@@ -35,6 +35,7 @@ import threading
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -44,6 +45,17 @@ from ddiloco.synchronizer.buffers import ALIGN, BODIES
 from ddiloco.synchronizer.pending import PendingLog
 from ddiloco.synchronizer.segments import FragmentLog
 from tests.unit.test_contract import Clock, make, start, update
+
+
+def stoppable(state: Path, quorum: int) -> tuple[Any, Clock, list[bool]]:
+    """A started synchronizer whose `on_fatal` records the stop instead of exiting, its
+    clock, and the stops so far."""
+    clock = Clock()
+    sync = make(state, clock, quorum=quorum)
+    start(sync)
+    stopped: list[bool] = []
+    sync.on_fatal = lambda: stopped.append(True)
+    return sync, clock, stopped
 
 
 def counting_fsync(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -171,11 +183,7 @@ def test_concurrent_updates_of_one_fragment_are_all_accepted_and_replayed(
 def test_a_failed_fsync_stops_the_process_instead_of_answering_accepted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    clock = Clock()
-    sync = make(tmp_path, clock, quorum=2)
-    start(sync)
-    stopped: list[bool] = []
-    sync.on_fatal = lambda: stopped.append(True)
+    sync, _, stopped = stoppable(tmp_path, quorum=2)
     assert sync.submit(update("a", 1, torch.tensor([0.1, 0.0]), step=1)).status == "accepted"
 
     def failing(fd: int) -> None:
@@ -432,11 +440,7 @@ def test_a_failed_fill_fails_every_later_sync_and_stops_the_process(
         log.sync(tb)
     monkeypatch.setattr(state.os, "pwritev", real)
 
-    clock = Clock()
-    sync = make(tmp_path / "s", clock, quorum=2)
-    start(sync)
-    stopped: list[bool] = []
-    sync.on_fatal = lambda: stopped.append(True)
+    sync, _, stopped = stoppable(tmp_path / "s", quorum=2)
     monkeypatch.setattr(state.os, "pwritev", failing)
     monkeypatch.setattr(state.os, "pwrite", failing)
     with pytest.raises(OSError):  # the route answers 500: the client re-sends after a restart
@@ -448,11 +452,7 @@ def test_a_failed_fill_fails_every_later_sync_and_stops_the_process(
 def test_a_full_disk_refuses_the_update_at_its_reservation_and_keeps_the_next(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    clock = Clock()
-    sync = make(tmp_path, clock, quorum=3)
-    start(sync)
-    stopped: list[bool] = []
-    sync.on_fatal = lambda: stopped.append(True)
+    sync, clock, stopped = stoppable(tmp_path, quorum=3)
     assert sync.submit(update("a", 1, torch.tensor([0.1, 0.0]), step=1)).status == "accepted"
     real = os.posix_fallocate
 
@@ -520,11 +520,7 @@ def test_an_update_not_held_after_its_reservation_fails_the_next_instead_of_hang
     """A bug between the reservation and the hold leaves a place that is never written:
     the process stops (`on_fatal`) and the next update of the fragment fails at once,
     rather than waiting forever for the place before its own."""
-    clock = Clock()
-    sync = make(tmp_path, clock, quorum=3)
-    start(sync)
-    stopped: list[bool] = []
-    sync.on_fatal = lambda: stopped.append(True)
+    sync, _, stopped = stoppable(tmp_path, quorum=3)
     real = sync._hold
 
     def broken(*args: object, **kwargs: object) -> None:
