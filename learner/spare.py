@@ -12,12 +12,13 @@ DDILOCO_LEARNER_INDEX, DDILOCO_NUM_LEARNERS). `wait_for_slot` here:
    (the first optimizer step imports torch._dynamo and sympy, the first backward starts
    autograd's threads);
 2. writes the ready file (`builders.SPARE_READY_FILE`; the pod's readiness probe waits for it);
-3. long-polls `GET /v1/spares/<pod>` (the job token; TLS files as the learner's own) until the
-   synchronizer has an assignment for it, the one the operator PUTs when it promotes this pod,
-   or until its own labels (a downward API file, `PODINFO_DIR/labels`) carry a slot, the
-   fallback should the synchronizer have lost the assignment (a restart keeps none);
-4. sets the slot's identity in the environment and returns: `ddiloco learner` then runs as a
-   slot's learner would (join, fetch, train), in this process, its imports warm.
+3. long-polls `GET /v1/spares/<pod>` (with its own spare credential, which reads nothing but
+   this pod's assignment; TLS files as the learner's own) until the synchronizer has an
+   assignment for it, the one the operator PUTs when it promotes this pod (and PUTs again
+   should a restarted synchronizer have lost it);
+4. sets the slot's identity, and the slot's learner credential that came with it, in the
+   environment and returns: `ddiloco learner` then runs as a slot's learner would (join,
+   fetch, train), in this process, its imports warm, speaking for that slot alone.
 
 The variables DDILOCO_SPARE and DDILOCO_POD_NAME are taken out of the environment first, so
 the learner proper never sees them (LearnerConfig reads neither).
@@ -37,7 +38,6 @@ log = logging.getLogger(__name__)
 SPARE_ENV: Final = "DDILOCO_SPARE"
 POD_ENV: Final = "DDILOCO_POD_NAME"
 READY_FILE: Final = "/tmp/ddiloco-spare-ready"  # = operator.builders.SPARE_READY_FILE
-LABELS_FILE: Final = "/etc/ddiloco/podinfo/labels"  # = operator.builders.PODINFO_DIR + /labels
 WAIT_S: Final = 20.0  # one long poll; the synchronizer answers 204 after it
 IDENTITY: Final = {
     "learner_id": "DDILOCO_LEARNER_ID",
@@ -85,36 +85,13 @@ def warm(cfg: Any) -> float:
     return time.monotonic() - t0
 
 
-def labelled_slot(path: str | os.PathLike[str] = LABELS_FILE) -> dict[str, Any] | None:
-    """The slot in the pod's own labels (downward API file: `key="value"` lines), once the
-    operator's promotion patch has reached it; None before that or without the file."""
-    try:
-        text = Path(path).read_text()
-    except OSError:
-        return None
-    labels: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition("=")
-        if sep:
-            labels[key.strip()] = value.strip().strip('"')
-    lid = labels.get("ddiloco.dev/learner-id")
-    shard, _, count = labels.get("ddiloco.dev/data-shard", "").partition("-of-")
-    if labels.get("ddiloco.dev/role") != "learner" or not lid:
-        return None
-    try:
-        return {"learner_id": lid, "learner_index": int(shard), "num_learners": int(count)}
-    except ValueError:
-        return None
-
-
-def poll(
-    cfg: Any, pod: str, *, wait_s: float = WAIT_S, labels: str = LABELS_FILE
-) -> dict[str, Any]:
-    """Long-poll the synchronizer for this pod's assignment (and watch its labels) until one
-    arrives; an unreachable synchronizer is retried with a capped backoff."""
+def poll(cfg: Any, pod: str, *, wait_s: float = WAIT_S) -> dict[str, Any]:
+    """Long-poll the synchronizer for this pod's assignment until one arrives (the slot's
+    identity and its learner credential, `SpareGrant`); an unreachable synchronizer is
+    retried with a capped backoff."""
     from ddiloco.synchronizer.client import SyncClient, SyncRefused, SyncUnavailable
     from ddiloco.synchronizer.protocol import API_PREFIX
-    from ddiloco.synchronizer.spares import SpareAssignment
+    from ddiloco.synchronizer.spares import SpareGrant
 
     client = SyncClient(
         # a sharded synchronizer: shard 0 keeps the spares' book (the first URL)
@@ -126,9 +103,6 @@ def poll(
     backoff = 0.0
     try:
         while True:
-            if (found := labelled_slot(labels)) is not None:
-                log.info("Spare %s: my labels name slot %s", pod, found["learner_id"])
-                return found
             try:
                 status, _, body = client.request(
                     "GET", f"{API_PREFIX}/spares/{pod}?wait_s={wait_s:g}"
@@ -145,7 +119,7 @@ def poll(
                 raise
             backoff = 0.0
             if status == 200:
-                return SpareAssignment.model_validate_json(body).model_dump()
+                return SpareGrant.model_validate_json(body).model_dump()
     finally:
         client.close()
 
@@ -165,9 +139,12 @@ def wait_for_slot(args: Any, environ: MutableMapping[str, str] | None = None) ->
     ready.write_text(f"{time.time():.3f}\n")
     log.info("Spare %s warm after %.1fs; waiting for a slot at %s", pod, seconds, cfg.sync_url)
     t0 = time.monotonic()
-    found = poll(cfg, pod, labels=env.pop("DDILOCO_SPARE_LABELS_FILE", LABELS_FILE))
+    found = poll(cfg, pod)
     for key, var in IDENTITY.items():
         env[var] = str(found[key])
+    # the slot's credential from now on: the spare's own file speaks for no learner
+    env["DDILOCO_TOKEN"] = found["token"]
+    env.pop("DDILOCO_TOKEN_FILE", None)
     log.info(
         "Spare %s takes over slot %s (data shard %s of %s) after %.1fs standing by",
         pod,

@@ -125,6 +125,8 @@ class Streamer:
         self.bytes_up = 0
         self.bytes_down = 0
         self.incarnation = 0
+        self.issued: dict[int, int] = {}
+        """The incarnation each shard answered at its last join."""
         self.resume_position = 0
         """The synchronizer's data position for this learner id at the last join (windows of
         its slot's stream counted so far; 0 from a synchronizer that keeps none)."""
@@ -160,6 +162,7 @@ class Streamer:
             layout_digest=self.layout.digest(),
             host=socket.gethostname(),
             pid=os.getpid(),
+            incarnation_floor=self.incarnation,  # one incarnation on every shard
             # the draws before our first heartbeat lands (learner/corpus.py, the data contract)
             data_reserve=join_reserve(
                 self.cfg.batch_size,
@@ -181,6 +184,7 @@ class Streamer:
             port = getattr(resp, "upload_port", None)
             self.upload_urls[shard] = with_port(self.urls[shard], port) if port else None
         self.incarnation = max(self.incarnation, resp.incarnation)
+        self.issued[shard] = resp.incarnation
         position = int(getattr(resp, "data_position", 0) or 0)
         self.resume_position = max(self.resume_position, position)  # the module docstring
         if not resp.initialized:
@@ -217,6 +221,9 @@ class Streamer:
                     if i not in joined:  # a shard joined once is not joined again on a retry
                         self.join(client, i)
                         joined.add(i)
+                for i, client in enumerate(clients):  # a shard that issued less catches up
+                    if self.issued.get(i, 0) < self.incarnation:
+                        self.join(client, i)
                 out = []
                 for spec in self.layout.fragments:
                     version, tensors = clients[self.owners[spec.index]].fragment(spec.index)

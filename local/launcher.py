@@ -40,6 +40,7 @@ from ddiloco.local.netcut import CutProxies
 from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
 from ddiloco.local.supervisor import Supervisor
 from ddiloco.synchronizer import shards, tls
+from ddiloco.synchronizer.auth import learner_token
 from ddiloco.synchronizer.tls import ClientTLS
 
 if TYPE_CHECKING:  # client.py imports torch: not before a run starts (`ddiloco local` errors)
@@ -233,7 +234,9 @@ class LocalRun(Supervisor):
             argv += ["--client-key", str(self.tls_dir / f"{lid}.key")]
         if lid in self.metrics_ports:
             argv += ["--metrics-port", str(self.metrics_ports[lid])]
-        env = env_with(DDILOCO_TOKEN=self.token, OMP_NUM_THREADS="1")
+        # the slot's own credential: it speaks for `lid` alone (the key stays with the
+        # synchronizer and the launcher)
+        env = env_with(DDILOCO_TOKEN=learner_token(self.token, lid), OMP_NUM_THREADS="1")
         if self.metrics_ports:
             env["DDILOCO_METRICS_HOST"] = "127.0.0.1"
         return Child(lid, argv, env, self.out / "logs" / f"{lid}.log")
@@ -370,9 +373,11 @@ class LocalRun(Supervisor):
             if self.cfg.warm_spares:
                 from ddiloco.local.spare import SparePool
 
+                pool_env = dict(self.learners[0].env)
+                pool_env.pop("DDILOCO_TOKEN")  # a spare is handed its slot's with the slot
                 self.spares = SparePool(
                     "ddiloco.learner.train",
-                    self.learners[0].env,
+                    pool_env,
                     self.out / "logs" / "spares",
                     size=self.cfg.warm_spares,
                 )

@@ -78,10 +78,13 @@ class SparePool:
         """Standing spares that finished warming up."""
         return sum(self._ready(proc) for proc, _ in self.spares)
 
-    def take(self, argv: list[str], log_path: Path) -> subprocess.Popen[bytes] | None:
+    def take(
+        self, argv: list[str], log_path: Path, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes] | None:
         """Hand `argv` (a full `python -P -m module ...` command) to a standing spare, a warm
-        one first; None when none is left (the caller starts a cold process). Refills the
-        pool."""
+        one first; None when none is left (the caller starts a cold process). `env`: the
+        variables the slot has beyond the pool's (its own credential), sent down the spare's
+        stdin, so they show in no process listing. Refills the pool."""
         self.spares.sort(key=lambda item: not self._ready(item[0]))  # the warm ones first
         while self.spares:
             proc, since = self.spares.pop(0)
@@ -89,7 +92,7 @@ class SparePool:
                 continue
             assert proc.stdin is not None
             log_path.parent.mkdir(parents=True, exist_ok=True)
-            line = json.dumps({"argv": argv, "log": str(log_path)}) + "\n"
+            line = json.dumps({"argv": argv, "log": str(log_path), "env": env or {}}) + "\n"
             try:
                 proc.stdin.write(line.encode())
                 proc.stdin.close()
@@ -136,6 +139,7 @@ def main() -> int:
     if not line:
         return 0  # the launcher closed the pool
     order = json.loads(line)
+    os.environ.update(order["env"])
     fd = os.open(order["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

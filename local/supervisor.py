@@ -107,7 +107,10 @@ class Supervisor:
         """Start `child` (with `argv`, else its own), as a warm spare when the pool has one
         ready and `spare`, else as a fresh process."""
         argv = argv or child.argv
-        proc = self.spares.take(argv, child.log_path) if self.spares and spare else None
+        proc = None
+        if self.spares and spare:
+            own = {k: v for k, v in child.env.items() if self.spares.env.get(k) != v}
+            proc = self.spares.take(argv, child.log_path, own)
         if proc is not None:
             child.adopt(proc)
         else:

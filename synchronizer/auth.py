@@ -1,9 +1,20 @@
-"""Bearer tokens: a fixed one, or a file re-read when it changes (rotation without restarts).
+"""Bearer tokens and who they speak for: the job key, and credentials derived from it.
 
     tokens = TokenFile("/var/run/ddiloco/token")   # a mounted Secret
-    tokens.accepted()      # synchronizer: every non-empty line is a valid token
-    tokens.current()       # learner: the first non-empty line is the one it sends
-    token_matches(given, tokens.accepted())        # constant-time comparison
+    tokens.accepted()      # synchronizer: every non-empty line is a valid job key
+    tokens.current()       # a client: the first non-empty line is the one it sends
+    learner_token(key, "a-0")                      # "learner:a-0:<mac>": a-0's credential
+    authenticate("Bearer learner:a-0:...", tokens) # -> Principal("learner", "a-0") or None
+
+Who speaks for whom. The job key (DDILOCO_TOKEN, the operator's `<job>-token` Secret) is the
+root credential: the synchronizer, the operator and an administrator's `ddiloco status` hold
+it, and it speaks for any learner (whoever holds it can mint any learner's credential). A
+learner slot holds only its own credential, `learner:<id>:<mac>`, the HMAC-SHA256 of its id
+under the key, so it can speak only for `<id>`: a join, heartbeat or update for another id is
+refused (403). A hot spare holds `spare:<pod>:<mac>`, which reads only its own assignment;
+the assignment hands it its slot's learner credential. The check needs no state beyond the
+key (nothing a restart could erase): the synchronizer recomputes the MAC for the id the token
+names, for every key line it accepts, in constant time.
 
 A rotation writes the new token as the first line and keeps the old one below it ("new\\nold")
 until every learner has picked the new one up, then drops the old line. Kubernetes updates a
@@ -14,13 +25,18 @@ and re-read when its identity, size or mtime changed, or when the last read is o
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import hmac
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Final, Literal
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +57,84 @@ def token_matches(given: str, accepted: Sequence[str]) -> bool:
     return ok and bool(given)
 
 
-def bearer_matches(authorization: str, tokens: Tokens) -> bool:
-    """True when an Authorization header value is `Bearer <one of the accepted tokens>`
-    (the main port's routes and the upload port check it alike)."""
+Kind = Literal["job", "learner", "spare"]
+_DERIVED: Final = re.compile(r"^(learner|spare):([A-Za-z0-9._-]{1,253}):([A-Za-z0-9_-]{43})$")
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a request's credential speaks for: the job key (`job`), one learner slot
+    (`learner`, `name` = its learner id) or one hot spare pod (`spare`, `name` = the pod)."""
+
+    kind: Kind
+    name: str = ""
+
+    def speaks_for(self, learner_id: str) -> bool:
+        """May this credential join, heartbeat and update as `learner_id`?"""
+        return self.kind == "job" or (self.kind == "learner" and self.name == learner_id)
+
+    def __str__(self) -> str:
+        return "the job key" if self.kind == "job" else f"{self.kind} {self.name}"
+
+
+JOB: Final = Principal("job")
+
+
+def _mac(key: str, kind: str, name: str) -> str:
+    digest = hmac.new(key.encode(), f"ddiloco/{kind}/{name}".encode(), hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def derive_token(key: str, kind: Literal["learner", "spare"], name: str) -> str:
+    """The credential of learner `name` (or spare pod `name`) under the job key `key`."""
+    if not _DERIVED.match(f"{kind}:{name}:{'A' * 43}"):
+        raise ValueError(f"not a {kind} name a credential can carry: {name!r}")
+    return f"{kind}:{name}:{_mac(key, kind, name)}"
+
+
+def learner_token(key: str, learner_id: str) -> str:
+    """Learner `learner_id`'s credential: it speaks for that id alone."""
+    return derive_token(key, "learner", learner_id)
+
+
+def spare_token(key: str, pod: str) -> str:
+    """Hot spare pod `pod`'s credential: it reads that pod's assignment alone."""
+    return derive_token(key, "spare", pod)
+
+
+def derived_lines(keys: Sequence[str], kind: Literal["learner", "spare"], name: str) -> str:
+    """A credential file's content for `name`: one line per job key, in the keys' order, so a
+    key rotation ("new\nold") rotates every derived credential the same way."""
+    return "\n".join(derive_token(k, kind, name) for k in keys)
+
+
+def identify(given: str, keys: Sequence[str]) -> Principal | None:
+    """The principal a bearer token speaks for under the accepted job keys, or None. Every
+    candidate is compared in constant time, and all are compared."""
+    if not given:
+        return None
+    match = _DERIVED.match(given)
+    if match is None:
+        return JOB if token_matches(given, keys) else None
+    kind, name, mac = match.groups()
+    ok = False
+    for key in keys:
+        ok |= hmac.compare_digest(mac.encode(), _mac(key, kind, name).encode())
+    return Principal(kind, name) if ok else None  # type: ignore[arg-type]
+
+
+def authenticate(authorization: str, tokens: Tokens) -> Principal | None:
+    """The principal of an Authorization header value `Bearer <token>` (the main port's
+    routes and the upload port check it alike), or None when it is missing or wrong."""
     scheme, _, given = authorization.partition(" ")
-    return scheme.lower() == "bearer" and token_matches(given.strip(), tokens.accepted())
+    if scheme.lower() != "bearer":
+        return None
+    return identify(given.strip(), tokens.accepted())
+
+
+def bearer_matches(authorization: str, tokens: Tokens) -> bool:
+    """True when an Authorization header value carries any valid credential of the job."""
+    return authenticate(authorization, tokens) is not None
 
 
 class StaticTokens:

@@ -14,6 +14,9 @@ from enum import StrEnum
 class Refusal(StrEnum):
     UNAUTHORIZED = "unauthorized"
     """No bearer token, or the wrong one (401)."""
+    FORBIDDEN = "forbidden"
+    """A valid credential that does not speak for what the request claims: another learner's
+    id, or a route that is not its holder's (403)."""
     UNKNOWN_LEARNER = "unknown_learner"
     """The learner id never joined (404): POST /v1/join first."""
     NOT_INITIALIZED = "not_initialized"
@@ -38,6 +41,7 @@ class Refusal(StrEnum):
 
 HTTP_STATUS: dict[Refusal, int] = {
     Refusal.UNAUTHORIZED: 401,
+    Refusal.FORBIDDEN: 403,
     Refusal.UNKNOWN_LEARNER: 404,
     Refusal.NOT_INITIALIZED: 409,
     Refusal.STALE: 409,

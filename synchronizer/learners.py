@@ -63,7 +63,7 @@ class Learners:
                 rec.compute_seconds = rec.uptime_seconds = 0.0
                 rec.past_tokens_total += rec.tokens_total
                 rec.tokens_total = 0
-            rec.incarnation += 1
+            rec.incarnation = max(rec.incarnation + 1, req.incarnation_floor)
             rec.last_seen = self.clock()
             self.rounds.heard(req.learner_id)
             incarnation = rec.incarnation

@@ -114,6 +114,11 @@ class JoinRequest(_Msg):
     data_reserve: int = Field(0, ge=0, le=MAX_DATA_POSITION)
     """Windows of the slot's data stream this learner reserves beyond the position it is
     answered, before its first heartbeat can (learner/corpus.py: the data contract)."""
+    incarnation_floor: int = Field(0, ge=0, le=MAX_DATA_POSITION)
+    """The highest incarnation another shard of the job answered this learner (a sharded
+    job's learner sends one incarnation to every shard): the join is answered at least
+    that, so no shard sees an incarnation it did not issue. It moves only the caller's own
+    order forward (a credential speaks for one learner)."""
 
 
 class JoinResponse(_Msg):

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Message, Receive
 
-from ddiloco.synchronizer.auth import Tokens, bearer_matches
+from ddiloco.synchronizer.auth import Principal, Tokens, authenticate
 from ddiloco.synchronizer.errors import Refusal, SyncError
 from ddiloco.synchronizer.protocol import (
     API_PREFIX,
@@ -176,10 +176,32 @@ def get_sync(request: Request) -> Synchronizer:
 SyncDep = Annotated[Synchronizer, Depends(get_sync)]
 
 
-async def require_token(request: Request) -> None:
+async def require_token(request: Request) -> Principal:
+    """Who the request's bearer credential speaks for (auth.py), kept in
+    `request.state.principal`; 401 when it is missing or wrong."""
     tokens: Tokens = request.app.state.tokens
-    if not bearer_matches(request.headers.get("authorization", ""), tokens):
+    principal = authenticate(request.headers.get("authorization", ""), tokens)
+    if principal is None:
         raise SyncError(Refusal.UNAUTHORIZED, "missing or wrong bearer token")
+    request.state.principal = principal
+    return principal
+
+
+def get_principal(request: Request) -> Principal:
+    return request.state.principal
+
+
+PrincipalDep = Annotated[Principal, Depends(get_principal)]
+
+
+def speak_for(principal: Principal, learner_id: str) -> None:
+    """403 unless `principal` may act as `learner_id` (auth.Principal.speaks_for)."""
+    if not principal.speaks_for(learner_id):
+        raise SyncError(
+            Refusal.FORBIDDEN,
+            f"this credential ({principal}) does not speak for learner {learner_id!r}: "
+            "a learner speaks only for itself",
+        )
 
 
 def _binary_body(what: str) -> dict[str, Any]:
@@ -197,6 +219,7 @@ ERRORS: Final[dict[int | str, dict[str, Any]]] = {
     code: {"model": ErrorBody, "description": why}
     for code, why in {
         401: "unauthorized: missing or wrong bearer token",
+        403: "forbidden: the credential does not speak for that learner",
         404: "unknown_learner: POST /v1/join first",
         408: "timeout: the body stopped arriving",
         409: "not_initialized, stale or conflict",
@@ -231,12 +254,15 @@ async def prometheus(sync: SyncDep) -> Response:
 
 
 @v1.post("/join")
-async def join(req: JoinRequest, sync: SyncDep) -> JoinResponse:
+async def join(req: JoinRequest, sync: SyncDep, who: PrincipalDep) -> JoinResponse:
+    speak_for(who, req.learner_id)
     return await asyncio.to_thread(sync.join, req)
 
 
 @v1.put("/init", openapi_extra=_binary_body("safetensors of the initial model, layout metadata"))
-async def init(request: Request, sync: SyncDep) -> InitResponse:
+async def init(request: Request, sync: SyncDep, who: PrincipalDep) -> InitResponse:
+    if who.kind == "spare":
+        raise SyncError(Refusal.FORBIDDEN, f"{who} may not initialize the job's model")
     return await asyncio.to_thread(sync.init, await read_body(request, sync.body_limit(None)))
 
 
@@ -254,16 +280,21 @@ async def fragment(p: int, sync: SyncDep) -> Response:
     "/fragments/{p}/updates",
     openapi_extra=_binary_body("safetensors of the learner's progress on p, UpdateMeta metadata"),
 )
-async def update(p: int, request: Request, sync: SyncDep) -> UpdateResponse:
+async def update(p: int, request: Request, sync: SyncDep, who: PrincipalDep) -> UpdateResponse:
     sync.check_owner(p)  # a misdirected update is refused before its body is read (421)
+    if who.kind == "spare":  # before the body: a spare has no slot to speak for yet
+        raise SyncError(Refusal.FORBIDDEN, f"{who} has no learner slot to update for")
     body = await read_body(request, sync.body_limit(p))
-    return await asyncio.to_thread(sync.submit, body, p)
+    return await asyncio.to_thread(sync.submit, body, p, who)
 
 
 @v1.post("/heartbeat")
-async def heartbeat(hb: Heartbeat, request: Request, sync: SyncDep) -> HeartbeatResponse:
+async def heartbeat(
+    hb: Heartbeat, request: Request, sync: SyncDep, who: PrincipalDep
+) -> HeartbeatResponse:
     """Long poll: answer at once if something is new for the learner, else as soon as a
     fragment merges or a round opens, at the latest after `wait_s`."""
+    speak_for(who, hb.learner_id)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + hb.wait_s
     changed: asyncio.Event = request.app.state.changed  # taken before polling: no lost wake-up

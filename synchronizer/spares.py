@@ -6,8 +6,10 @@
 
 A hot spare pod (operator/spares.py) starts `ddiloco learner` with no slot identity, warms up,
 and long-polls GET for its pod name; the operator promotes it by patching its labels, then
-PUTs the slot's identity here, which wakes the waiting GET at once. Both need the job token,
-like every /v1 route. Assignments live in memory only (`SpareBook`): a restarted synchronizer
+PUTs the slot's identity here, which wakes the waiting GET at once. PUT takes the job key
+alone (the operator's credential, auth.py); GET takes the spare's own credential
+(`spare:<pod>:...`, naming that pod) or the job key, and answers the slot's identity with the
+slot's learner credential, which the spare speaks with from then on. Assignments live in memory only (`SpareBook`): a restarted synchronizer
 has none, and the operator re-sends what it promoted recently (PUT is idempotent; the answer's
 `delivered` says whether the spare has fetched it, so the operator stops). The spare's own
 pod labels carry the same identity as a fallback (learner/spare.py), so nothing here needs to
@@ -30,9 +32,10 @@ from typing import Annotated, Final
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ddiloco.synchronizer.auth import Principal, Tokens, learner_token
 from ddiloco.synchronizer.errors import Refusal, SyncError
 from ddiloco.synchronizer.protocol import API_PREFIX
-from ddiloco.synchronizer.routes import ERRORS, GuardedRoute, require_token
+from ddiloco.synchronizer.routes import ERRORS, GuardedRoute, PrincipalDep, require_token
 
 MAX_WAIT_S: Final = 30.0
 DEFAULT_WAIT_S: Final = 20.0
@@ -67,6 +70,14 @@ class SpareAssignment(BaseModel):
                 f"learner_index {self.learner_index} must be below num_learners {self.num_learners}"
             )
         return self
+
+
+class SpareGrant(SpareAssignment):
+    """What the spare is answered: its slot's identity and the slot's learner credential."""
+
+    token: str = Field(repr=False)
+    """`auth.learner_token` of `learner_id` under the job key in force: the spare's credential
+    from now on (never logged)."""
 
 
 class SpareAnswer(BaseModel):
@@ -152,17 +163,31 @@ router = APIRouter(
 
 
 @router.put("/spares/{pod}")
-async def assign(pod: PodName, body: SpareAssignment, book: BookDep) -> SpareAnswer:
+async def assign(
+    pod: PodName, body: SpareAssignment, book: BookDep, who: PrincipalDep
+) -> SpareAnswer:
     """The operator: hand `pod` (a Ready hot spare, just promoted) its slot."""
+    if who.kind != "job":
+        raise SyncError(Refusal.FORBIDDEN, f"only the operator assigns spares, not {who}")
     return book.put(pod, body)
 
 
 @router.get("/spares/{pod}", response_model=None)
 async def await_assignment(
     pod: PodName,
+    request: Request,
     book: BookDep,
+    who: PrincipalDep,
     wait_s: Annotated[float, Query(ge=0.0, le=MAX_WAIT_S)] = DEFAULT_WAIT_S,
-) -> SpareAssignment | Response:
+) -> SpareGrant | Response:
     """The spare: its assignment as soon as there is one, else 204 after `wait_s`."""
+    if who != Principal("spare", pod) and who.kind != "job":
+        raise SyncError(Refusal.FORBIDDEN, f"{who} may read only its own assignment")
+    if pod not in book.entries and len(book.entries) >= book.max_pods:
+        raise SyncError(Refusal.CONFLICT, f"{book.max_pods} spares are waiting already")
     found = await book.wait(pod, wait_s)
-    return found if found is not None else Response(status_code=204)
+    if found is None:
+        return Response(status_code=204)
+    tokens: Tokens = request.app.state.tokens
+    key = tokens.current()  # the newest job key: the grant outlives a rotation's grace longest
+    return SpareGrant(**found.model_dump(), token=learner_token(key, found.learner_id))

@@ -21,6 +21,7 @@ import logging
 import torch
 
 from ddiloco.synchronizer import admission, codec, passes, wire
+from ddiloco.synchronizer.auth import JOB, Principal
 from ddiloco.synchronizer.buffers import POOL
 from ddiloco.synchronizer.contribution import Contribution
 from ddiloco.synchronizer.errors import Refusal, SyncError
@@ -64,13 +65,29 @@ class Updates:
         known = [m for m in marks if m is not None]
         return max(known) if known else None
 
-    def submit(self, payload: bytes, path_fragment: int | None = None) -> UpdateResponse:
+    def submit(
+        self, payload: bytes, path_fragment: int | None = None, speaker: Principal = JOB
+    ) -> UpdateResponse:
+        """Admit one update sent with `speaker`'s credential (routes.py and the upload port
+        pass the request's; the job key by default)."""
         if self.layout is None:
             raise SyncError(Refusal.NOT_INITIALIZED, "no global model yet: nothing to update")
         header = codec.read_header(payload, codes=True)  # checked once, used twice
         meta = admission.parse_update(header, path_fragment, len(self.fragments))
+        if not speaker.speaks_for(meta.learner_id):
+            raise SyncError(
+                Refusal.FORBIDDEN,
+                f"this credential ({speaker}) does not speak for learner {meta.learner_id!r}: "
+                "a learner sends only its own updates",
+            )
         self.check_owner(meta.fragment)
-        self._learner(meta.learner_id)
+        rec = self._learner(meta.learner_id)
+        if meta.incarnation > rec.incarnation:  # the ledger's count is durable: a restart keeps it
+            raise SyncError(
+                Refusal.FORBIDDEN,
+                f"update says incarnation {meta.incarnation} of learner {meta.learner_id!r}, "
+                f"which has joined {rec.incarnation} time(s): incarnations are issued at join",
+            )
         p, s = meta.fragment, self.settings
         spec = self.layout.fragments[p]
         with self.lock:  # a duplicate stays one (high-water marks only grow): no decode

@@ -220,6 +220,7 @@ def test_a_re_send_is_a_duplicate_however_many_updates_came_since(tmp_path: Path
     assert restarted.submit(first).status == "duplicate"  # the guard survives a restart
     assert restarted.versions()[1] == version
     # a new incarnation starts its steps again and is not mistaken for a re-send
+    assert restarted.join(JoinRequest(learner_id="a")).incarnation == 2
     fresh = update("a", 1, A * 0.01, step=1, base=version, inc=2)
     assert restarted.submit(fresh).status == "accepted"
 

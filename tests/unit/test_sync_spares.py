@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 import time
 import urllib.error
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +18,9 @@ from ddiloco.learner import spare
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.operator.plan import Assignment
 from ddiloco.operator.spares import put_assignment
+from ddiloco.synchronizer.auth import learner_token, spare_token
 from ddiloco.synchronizer.client import SyncRefused
+from ddiloco.synchronizer.protocol import JoinRequest
 
 POD = "job-a-spare-0-abcde"
 SLOT = {"learner_id": "a-1", "learner_index": 1, "num_learners": 2, "group": "a", "slot": 1}
@@ -111,24 +112,60 @@ def test_both_routes_need_the_job_token(sync_server: Any) -> None:
     assert refused.value.status == 422  # the wait is bounded
 
 
-def test_the_spare_side_poll_returns_its_assignment(sync_server: Any, tmp_path: Path) -> None:
-    cfg = LearnerConfig(sync_url=sync_server.url, token=sync_server.token)
+def test_the_spare_side_poll_returns_its_assignment_and_the_slots_credential(
+    sync_server: Any,
+) -> None:
+    cfg = LearnerConfig(sync_url=sync_server.url, token=spare_token(sync_server.token, POD))
     threading.Timer(0.3, lambda: put(sync_server, {**SLOT, "attempt": 2})).start()
-    found = spare.poll(cfg, POD, wait_s=5.0, labels=str(tmp_path / "no-labels"))
+    found = spare.poll(cfg, POD, wait_s=5.0)
     assert (found["learner_id"], found["learner_index"], found["attempt"]) == ("a-1", 1, 2)
+    assert found["token"] == learner_token(sync_server.token, "a-1")
+    # the credential it was handed speaks for its slot and for nothing else
+    slot = sync_server.client(token=found["token"])
+    try:
+        assert slot.join(JoinRequest(learner_id="a-1")).incarnation == 1
+        with pytest.raises(SyncRefused) as refused:
+            slot.join(JoinRequest(learner_id="a-0"))
+        assert refused.value.status == 403
+    finally:
+        slot.close()
 
 
-def test_a_spare_also_finds_its_slot_in_its_own_labels(tmp_path: Path) -> None:
-    labels = tmp_path / "labels"
-    labels.write_text('ddiloco.dev/group="a"\nddiloco.dev/role="spare"\n')
-    assert spare.labelled_slot(labels) is None  # not promoted yet
-    labels.write_text(
-        'ddiloco.dev/data-shard="3-of-4"\nddiloco.dev/learner-id="a-2"\n'
-        'ddiloco.dev/role="learner"\nddiloco.dev/slot="2"\n'
-    )
-    assert spare.labelled_slot(labels) == {
-        "learner_id": "a-2",
-        "learner_index": 3,
-        "num_learners": 4,
-    }
-    assert spare.labelled_slot(tmp_path / "absent") is None
+def test_a_spare_reads_only_its_own_assignment(sync_server: Any) -> None:
+    put(sync_server, SLOT)
+    other = sync_server.client(token=spare_token(sync_server.token, "job-a-spare-1-fghij"))
+    mine = sync_server.client(token=spare_token(sync_server.token, POD))
+    learner = sync_server.client(token=learner_token(sync_server.token, "a-1"))
+    try:
+        for client in (other, learner):
+            with pytest.raises(SyncRefused) as refused:
+                client.request("GET", f"/v1/spares/{POD}?wait_s=0")
+            assert refused.value.status == 403
+        # nothing was taken by those: not delivered yet, and the spare itself still finds it
+        assert put(sync_server, SLOT) is False
+        status, _, body = mine.request("GET", f"/v1/spares/{POD}?wait_s=0")
+        assert status == 200 and b'"learner_id":"a-1"' in body
+    finally:
+        for client in (other, mine, learner):
+            client.close()
+
+
+def test_only_the_operator_assigns_spares(sync_server: Any) -> None:
+    for token in (
+        spare_token(sync_server.token, POD),
+        learner_token(sync_server.token, "a-0"),
+    ):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            put(sync_server, SLOT, token=token)
+        assert e.value.code == 403
+    assert get(sync_server, wait_s=0)[0] == 204  # nothing was assigned
+
+
+def test_a_spare_cannot_join(sync_server: Any) -> None:
+    client = sync_server.client(token=spare_token(sync_server.token, POD))
+    try:
+        with pytest.raises(SyncRefused) as refused:
+            client.join(JoinRequest(learner_id=POD))
+        assert refused.value.status == 403
+    finally:
+        client.close()
