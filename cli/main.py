@@ -7,6 +7,7 @@
     ddiloco simulate paper-table                     # the discrete-event simulator
     ddiloco export --state-dir /tmp/s --out model/   # the trained model, as safetensors
     ddiloco status http://127.0.0.1:8470             # a live view of a running job
+    ddiloco credential l0                            # learner l0's credential (from the key)
 
 Each subcommand lives with its component and is imported only when it runs, so
 `ddiloco operator` never pays for torch and `ddiloco learner` never imports kopf.
@@ -27,6 +28,7 @@ SUBCOMMANDS: Final[dict[str, tuple[str, str]]] = {
     "simulate": ("ddiloco.simulator.cli", "simulate the method at fleet scale"),
     "export": ("ddiloco.cli.export", "write a job's global model out as safetensors"),
     "status": ("ddiloco.cli.status", "show a running job: fragments, learners, goodput"),
+    "credential": ("ddiloco.cli.credential", "print a learner's own credential from the job key"),
 }
 
 
