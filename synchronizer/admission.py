@@ -5,6 +5,7 @@ or needs history that a restart erases (the order high-water marks and the norm 
 live in the fragment file and the pending log, see state.py and pending.py).
 
     meta = parse_update(codec.read_header(payload), path_fragment, num_fragments)  # header only
+    check_tokens(meta, rec.tokens_per_step, settings.max_tokens_per_step)  # declared
     verdict = admit(meta, version=fs.version, high_water=hw, max_staleness=4)  # before decoding
     n = delta_norm(delta, spec)                       # after decoding, before any lock
     check_norm(n, spec, theta_norm=..., recent=fs.norms, ...)  # under the fragment's lock
@@ -13,6 +14,12 @@ Order: one learner's updates of a fragment carry increasing (incarnation, learne
 its client re-sends an update only as it was. So an update at or below the highest order
 the synchronizer holds for that learner and fragment (merged or pending) is one it already
 has: `duplicate`, a no-op, whenever it comes back.
+
+Token claim: an update may claim at most the tokens per step its learner declared at join
+(kept in the ledger, so a restart keeps the bound), and never more than the synchronizer's
+`max_tokens_per_step`: the merge weights a contribution by tokens^2 / steps, and its steps
+are capped, so tokens per step are what one learner could otherwise inflate to outweigh
+every other.
 
 Norm guard: an update larger than `max_update_ratio` times the fragment's scale (its own
 parameter norm, or sqrt(numel) if larger, i.e. an RMS of 1 per parameter, so a fragment of
@@ -55,6 +62,23 @@ def parse_update(header: codec.Header, path_fragment: int | None, num_fragments:
     if meta.steps == 0 or meta.tokens == 0:
         raise PayloadError("update has no steps or no tokens behind it: it carries no work")
     return meta
+
+
+def check_tokens(meta: UpdateMeta, declared: int, limit: int) -> None:
+    """Refuse (422, naming `tokens`) an update claiming more tokens per step than its
+    learner declared at join (`declared`, 0: none declared) or than `limit`."""
+    bound = min(declared, limit) if declared > 0 else limit
+    if meta.tokens > meta.steps * bound:
+        source = (
+            f"learner {meta.learner_id!r} declared at join (tokens_per_step)"
+            if 0 < declared <= limit
+            else "this synchronizer allows (max_tokens_per_step)"
+        )
+        raise PayloadError(
+            f"update tokens {meta.tokens} over steps {meta.steps} is "
+            f"{meta.tokens / max(1, meta.steps):.6g} tokens per step, more than the {bound} "
+            f"{source}"
+        )
 
 
 def initial_fragments(layout: Layout, tensors: dict[str, torch.Tensor]) -> list[FragmentState]:

@@ -149,6 +149,26 @@ class SyncSettings(BaseSettings):
     """Weight of the newest sample in the moving averages of xi_step, xi_quorum, xi_sync."""
     liveness_s: float = Field(10.0, gt=0.0)
     """A learner silent for this long is treated as gone (weight 0, not waited for)."""
+    grace_step_ratio: float = Field(4.0, ge=1.0)
+    """A live learner's step time enters xi_step (and so the grace window and its cap) at
+    most this multiple of the median step time of the other live learners: one learner
+    reporting an hour-long step cannot hold every round open for an hour. A learner this
+    much slower than the others is merged when it makes a round, not waited for."""
+
+    # --- learners (what the synchronizer keeps per learner id) ---
+    max_learners: int = Field(1024, ge=1, le=1 << 20)
+    """The most learner records kept: the job's slots plus a margin for renamed ones (the
+    operator sets it from the job). A join of a new learner id beyond it is refused (409),
+    unless a retired record holding nothing (no data position, no work) can make room."""
+    retire_after_s: float = Field(3600.0, gt=0.0)
+    """A learner unheard for this long (and at least `liveness_s`; since this process
+    started, for one not heard since) is retired: left out of status and metrics. Its
+    record stays in the ledger (its incarnation count and data position survive), and it
+    is listed again as soon as it speaks."""
+    max_tokens_per_step: int = Field(1 << 24, ge=1, le=(1 << 53) - 1)
+    """The most tokens one inner step of a learner may claim (16 Mi: a 4,096-sequence
+    batch of 4,096 tokens over the whole learner). A learner's updates are bounded by the
+    tokens per step it declared at join, and by this; a join declaring more is refused."""
 
     # --- merge (token weighting, radial-directional averaging, outer Nesterov) ---
     merge: MergeRule = "rda"

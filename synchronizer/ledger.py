@@ -1,7 +1,8 @@
 """The learner ledger: what the synchronizer remembers of each learner slot.
 
 A record survives restarts of its learner (incarnations) and of the synchronizer (it is
-saved in ledger.json); goodput here is the learners' own account, compute time over uptime
+saved in the state directory's ledger database, ledgerdb.py, a row per record written when
+it changes); goodput here is the learners' own account, compute time over uptime
 summed over incarnations (a slot's dead time between incarnations is not seen from here;
 `ddiloco local` and the bench count it from the process timeline). It also keeps each
 slot's data position, the highest its learners reported (learner/corpus.py), where a
@@ -10,11 +11,18 @@ replacement's data stream resumes.
 
 from __future__ import annotations
 
-import copy
-from dataclasses import asdict, dataclass, field
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from ddiloco.synchronizer.protocol import LearnerStatus
+from ddiloco.synchronizer.protocol import MAX_COUNT, LearnerStatus
+
+MAX_TOTAL = (1 << 63) - 1
+"""The largest accumulated count a record or the totals hold (a sum over incarnations or
+merges of bounded counts): what a loaded value is clamped to, so status never overflows."""
+MAX_TOTAL_SECONDS = 1e15
+"""The largest accumulated duration (or float total) kept, likewise."""
 
 
 @dataclass
@@ -43,8 +51,72 @@ class LearnerRecord:
     data_position: int = 0
     """The highest data position the slot reported or reserved at join (windows of its data
     stream, learner/corpus.py); a replacement resumes there."""
+    tokens_per_step: int = 0
+    """The tokens per inner step the slot's current incarnation declared at join (0: none
+    declared, the synchronizer's `max_tokens_per_step` bounds it); its updates claim at
+    most this many per step (admission.check_tokens)."""
     last_seen: float = field(default=-1e18, repr=False)
     steps: list[int] = field(default_factory=list, repr=False)
+
+
+VOLATILE = frozenset({"last_seen", "steps"})
+"""Fields of a record that are not saved: liveness and the latest per-fragment counters."""
+COUNTS = frozenset({"incarnation", "step", "tokens_total", "data_position", "tokens_per_step"})
+"""Fields that hold one client-sent count (at most `MAX_COUNT`)."""
+
+
+def _count(value: object, limit: int) -> int:
+    """`value` as an int in [0, limit] (0 when it is not a finite number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0
+    if isinstance(value, float) and not math.isfinite(value):
+        return limit if value > 0 else 0
+    return int(min(max(value, 0), limit))
+
+
+def _seconds(value: object, limit: float = MAX_TOTAL_SECONDS) -> float:
+    """`value` as a finite float in [0, limit] (0 when it is not a finite number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 0.0
+    if isinstance(value, int) and abs(value) > limit:
+        return limit if value > 0 else 0.0
+    x = float(value)
+    if not math.isfinite(x):
+        return limit if x > 0 else 0.0
+    return min(max(x, 0.0), limit)
+
+
+def clamp_total(value: object) -> int | float:
+    """A saved total as a number status can render: an int in [0, MAX_TOTAL], or a finite
+    float in [0, MAX_TOTAL_SECONDS]."""
+    return _seconds(value) if isinstance(value, float) else _count(value, MAX_TOTAL)
+
+
+def record_from_row(row: dict[str, Any]) -> LearnerRecord:
+    """A saved record, each field clamped into its range: a ledger written by anything
+    (an older synchronizer that kept whatever clients sent, a hand edit) cannot make status
+    or metrics fail. Unknown fields are ignored; it is alive again only once it speaks."""
+    r = LearnerRecord(str(row.get("learner_id", "")))
+    for f in fields(LearnerRecord):
+        if f.name in VOLATILE or f.name == "learner_id" or f.name not in row:
+            continue
+        value = row[f.name]
+        if f.name == "loss":
+            finite = isinstance(value, (int, float)) and math.isfinite(value)
+            r.loss = float(value) if finite and not isinstance(value, bool) else None
+        elif f.type in ("float", float):
+            setattr(r, f.name, _seconds(value))
+        else:
+            setattr(r, f.name, _count(value, MAX_COUNT if f.name in COUNTS else MAX_TOTAL))
+    return r
+
+
+def record_row(r: LearnerRecord) -> dict[str, Any]:
+    """What is saved of a record: every field but the volatile ones."""
+    d = asdict(r)
+    for name in VOLATILE:
+        d.pop(name)
+    return d
 
 
 def tokens_computed(r: LearnerRecord, fragments: int) -> float:
@@ -94,24 +166,40 @@ def merged_work_ratio(
     return tokens_merged / computed if computed > 0 else None
 
 
-def load_records(saved: dict[str, Any]) -> dict[str, LearnerRecord]:
-    """Learner records from ledger.json; each is alive again only once it speaks."""
+def load_records(rows: Iterable[dict[str, Any]]) -> dict[str, LearnerRecord]:
+    """Learner records from the saved rows (`record_from_row`), by learner id."""
     out = {}
-    for rec in saved.get("learners", []):
-        r = LearnerRecord(
-            **{k: v for k, v in rec.items() if k in LearnerRecord.__dataclass_fields__}
-        )
-        r.last_seen = -1e18
-        out[r.learner_id] = r
+    for row in rows:
+        r = record_from_row(row)
+        if r.learner_id:
+            out[r.learner_id] = r
     return out
 
 
-def snapshot(learners: dict[str, LearnerRecord], totals: dict[str, Any]) -> dict[str, Any]:
-    """What ledger.json holds: the records without their volatile fields, and the totals."""
-    records = []
-    for r in learners.values():
-        d = asdict(r)
-        d.pop("last_seen")
-        d.pop("steps")
-        records.append(d)
-    return {"learners": records, "totals": copy.deepcopy(totals)}
+def load_totals(saved: dict[str, Any]) -> tuple[dict[str, int | float], dict[str, int]]:
+    """The saved totals, clamped (`clamp_total`), and the refusal counts among them."""
+    refusals = saved.get("refusals")
+    counts = {
+        str(k): _count(v, MAX_TOTAL)
+        for k, v in (refusals.items() if isinstance(refusals, dict) else ())
+    }
+    totals = {str(k): clamp_total(v) for k, v in saved.items() if k != "refusals"}
+    return totals, counts
+
+
+def droppable(r: LearnerRecord) -> bool:
+    """A record that holds nothing to keep: no data position for a replacement to resume
+    at, no work reported, contributed or merged. Dropping one loses only its incarnation
+    count, which the synchronizer keeps as a job-wide floor instead (learners.py)."""
+    return not (
+        r.data_position
+        or r.contributions
+        or r.fragment_tokens_merged
+        or r.period_tokens
+        or r.tokens_total
+        or r.past_tokens_total
+        or r.compute_seconds
+        or r.past_compute_seconds
+        or r.uptime_seconds
+        or r.past_uptime_seconds
+    )

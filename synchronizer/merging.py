@@ -171,6 +171,7 @@ class Merging(Durable):
                 for learner_id in taken:
                     if learner_id in self.learners:
                         self.learners[learner_id].contributions += 1
+                        self.dirty.add(learner_id)  # its counts, and its period's tokens
                 if outcome is not None:
                     items = list(taken.items())
                     for i in outcome.included:

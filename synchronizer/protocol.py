@@ -32,8 +32,16 @@ VERSION_HEADER: Final = "X-DDiLoCo-Version"
 CONTENT_TYPE: Final = "application/vnd.safetensors"
 LAYOUT_KEY: Final = "ddiloco.layout"  # safetensors metadata key carrying the layout JSON
 MODEL_KEY: Final = "ddiloco.model"  # init metadata key carrying the ModelSpec JSON (optional)
-MAX_DATA_POSITION: Final = (1 << 53) - 1
+MAX_COUNT: Final = (1 << 53) - 1
+"""The largest count a client may send (steps, tokens, versions, positions): exact in any
+JSON reader and in a float, so no sum or ratio of a few of them overflows when rendered."""
+MAX_DATA_POSITION: Final = MAX_COUNT
 """The largest data position (windows of a slot's stream) accepted: exact in any JSON."""
+MAX_SECONDS: Final = 10 * 365.25 * 86400.0
+"""The longest duration a client may report (compute, uptime): ten years, finite."""
+MAX_FRAGMENTS: Final = 4096
+"""The most fragments a layout may have, and so the longest per-fragment list a heartbeat
+may carry (the synchronizer also refuses one longer than its job's layout)."""
 
 UpdateEncoding = Literal["float32", "bfloat16", "int8", "int4"]
 """How a learner's update crosses the wire (synchronizer/wire.py): float tensors, or
@@ -50,6 +58,14 @@ one learner cannot stretch every grace window without bound."""
 
 class _Msg(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+"""A client's count: non-negative and at most `MAX_COUNT`."""
+Seconds = Annotated[float, Field(ge=0.0, le=MAX_SECONDS)]
+"""A client's duration: finite, non-negative, at most `MAX_SECONDS`."""
+PerFragment = Annotated[list[Count], Field(max_length=MAX_FRAGMENTS)]
+"""A list indexed by fragment (the synchronizer refuses one longer than its layout)."""
 
 
 class TensorSpec(_Msg):
@@ -78,7 +94,7 @@ class FragmentSpec(_Msg):
 class Layout(_Msg):
     """How the model's parameters split into fragments; identical on every learner."""
 
-    fragments: list[FragmentSpec]
+    fragments: list[FragmentSpec] = Field(max_length=MAX_FRAGMENTS)
 
     def digest(self) -> str:
         raw = json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
@@ -107,13 +123,19 @@ def shard_map(layout: Layout, shards: int) -> list[int]:
 
 class JoinRequest(_Msg):
     learner_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
-    layout_digest: str | None = None
+    layout_digest: str | None = Field(None, max_length=64)
     """The learner's layout digest; a mismatch with the synchronizer's is refused."""
-    host: str = ""
-    pid: int = 0
+    host: str = Field("", max_length=255)
+    pid: int = Field(0, ge=0, le=(1 << 32) - 1)
     data_reserve: int = Field(0, ge=0, le=MAX_DATA_POSITION)
     """Windows of the slot's data stream this learner reserves beyond the position it is
     answered, before its first heartbeat can (learner/corpus.py: the data contract)."""
+    tokens_per_step: int | None = Field(None, ge=1, le=MAX_COUNT)
+    """The tokens one inner step of this learner trains on, its whole group's (batch x
+    sequence length x data-parallel ranks x accumulation steps). Its updates may claim at
+    most this many tokens per step (the merge weights a contribution by tokens^2 / steps, so
+    an inflated claim would outweigh everyone); at most the synchronizer's
+    `max_tokens_per_step`, which is also the bound when this is None."""
     incarnation_floor: int = Field(0, ge=0, le=MAX_DATA_POSITION)
     """The highest incarnation another shard of the job answered this learner (a sharded
     job's learner sends one incarnation to every shard): the join is answered at least
@@ -127,7 +149,9 @@ class JoinResponse(_Msg):
     layout_digest: str | None
     versions: list[int]
     incarnation: int
-    """How many times this learner id has joined (1 on its first join)."""
+    """This join's incarnation of the learner id: 1 on its first join, one more on each
+    later one, never one it had before. A new id starts above every incarnation of a record
+    the synchronizer dropped (`max_learners`), so it may start above 1."""
     data_position: int = 0
     """Where this slot's data stream resumes: the highest data position recorded for this
     learner id (durable in the ledger), before this join's `data_reserve` was added."""
@@ -157,19 +181,20 @@ class UpdateMeta(_Msg):
     """What stands behind one fragment update (carried as safetensors metadata)."""
 
     learner_id: str = Field(min_length=1, max_length=128)
-    fragment: int = Field(ge=0)
-    base_version: int = Field(ge=0)
+    fragment: int = Field(ge=0, lt=MAX_FRAGMENTS)
+    base_version: Count
     """Version of the global fragment the learner last adopted (its staleness is measured
     from it). The delta is the learner's progress on the fragment since its previous
     hand-over of it or its last adoption, whichever came later: successive updates of one
     learner never overlap, so the synchronizer may merge each of them once, in any round."""
-    steps: int = Field(ge=0)
+    steps: Count
     """c_steps: inner steps behind the delta."""
-    tokens: int = Field(ge=0)
-    """c_tokens: tokens behind those steps."""
-    learner_step: int = Field(ge=0)
+    tokens: Count
+    """c_tokens: tokens behind those steps (at most the learner's declared tokens per step
+    times `steps`, see `JoinRequest.tokens_per_step`)."""
+    learner_step: Count
     """The learner's local step t_m when it handed the fragment over."""
-    incarnation: int = Field(0, ge=0)
+    incarnation: Count = 0
     """The learner's incarnation (from its join). With `learner_step` it orders one learner's
     updates of a fragment: the synchronizer keeps, per learner and fragment, the highest
     (incarnation, learner_step) it accepted, durably, and answers `duplicate` to anything at
@@ -205,22 +230,22 @@ class UpdateResponse(_Msg):
 
 class Heartbeat(_Msg):
     learner_id: str = Field(min_length=1, max_length=128)
-    step: int = Field(ge=0)
-    steps: list[int]
+    step: Count
+    steps: PerFragment
     """c_steps per fragment."""
-    tokens: list[int]
+    tokens: PerFragment
     """c_tokens per fragment."""
-    base_versions: list[int]
+    base_versions: PerFragment
     step_seconds: float = Field(ge=0.0, le=MAX_STEP_SECONDS)
     """Moving average of this learner's inner-step time (xi_step), at most an hour."""
-    compute_seconds: float = Field(0.0, ge=0.0)
+    compute_seconds: Seconds = 0.0
     """Time spent executing inner steps since the process started (at most its uptime)."""
-    uptime_seconds: float = Field(0.0, ge=0.0)
-    tokens_total: int = Field(0, ge=0)
+    uptime_seconds: Seconds = 0.0
+    tokens_total: Count = 0
     loss: float | None = None
-    known_versions: list[int] = []
+    known_versions: PerFragment = []
     """Fragment versions the learner already knows of (for the long poll)."""
-    known_requested: list[int] = []
+    known_requested: PerFragment = []
     """Requested fragments the learner already knows of (for the long poll)."""
     wait_s: float = Field(0.0, ge=0.0, le=5.0)
     """Long poll: if nothing is new for the learner, answer after at most this long, as soon

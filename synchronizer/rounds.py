@@ -16,9 +16,12 @@ it without starting it); once `quorum` learners have contributed the grace windo
 
     slack = tau * xi_step - (xi_quorum + xi_sync);  grace = clamp(gamma * slack, 0, cap)
 
-with xi_step the step time of the slowest live learner, and the round merges when it
-expires, or at once when every live learner is in. A learner that contributes again before
-the merge puts its (summed) contribution in place of its earlier one.
+with xi_step the step time of the slowest live learner, each live learner's step time
+counted at most `step_ratio` times the median of the other live learners' (one implausible
+report cannot hold every round open: the window and its cap follow a plausible slowest
+learner), and the round merges when it expires, or at once when every live learner is in.
+A learner that contributes again before the merge puts its (summed) contribution in place of
+its earlier one.
 """
 
 from __future__ import annotations
@@ -93,11 +96,15 @@ class Rounds(Generic[T]):
         grace: GracePolicy | None = None,
         ema_alpha: float = 0.2,
         liveness_s: float = 10.0,
+        step_ratio: float = 4.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if quorum < 1:
             raise ValueError(f"quorum must be >= 1, got {quorum}")
+        if not step_ratio >= 1.0:
+            raise ValueError(f"step_ratio must be >= 1, got {step_ratio}")
         self.quorum = quorum
+        self.step_ratio = step_ratio
         self.grace = grace or GracePolicy()
         self.liveness_s = liveness_s
         self.clock = clock
@@ -114,15 +121,24 @@ class Rounds(Generic[T]):
         if step_seconds is not None and step_seconds > 0:
             self.step_seconds[learner_id] = step_seconds
 
+    def forget(self, learner_id: str) -> None:
+        """Drop what is kept of a learner whose record the synchronizer dropped."""
+        self.last_heard.pop(learner_id, None)
+        self.step_seconds.pop(learner_id, None)
+
     def live(self) -> set[str]:
         horizon = self.clock() - self.liveness_s
         return {k for k, t in self.last_heard.items() if t >= horizon}
 
     def xi_step(self, live: set[str] | None = None) -> float | None:
-        """Step time of the slowest live learner, None before any report."""
+        """Step time of the slowest live learner, None before any report; each learner's
+        counted at most `step_ratio` times the median of the other live learners' (when
+        there are others), so one implausible report cannot stretch every window."""
         live = self.live() if live is None else live
-        steps = [self.step_seconds[k] for k in live if k in self.step_seconds]
-        return max(steps) if steps else None
+        steps = sorted(self.step_seconds[k] for k in live if k in self.step_seconds)
+        if len(steps) < 2:
+            return steps[0] if steps else None
+        return max(min(v, self.step_ratio * _median_without(steps, i)) for i, v in enumerate(steps))
 
     # ---- rounds ------------------------------------------------------------------
     def add(self, p: int, learner_id: str, item: T, *, opens: bool = True) -> None:
@@ -192,3 +208,13 @@ class Rounds(Generic[T]):
 
     def observe_sync(self, seconds: float) -> None:
         self.xi_sync.update(seconds)
+
+
+def _median_without(ordered: list[float], i: int) -> float:
+    """The median of sorted `ordered` without its element `i` (at least two elements)."""
+    n = len(ordered) - 1
+
+    def at(j: int) -> float:
+        return ordered[j] if j < i else ordered[j + 1]
+
+    return (at((n - 1) // 2) + at(n // 2)) / 2

@@ -163,8 +163,15 @@ class Synchronizer(Updates, Learners, Merging):
         """Called when durability cannot be kept (a failed fsync): ends the process."""
         self.metrics = SyncMetrics(self.status, enabled=s.metrics)
         """Prometheus instruments, observed below as things happen (metrics.py)."""
+        self.started = clock()
+        """When this process started: a learner not heard since counts as heard then, for
+        its retirement (`retire_after_s`)."""
         saved = self.store.load_ledger()
-        self.learners: dict[str, LearnerRecord] = ledger.load_records(saved)
+        self.learners: dict[str, LearnerRecord] = ledger.load_records(saved["learners"])
+        self.dirty: set[str] = set()
+        """Learner ids whose records changed since the ledger last saved them."""
+        self.dropped: set[str] = set()
+        """Learner ids whose records were dropped and whose rows the next save deletes."""
         self.totals: dict = {
             "bytes_up": 0,
             "bytes_down": 0,
@@ -173,9 +180,11 @@ class Synchronizer(Updates, Learners, Merging):
             "merges_scaled": 0,
             "staleness_sum": 0,
             "merges_refused": 0,
+            "dropped_incarnation": 0,
         }
-        self.totals.update({k: v for k, v in saved.get("totals", {}).items() if k != "rejected"})
-        self.refusals: Counter[str] = Counter(saved.get("totals", {}).get("refusals", {}))
+        totals, refusals = ledger.load_totals(saved["totals"])
+        self.totals.update(totals)
+        self.refusals: Counter[str] = Counter(refusals)
         self.rounds: Rounds[Contribution] = self._rounds(0)
         if self.layout is not None:
             self._adopt(shards.load_owned(self.store, self.layout, self.owned))
@@ -196,6 +205,7 @@ class Synchronizer(Updates, Learners, Merging):
             grace=self.grace,
             ema_alpha=s.ema_alpha,
             liveness_s=s.liveness_s,
+            step_ratio=s.grace_step_ratio,
             clock=self.clock,
         )
 
@@ -353,7 +363,7 @@ class Synchronizer(Updates, Learners, Merging):
                     self.learners, tokens_merged, len(owned)
                 ),
                 fragments=frags,
-                learners=ledger.learner_statuses(self.learners, live, now, len(owned)),
+                learners=ledger.learner_statuses(self.listed(now), live, now, len(owned)),
                 xi={
                     "step": self.rounds.xi_step(live),
                     "quorum": self.rounds.xi_quorum.value,

@@ -6,7 +6,9 @@
     <state_dir>/pending-0003.000007.log     updates of p accepted since its last merge (the WAL),
                                             in segments; `pending-0003.log` is an older one's
     <state_dir>/merges-0003.log             merges of p its file does not hold yet (journal.py)
-    <state_dir>/ledger.json                 learners (incarnations, contributions), totals
+    <state_dir>/ledger.db                   learners (incarnations, contributions, data
+                                            positions), totals: SQLite, a row per record
+                                            (ledgerdb.py)
 
 Whole files are replaced atomically (write a temporary file, fsync, rename, fsync the
 directory), so a SIGKILL at any instant leaves the previous or the next version of each,
@@ -43,6 +45,7 @@ from safetensors.torch import save_file
 
 from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.direct import write_direct
+from ddiloco.synchronizer.ledgerdb import LedgerDB
 from ddiloco.synchronizer.pending import _fsync_dir
 from ddiloco.synchronizer.protocol import Layout, ModelSpec
 from ddiloco.synchronizer.segments import FragmentLog
@@ -96,6 +99,7 @@ class StateStore:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.logs: dict[int, FragmentLog] = {}
+        self.ledger = LedgerDB(self.root / "ledger.db")
         self.logs_lock = threading.Lock()
         """First posts of a fragment come concurrently: two `FragmentLog`s of one fragment
         would each number segments on their own (one's writes invisible to the other's
@@ -113,6 +117,7 @@ class StateStore:
     def close(self) -> None:
         for log in self.logs.values():
             log.close()
+        self.ledger.close()
 
     def load_layout(self) -> Layout | None:
         path = self.root / "layout.json"
@@ -182,11 +187,17 @@ class StateStore:
     def load_fragments(self, layout: Layout) -> list[FragmentState]:
         return [self.load_fragment(f.index) for f in layout.fragments]
 
-    def save_ledger(self, ledger: dict[str, Any]) -> None:
-        tmp = self.root / ".ledger.json.tmp"
-        tmp.write_text(json.dumps(ledger, sort_keys=True))
-        _replace(tmp, self.root / "ledger.json")
+    def save_ledger(
+        self,
+        records: dict[str, dict[str, Any]],
+        totals: dict[str, Any],
+        drop: list[str] | tuple[str, ...] = (),
+    ) -> None:
+        """Write the changed learner records and the totals, and delete the dropped
+        records' rows: one durable transaction (ledgerdb.py)."""
+        self.ledger.save(records, totals, drop)
 
     def load_ledger(self) -> dict[str, Any]:
-        path = self.root / "ledger.json"
-        return json.loads(path.read_text()) if path.exists() else {}
+        """{"learners": [saved record, ...], "totals": {...}}; empty for a new state dir."""
+        rows, totals = self.ledger.load()
+        return {"learners": rows, "totals": totals}

@@ -82,6 +82,7 @@ class Updates:
             )
         self.check_owner(meta.fragment)
         rec = self._learner(meta.learner_id)
+        admission.check_tokens(meta, rec.tokens_per_step, self.settings.max_tokens_per_step)
         if meta.incarnation > rec.incarnation:  # the ledger's count is durable: a restart keeps it
             raise SyncError(
                 Refusal.FORBIDDEN,

@@ -20,9 +20,11 @@ The synchronizer refuses an encoding it was not configured for (`accepted`,
 `SyncSettings.update_encodings`) with `Refusal.ENCODING` (415), and anything malformed with
 `PayloadError` (422): tensors missing or extra, codes or scales of the wrong dtype or length
 for the layout shape and block, a scale non-finite or negative, an int4 code above 14, a
-block size that is not a sane even integer, a float update holding integer tensors. Only
-safetensors is read (no pickle). An update with no `encoding` (an older learner) has the
-encoding of its float tensors: bfloat16 if they all are, else float32.
+block size that is not a sane even integer, a float update holding integer tensors, or one
+whose tensors are not of the float dtype its `encoding` names (bfloat16 tensors labelled
+float32 would pass a synchronizer that does not accept bfloat16). Only safetensors is read
+(no pickle). An update with no `encoding` (an older learner) has the encoding of its float
+tensors: bfloat16 if any is, else float32.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ FLOAT_ENCODINGS: Final[dict[str, torch.dtype]] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
 }
+FLOAT_WIRE_DTYPES: Final[dict[str, str]] = {"float32": "F32", "bfloat16": "BF16"}
+"""The safetensors dtype of each float encoding's tensors."""
 QUANTIZED: Final = ("int8", "int4")
 ALL: Final = frozenset(UPDATE_ENCODINGS)
 """Every encoding: what a replay of the pending log (updates accepted earlier) decodes."""
@@ -107,7 +111,7 @@ def encoding_of(header: codec.Header) -> str:
             )
         return named
     dtypes = {t.dtype for t in header.tensors.values()}
-    return "bfloat16" if dtypes == {"BF16"} else "float32"
+    return "bfloat16" if "BF16" in dtypes else "float32"
 
 
 def require(encoding: str, accepted: frozenset[str]) -> None:
@@ -139,18 +143,27 @@ def decode_update(
     encoding = encoding_of(header)
     require(encoding, accepted)
     if encoding in FLOAT_ENCODINGS:
-        return _decode_float(payload, header, spec)
+        named = header.metadata.get("encoding") is not None
+        return _decode_float(payload, header, spec, encoding if named else None)
     return _decode_quantized(payload, header, spec, encoding)
 
 
 def _decode_float(
-    payload: bytes, header: codec.Header, spec: FragmentSpec
+    payload: bytes, header: codec.Header, spec: FragmentSpec, named: str | None
 ) -> dict[str, passes.Term]:
+    """The float tensors' views: each of the dtype the update's encoding `named` (None: an
+    older sender's, any float dtype on the wire)."""
+    want = FLOAT_WIRE_DTYPES[named] if named is not None else None
     for name, t in header.tensors.items():
         if t.dtype not in codec.ST_DTYPES:
             allowed = ", ".join(codec.ST_DTYPES)
             raise PayloadError(
                 f"tensor {name!r} has dtype {t.dtype}; a float update allows {allowed}"
+            )
+        if want is not None and t.dtype != want:
+            raise PayloadError(
+                f"tensor {name!r} has dtype {t.dtype}, but the update's encoding is {named} "
+                f"({want}): an update's tensors are of the dtype its encoding names"
             )
     return codec.tensor_views(payload, header)  # shapes and finiteness: admission.py
 

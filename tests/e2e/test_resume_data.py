@@ -9,7 +9,7 @@ batch as it is drawn, before it is trained (`data positions=lo:hi rank=r windows
 learner/data.py), so the first process's log lists every window it may have trained on, the
 one it was killed in included. The replacement's first batch, and every one after it, must
 hold none of those windows, and must start where the synchronizer recorded the slot (its
-ledger.json, which ran ahead of every draw: learner/corpus.py, the data contract).
+ledger, which ran ahead of every draw: learner/corpus.py, the data contract).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import pytest
 
 from ddiloco.learner.data import stdlib_files
 from ddiloco.local.processes import Child, terminate_all
+from ddiloco.synchronizer.state import StateStore
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 DRAW = re.compile(r"data positions=(\d+):(\d+) rank=(\d+) windows=([\d,]+)")
@@ -78,7 +79,7 @@ def test_a_replacement_never_trains_a_window_its_slot_drew(
         first.kill()  # SIGKILL: no flush, no goodbye
         trained = draws(first.log_path)
         position = recorded()
-        ledger = json.loads((sync.state / "ledger.json").read_text())
+        ledger = StateStore(sync.state).load_ledger()
         assert [r["data_position"] for r in ledger["learners"]] == [position]  # durable
         drawn_to = max(hi for _, hi, _ in trained)
         assert position >= drawn_to, (position, drawn_to)  # the record ran ahead of every draw

@@ -26,6 +26,7 @@ from ddiloco.learner.task import build_task
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.protocol import MAX_DATA_POSITION, Heartbeat, JoinRequest
 from ddiloco.synchronizer.service import Synchronizer
+from ddiloco.synchronizer.state import StateStore
 
 torch.set_num_threads(1)
 DOCS = [f"document {i}: " + "lorem ipsum " * (i % 7 + 1) for i in range(100)]
@@ -271,7 +272,7 @@ def test_synchronizer_keeps_the_highest_position_durably(tmp_path: Path) -> None
     beat(sync, 40)  # below what the join reserved: kept at 64
     beat(sync, 500)
     beat(sync, 300)  # an older report arriving late never moves it back
-    saved = json.loads((tmp_path / "ledger.json").read_text())
+    saved = StateStore(tmp_path).load_ledger()
     assert saved["learners"][0]["data_position"] == 500  # on disk before the answer
     assert sync.status().learners[0].data_position == 500
     again = Synchronizer(settings)  # a restarted synchronizer

@@ -80,16 +80,16 @@ def test_xi_step_is_the_slowest_live_learner_and_forgets_the_silent() -> None:
     clock = Clock()
     rounds: Rounds[str] = Rounds(1, quorum=1, liveness_s=10.0, clock=clock)
     assert rounds.xi_step() is None  # nobody reported: the grace window uses its default
-    rounds.heard("fast", 0.1)
-    rounds.heard("slow", 2.0)
+    rounds.heard("fast", 0.5)
+    rounds.heard("slow", 2.0)  # 4x the other: within `step_ratio`, counted as it is
     rounds.heard("mute")  # alive, no step time yet: does not count
     assert rounds.xi_step() == 2.0
     assert rounds.live() == {"fast", "slow", "mute"}
     clock.advance(6)
-    rounds.heard("fast", 0.1)
+    rounds.heard("fast", 0.5)
     clock.advance(6)  # slow and mute silent for 12 s > 10 s
     assert rounds.live() == {"fast"}
-    assert rounds.xi_step() == 0.1  # a dead straggler no longer stretches the window
+    assert rounds.xi_step() == 0.5  # a dead straggler no longer stretches the window
 
 
 def test_round_merges_at_once_when_every_live_learner_is_in() -> None:
