@@ -10,7 +10,9 @@ nothing else), and everything else to the main URL. When the port cannot be reac
 (a proxy, a firewall or a port-forward that passes only the main port), uploads go to the
 main URL for `UPLOAD_FALLBACK_S` and then try the upload port again, unless the main URL
 cannot be reached either: that is an outage, retried with backoff to the upload port
-(learner/streaming.py).
+(learner/streaming.py). An update the port turns away (a 503, or a connection reset before
+any answer: the port at its connection caps) goes to the main URL at once, and the next
+update tries the port again.
 """
 
 from __future__ import annotations

@@ -5,23 +5,43 @@
     ...
     server.close()                                     # stops accepting, lets uploads finish
 
-Why a second listener (issue 15, bench/RESULTS.md "the upload port"): with 16 clients posting
-32 MB bodies over HTTP/1.1, uvicorn spends 2.2 CPU s per GB handing the body to the app in
-64-256 KiB chunks through the event loop (zttp; h11 3.6), more than the synchronizer's own
-work on it; a thread per connection that calls `recv_into` on the body's own buffer spends
-0.26, with the GIL released while the kernel copies. This port serves one route,
+Why a second listener (bench/RESULTS.md "the upload port"): with 16 clients posting 32 MB
+bodies over HTTP/1.1, uvicorn spends 2.2 CPU s per GB handing the body to the app in 64-256
+KiB chunks through the event loop (zttp; h11 3.6), more than the synchronizer's own work on
+it; a thread per connection that calls `recv_into` on the body's own buffer spends 0.26,
+with the GIL released while the kernel copies. This port serves one route,
 `POST /v1/fragments/{p}/updates`, over HTTP/1.1 (TLS and mutual TLS with the main port's
-certificate and client CA), with the main port's contract: the same bearer tokens, the same
-refusals before a byte of the body is read (401, 421, 413 on a declared Content-Length over
-the fragment's limit), 408 when the body stalls for `body_timeout_s`, the same
-`{"error", "detail"}` bodies, and the same `Synchronizer.submit`. Everything else (join,
-heartbeats, downloads, HTTP/2) stays on the main port; a request for another route here gets
-404 or 405 saying so. A chunked body (no Content-Length) is refused with 411: learners always
-declare theirs.
+certificate and client CA), with the main port's contract: the same credentials (auth.py:
+401 without one, 403 for a spare's, and `Synchronizer.submit` checks that the update's
+learner is the credential's), the same refusals before a byte of the body is read (401, 403,
+421, 413 on a declared Content-Length over the fragment's limit), the same `{"error",
+"detail"}` bodies. Everything else (join, heartbeats, downloads, HTTP/2) stays on the main
+port; a request for another route here gets 404 or 405 saying so.
 
-Connections are capped (`MAX_CONNECTIONS`; one over it is answered 503 and closed), the
-request head is capped at `MAX_HEAD` bytes (431), and a connection idle between requests for
-`IDLE_S` is closed, so a client that holds sockets open cannot pin more than the cap.
+Parsing. A request head is parsed by h11 (the parser of uvicorn's h11 mode, already in the
+image), never by hand: a malformed request line, header field, Content-Length (signs, hex,
+exponents, empty, over 20 digits, two that differ), a NUL or bare CR in a value, a missing or
+repeated Host are 400. The port is stricter than h11 where h11 is lenient on purpose: line
+endings other than CRLF and obsolete line folding are 400 (a bare-LF head is not taken for
+a head that never ended, and a folded field is not read as another one), and so is a
+Transfer-Encoding beside a Content-Length (two framings: the smuggling case); a chunked body
+with no length is 411 (learners always declare theirs). A refused head closes the
+connection, and so does any answer to a request that says `Connection: close`. The body is
+never handed to the parser: it goes from the socket into its buffer.
+
+Holding nothing for a slow or silent client. A connection's first head must be whole
+`HEAD_TIMEOUT_S` after its accept (a TLS handshake step that waits as long ends it too), else
+it is closed; a head without a valid credential is 401 and closed. At most `MAX_ANONYMOUS`
+connections may be waiting for their first credential, and one accepted past that closes
+the oldest of them, so sockets that send nothing, however many, cannot keep a learner out:
+its connection sends its head at once and is then counted against its credential, at most
+`MAX_PER_CREDENTIAL` for a learner's (one learner cannot take the port), with no cap of its
+own for the job key's (the synchronizer's own clients, administrators), `MAX_CONNECTIONS`
+in all. A connection past `MAX_CONNECTIONS` is answered 503 (over TLS: closed, before any
+handshake), and so is a request past its credential's cap; the learner posts that update
+to the main port instead (learner/streaming.py). A body must send something every
+`body_timeout_s` and be whole in `body_timeout_s` + its size at `MIN_BODY_RATE`, else 408
+and close. A kept-alive connection idle for `IDLE_S` is closed.
 """
 
 from __future__ import annotations
@@ -38,7 +58,9 @@ from collections import Counter
 from http import HTTPStatus
 from typing import Any, Final
 
-from ddiloco.synchronizer.auth import Tokens, bearer_matches
+import h11
+
+from ddiloco.synchronizer.auth import Principal, Tokens, authenticate
 from ddiloco.synchronizer.buffers import BODIES
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.errors import Refusal, SyncError
@@ -50,12 +72,32 @@ log = logging.getLogger(__name__)
 MAX_HEAD: Final = 64 << 10
 """The largest request line plus headers (431 above): a learner's is under 1 KiB."""
 MAX_CONNECTIONS: Final = 256
+"""Connections held at once, authenticated or not; one accepted over it is turned away."""
+MAX_ANONYMOUS: Final = 64
+"""Connections that have not yet sent a head with a valid credential; one accepted over it
+closes the oldest of them (which has had the most time to send its head)."""
+MAX_PER_CREDENTIAL: Final = 4
+"""Connections one learner's credential may hold: a learner posts over one per shard, so
+this leaves room for a restart's leftovers and no more (a spare's is refused before)."""
+HEAD_TIMEOUT_S: Final = 2.0
+"""A new connection's first head must be whole this long after its accept (a learner sends
+its head with its body's first bytes, right after connecting); a kept-alive connection's
+next head, this long after its first byte."""
+MIN_BODY_RATE: Final = 1 << 20
+"""Bytes per second a body must average (beyond `body_timeout_s` of grace): a 32 MB body gets
+32 s more. Far below any link a learner could keep up over, and the learner's own client
+gives up after 60 s; a body trickled to keep the per-read timeout alive ends with a 408."""
 IDLE_S: Final = 15.0
 """A kept-alive connection with no new request for this long is closed."""
 CLOSE_WAIT_S: Final = 5.0
 """How long `close` lets requests in flight finish."""
 _ROUTE: Final = re.compile(rf"^{re.escape(API_PREFIX)}/fragments/(\d{{1,9}})/updates(\?.*)?$")
-_TOKEN: Final = re.compile(rb"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+_HEAD_END: Final = re.compile(rb"\n\r?\n")
+"""Where a head ends as h11 finds it (a blank line, with or without its CR)."""
+_NOT_CRLF: Final = re.compile(rb"(?<!\r)\n|\r(?!\n)|\n[ \t]")
+"""A bare LF, a bare CR, or a line folded onto the one before (obs-fold)."""
+_QUOTED: Final = re.compile(r":? *(bytearray\(|b'|b\").*", re.DOTALL)
+"""The request's own bytes that h11 quotes in an error (from there to the end)."""
 
 
 class Refused(Exception):
@@ -69,42 +111,51 @@ class Refused(Exception):
         self.headers = headers
 
 
+def bad_request(detail: str) -> Refused:
+    return Refused(400, "bad_request", detail, close=True)
+
+
 class Request:
-    """The parsed head of one request."""
+    """The parsed head of one request: header names lower-cased, a repeated field's values
+    joined with ", " (RFC 9110 5.3)."""
 
-    def __init__(self, method: str, target: str, headers: dict[str, str], rest: bytes) -> None:
-        self.method, self.target, self.headers, self.rest = method, target, headers, rest
+    def __init__(self, method: str, target: str, headers: dict[str, str]) -> None:
+        self.method, self.target, self.headers = method, target, headers
+
+    @property
+    def close(self) -> bool:
+        """The client asked for the connection to end after this request."""
+        tokens = self.headers.get("connection", "").lower().split(",")
+        return "close" in (t.strip() for t in tokens)
 
 
-def parse_head(head: bytes, rest: bytes) -> Request:
-    """Request line and headers (RFC 9112), strictly: anything odd is a 400, never a guess."""
+def parse_head(head: bytes) -> Request:
+    """A request's head, from its request line through the blank line that ends it, parsed
+    by h11 plus the checks h11 leaves out (the module docstring); `Refused` when malformed."""
+    if _NOT_CRLF.search(head):
+        raise bad_request("request head lines must end with CRLF, unfolded")
+    parser = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
+    parser.receive_data(head)
     try:
-        text = head.decode("ascii")
-    except UnicodeDecodeError:
-        raise Refused(400, "bad_request", "request head is not ASCII", close=True) from None
-    line, *fields = text.split("\r\n")
-    parts = line.split(" ")
-    if len(parts) != 3 or not parts[0] or not parts[1].startswith("/"):
-        raise Refused(400, "bad_request", "malformed request line", close=True)
-    method, target, version = parts
-    if version != "HTTP/1.1":
+        event = parser.next_event()
+    except h11.RemoteProtocolError as e:  # its 501 (a coding other than chunked) is ours to 400
+        reason = _QUOTED.sub("", str(e))  # never the line itself: it may hold a credential
+        if e.error_status_hint == 431:
+            raise Refused(431, "request_header_fields_too_large", reason, close=True) from None
+        raise bad_request(f"malformed request: {reason}") from None
+    if not isinstance(event, h11.Request):  # cannot happen with a whole head; still a 400
+        raise bad_request("incomplete request head")
+    if event.http_version != b"1.1":
         raise Refused(
             505, "http_version_not_supported", "the upload port speaks HTTP/1.1", close=True
         )
     headers: dict[str, str] = {}
-    for field in fields:
-        name, sep, value = field.partition(":")
-        if not sep or not _TOKEN.match(name.encode()):
-            raise Refused(400, "bad_request", "malformed header field", close=True)
-        key, value = name.lower(), value.strip(" \t")
-        if key not in headers:
-            headers[key] = value
-        elif key == "content-length":
-            if headers[key] != value:
-                raise Refused(400, "bad_request", "conflicting Content-Length", close=True)
-        else:  # a repeated field is its values joined (RFC 9110 5.3)
-            headers[key] = f"{headers[key]}, {value}"
-    return Request(method, target, headers, rest)
+    for name, value in event.headers:  # h11 has merged equal Content-Lengths into one
+        key, text = name.decode("ascii"), value.decode("latin-1")
+        headers[key] = f"{headers[key]}, {text}" if key in headers else text
+    if "transfer-encoding" in headers and "content-length" in headers:
+        raise bad_request("Transfer-Encoding beside Content-Length: two framings of one body")
+    return Request(event.method.decode("ascii"), event.target.decode("ascii"), headers)
 
 
 def response(status: int, body: bytes, *, close: bool, **headers: str) -> bytes:
@@ -127,6 +178,17 @@ def error_body(kind: str, detail: str) -> bytes:
     return json.dumps({"error": str(kind), "detail": detail}).encode()
 
 
+class Connection:
+    """One accepted connection: its socket (`sock`, the TLS one over TLS; `raw` below it)
+    and whose credential it holds (None: none yet)."""
+
+    def __init__(self, raw: socket.socket) -> None:
+        self.raw = raw
+        self.sock: socket.socket = raw
+        self.accepted = time.monotonic()
+        self.principal: Principal | None = None
+
+
 class UploadServer:
     """The threaded HTTP/1.1 listener of `SyncSettings.upload_port` (the module docstring)."""
 
@@ -145,7 +207,13 @@ class UploadServer:
         self.protocols = protocols if protocols is not None else Counter()
         self.listener: socket.socket | None = None
         self.port = 0
-        self.conns: set[socket.socket] = set()
+        self.conns: set[Connection] = set()
+        """Every connection with a thread (`close` wakes the idle ones)."""
+        self.anonymous: dict[Connection, None] = {}
+        """Connections with no credential yet, oldest first."""
+        self.held: Counter[Principal] = Counter()
+        """Connections per credential."""
+        self.authenticated = 0
         self.answers: Counter[tuple[str, str]] = Counter()
         """Answers by (scheme, status code): ddiloco_upload_port_requests_total."""
         sync.metrics.watch_uploads(self.answers)
@@ -179,9 +247,9 @@ class UploadServer:
             with contextlib.suppress(OSError):
                 self.listener.shutdown(socket.SHUT_RDWR)
             self.listener.close()
-        for conn in conns:  # idle keep-alives: wake their threads, which then exit
+        for c in conns:  # idle keep-alives: wake their threads, which then exit
             with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
+                c.raw.shutdown(socket.SHUT_RDWR)
         if self.thread is not None:
             self.thread.join(timeout=CLOSE_WAIT_S)
 
@@ -189,72 +257,123 @@ class UploadServer:
         assert self.listener is not None
         while True:
             try:
-                conn, _ = self.listener.accept()
+                raw, _ = self.listener.accept()
             except OSError:
                 return  # closed
+            c = Connection(raw)
             with self.cond:
-                full = len(self.conns) >= MAX_CONNECTIONS or self.closing
+                evict = len(self.anonymous) >= MAX_ANONYMOUS
+                held = len(self.anonymous) - evict + self.authenticated
+                full = self.closing or held >= MAX_CONNECTIONS
                 if not full:
-                    self.conns.add(conn)
+                    if evict:  # the oldest silent one makes room (its thread then ends)
+                        oldest = next(iter(self.anonymous))
+                        del self.anonymous[oldest]
+                        with contextlib.suppress(OSError):
+                            oldest.raw.shutdown(socket.SHUT_RDWR)
+                    self.conns.add(c)
+                    self.anonymous[c] = None
             if full:
-                threading.Thread(target=self._turn_away, args=(conn,), daemon=True).start()
+                self._turn_away(raw)
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="upload", daemon=True).start()
+            threading.Thread(target=self._serve, args=(c,), name="upload", daemon=True).start()
 
-    def _turn_away(self, conn: socket.socket) -> None:
-        with contextlib.suppress(OSError), conn:
-            conn.settimeout(2.0)
+    def _turn_away(self, raw: socket.socket) -> None:
+        """503 and close, without a thread: the answer fits a new socket's send buffer."""
+        with self.counting:  # over TLS too, where the close is the answer
+            self.answers[(self.scheme, "503")] += 1
+        with contextlib.suppress(OSError), raw:
             if self.context is None:  # over TLS a cleartext answer would be noise: just close
-                body = error_body("unavailable", f"more than {MAX_CONNECTIONS} upload connections")
-                conn.sendall(response(503, body, close=True, retry_after="1"))
+                raw.setblocking(False)
+                body = error_body("unavailable", f"{MAX_CONNECTIONS} upload connections held")
+                raw.send(response(503, body, close=True, retry_after="1"))
+
+    def _admit(self, c: Connection, principal: Principal) -> None:
+        """Count `c` against `principal` (503 over its cap); from now on it is no longer
+        anonymous. A connection already evicted as anonymous ends here."""
+        with self.cond:
+            if c.principal == principal:
+                return
+            if c.principal is None and c not in self.anonymous:
+                raise ConnectionAbortedError("closed to make room before it authenticated")
+            n = self.held[principal]
+            if principal.kind != "job" and n >= MAX_PER_CREDENTIAL:
+                raise Refused(
+                    503,
+                    "unavailable",
+                    f"{principal} holds {n} upload connections already: post to the main port",
+                    close=True,
+                    retry_after="1",
+                )
+            self._release(c)
+            c.principal = principal
+            self.held[principal] += 1
+            self.authenticated += 1
+
+    def _release(self, c: Connection) -> None:
+        """Uncount `c` (the caller holds `cond`)."""
+        if c.principal is None:
+            self.anonymous.pop(c, None)
+            return
+        self.held[c.principal] -= 1
+        if not self.held[c.principal]:
+            del self.held[c.principal]
+        self.authenticated -= 1
+        c.principal = None
 
     # ---- one connection --------------------------------------------------------
-    def _serve(self, raw: socket.socket) -> None:
-        conn: socket.socket = raw
+    def _serve(self, c: Connection) -> None:
         try:
-            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            raw.settimeout(self.settings.body_timeout_s)
+            c.raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            c.raw.settimeout(HEAD_TIMEOUT_S)
             if self.context is not None:
-                conn = self.context.wrap_socket(raw, server_side=True)  # mTLS checked here
+                c.sock = self.context.wrap_socket(c.raw, server_side=True)  # mTLS checked here
             pending = b""
+            deadline: float | None = c.accepted + HEAD_TIMEOUT_S
             while not self.closing:
-                head, pending = self._read_head(conn, pending)
+                head, pending = self._read_head(c.sock, pending, deadline)
+                deadline = None
                 if head is None:
                     return
                 with self.cond:
                     self.busy += 1
                 try:
-                    keep, pending = self._handle(conn, head, pending)
+                    keep, pending = self._handle(c, head, pending)
                 finally:
                     with self.cond:
                         self.busy -= 1
                         self.cond.notify_all()
                 if not keep:
                     return
-        except (OSError, ssl.SSLError) as e:  # a reset, a failed handshake, a stalled head
+        except (OSError, ssl.SSLError) as e:  # a reset, a failed handshake, an eviction
             log.debug("Upload connection ended: %r", e)
         finally:
             with self.cond:
-                self.conns.discard(raw)
+                self.conns.discard(c)
+                self._release(c)
             with contextlib.suppress(OSError):
-                conn.close()
+                c.sock.close()
 
-    def _read_head(self, conn: socket.socket, pending: bytes) -> tuple[bytes | None, bytes]:
-        """The next request's head, and what followed it; (None, b"") at a clean end, after
-        `IDLE_S` without a first byte, or when the head is not whole `body_timeout_s` after
-        its first byte (a head sent a byte at a time holds no thread for long)."""
+    def _read_head(
+        self, conn: socket.socket, pending: bytes, deadline: float | None
+    ) -> tuple[bytes | None, bytes]:
+        """The next request's head through its blank line, and what followed it. (None, b"")
+        at a clean end, or when the head is not whole by `deadline` (None: `HEAD_TIMEOUT_S`
+        after its first byte, which may take `IDLE_S` to come)."""
         buf = bytearray(pending)
-        limit = self.settings.body_timeout_s
-        deadline = time.monotonic() + limit if buf else None
+        if deadline is None and buf:
+            deadline = time.monotonic() + HEAD_TIMEOUT_S
         chunk = bytearray(16 << 10)
+        searched = 0
         while True:
-            end = buf.find(b"\r\n\r\n")
-            if end >= 0:
-                if end > MAX_HEAD:
+            end = _HEAD_END.search(buf, searched)
+            if end is not None:
+                if end.end() > MAX_HEAD:
                     break
-                return bytes(buf[:end]), bytes(buf[end + 4 :])
+                return bytes(buf[: end.end()]), bytes(buf[end.end() :])
             if len(buf) > MAX_HEAD:
                 break
+            searched = max(0, len(buf) - 2)
             left = IDLE_S if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 return None, b""
@@ -262,48 +381,54 @@ class UploadServer:
             try:
                 n = conn.recv_into(chunk)
             except TimeoutError:
-                return None, b""  # idle, or a head that stalled: close quietly
+                return None, b""  # silent, idle, or a head that stalled: close quietly
             if n == 0:
                 return None, b""
             buf += chunk[:n]
             if deadline is None:
-                deadline = time.monotonic() + limit
+                deadline = time.monotonic() + HEAD_TIMEOUT_S
         detail = f"request head over {MAX_HEAD} bytes"
         self._send(conn, 431, error_body("request_header_fields_too_large", detail), close=True)
         return None, b""
 
-    def _handle(self, conn: socket.socket, head: bytes, rest: bytes) -> tuple[bool, bytes]:
+    def _handle(self, c: Connection, head: bytes, rest: bytes) -> tuple[bool, bytes]:
         """Answer one request; (keep the connection, bytes already read past its body)."""
         with self.counting:  # += on a Counter is not atomic across threads
             self.protocols[(self.scheme, "1.1")] += 1  # as the main port's middleware counts
+        closing = False
         try:
-            req = parse_head(head, rest)
-            p, body, rest = self._body(conn, req)
+            req = parse_head(head)
+            closing = req.close
+            principal, p = self._check(c, req)
+            size = self._size(req, p)
+            if req.headers.get("expect", "").lower() == "100-continue":
+                c.sock.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+            body, rest = self._read_body(c.sock, size, rest)
             try:
-                answer = self.sync.submit(body, p).model_dump_json().encode()
+                answer = self.sync.submit(body, p, principal).model_dump_json().encode()
             finally:  # submit keeps nothing of the body (decoded into buffers of its own)
                 BODIES.give(body)
         except Refused as e:
             if e.kind in {r.value for r in Refusal}:
                 self.sync.reject(e.kind)
             log.warning("Refused upload: %s %s", e.kind, e.detail)
-            self._send(conn, e.status, error_body(e.kind, e.detail), close=e.close, **e.headers)
-            return not e.close, rest
+            close = e.close or closing
+            self._send(c.sock, e.status, error_body(e.kind, e.detail), close=close, **e.headers)
+            return not close, rest
         except SyncError as e:  # refused by the synchronizer itself: the body was read whole
             self.sync.reject(e.kind)
             log.warning("Refused upload: %s", e)
-            self._send(conn, e.status, error_body(str(e.kind), str(e)), close=False)
-            return True, rest
+            self._send(c.sock, e.status, error_body(str(e.kind), str(e)), close=closing)
+            return not closing, rest
         except (OSError, ssl.SSLError):
             raise
         except Exception as e:  # a bug: the learner retries, the log says what
             log.error("Failed upload: %r", e)
             body = error_body("internal", "see the synchronizer's log")
-            self._send(conn, 500, body, close=True)
+            self._send(c.sock, 500, body, close=True)
             return False, b""
-        close = req.headers.get("connection", "").lower() == "close"
-        self._send(conn, 200, answer, close=close)
-        return not close, rest
+        self._send(c.sock, 200, answer, close=closing)
+        return not closing, rest
 
     def _send(self, conn: socket.socket, status: int, body: bytes, **headers: Any) -> None:
         with self.counting:
@@ -315,10 +440,10 @@ class UploadServer:
         """Updates answered 200 here (tests and the bench tell the port was used by it)."""
         return self.answers[(self.scheme, "200")]
 
-    def _body(self, conn: socket.socket, req: Request) -> tuple[int, memoryview, bytes]:
-        """Check the request before its body (route, token, owner, size), then read the body
-        into a buffer of its declared size; refusals before the body close the connection
-        (its unread body would be taken for the next request)."""
+    def _check(self, c: Connection, req: Request) -> tuple[Principal, int]:
+        """Route, method and credential, before anything of the body (refusals close the
+        connection: its unread body would be taken for the next request); the credential's
+        principal, counted against its cap, and the fragment."""
         match = _ROUTE.match(req.target)
         if match is None:
             raise Refused(
@@ -330,7 +455,8 @@ class UploadServer:
             )
         if req.method != "POST":
             raise Refused(405, "method_not_allowed", "only POST here", close=True, allow="POST")
-        if not bearer_matches(req.headers.get("authorization", ""), self.tokens):
+        principal = authenticate(req.headers.get("authorization", ""), self.tokens)
+        if principal is None:
             raise Refused(
                 401,
                 Refusal.UNAUTHORIZED,
@@ -338,15 +464,21 @@ class UploadServer:
                 close=True,
                 www_authenticate="Bearer",
             )
-        p = int(match.group(1))
+        if principal.kind == "spare":  # before the body: a spare has no slot to update for
+            raise Refused(
+                403, Refusal.FORBIDDEN, f"{principal} has no learner slot to update for", close=True
+            )
+        self._admit(c, principal)
+        return principal, int(match.group(1))
+
+    def _size(self, req: Request, p: int) -> int:
+        """The body's declared size, checked against the fragment's owner and limit."""
         try:
             self.sync.check_owner(p)
         except SyncError as e:
             raise Refused(e.status, e.kind, str(e), close=True) from None
-        if "transfer-encoding" in req.headers:
-            raise Refused(411, "length_required", "declare the body's Content-Length", close=True)
-        value = req.headers.get("content-length", "")
-        if not (value.isascii() and value.isdigit()):
+        value = req.headers.get("content-length")
+        if value is None:  # h11 took any length given as digits; chunked is all that is left
             raise Refused(411, "length_required", "declare the body's Content-Length", close=True)
         size, limit = int(value), self.sync.body_limit(p)
         if size > limit:
@@ -357,9 +489,7 @@ class UploadServer:
                 "can need",
                 close=True,
             )
-        if req.headers.get("expect", "").lower() == "100-continue":
-            conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
-        return p, *self._read_body(conn, size, req.rest)
+        return size
 
     def _read_body(self, conn: socket.socket, size: int, rest: bytes) -> tuple[memoryview, bytes]:
         """The body, read into a buffer of `buffers.BODIES` (the caller gives it back)."""
@@ -373,24 +503,42 @@ class UploadServer:
 
     def _fill(self, conn: socket.socket, view: memoryview, rest: bytes) -> int:
         """Fill `view` from what was read past the head, then the socket; returns how much
-        of `rest` it took."""
+        of `rest` it took. 408 when a read waits `body_timeout_s`, or when the whole body
+        is not in `body_timeout_s` + size / `MIN_BODY_RATE` (time spent waiting for a merge
+        here, not for the client, is added to that)."""
         size = len(view)
         at = taken = min(len(rest), size)
         view[:at] = rest[:at]
-        conn.settimeout(self.settings.body_timeout_s)
+        per_read = self.settings.body_timeout_s
+        start = time.monotonic()
+        deadline = start + per_read + size / MIN_BODY_RATE
         gate = self.sync.computing
         while at < size:
-            gate.wait()  # a merge computing gets the cores first
-            try:
-                n = conn.recv_into(view[at:], size - at)  # the GIL is released in the copy
-            except TimeoutError:
+            if gate.active:  # a merge computing gets the cores first
+                waited = time.monotonic()
+                gate.wait()
+                deadline += time.monotonic() - waited
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise Refused(
                     408,
                     Refusal.TIMEOUT,
-                    f"the request body sent nothing for {self.settings.body_timeout_s:g} s "
-                    f"({at} bytes arrived)",
+                    f"the request body arrived slower than {MIN_BODY_RATE} bytes/s: {at} of "
+                    f"{size} bytes in {time.monotonic() - start:.1f} s",
                     close=True,
-                ) from None
+                )
+            conn.settimeout(min(per_read, left))
+            try:
+                n = conn.recv_into(view[at:], size - at)  # the GIL is released in the copy
+            except TimeoutError:
+                if left > per_read:
+                    raise Refused(
+                        408,
+                        Refusal.TIMEOUT,
+                        f"the request body sent nothing for {per_read:g} s ({at} bytes arrived)",
+                        close=True,
+                    ) from None
+                continue  # the deadline: refused at the top
             if n == 0:
                 raise ConnectionResetError("client went away mid-body")
             at += n

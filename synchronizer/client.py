@@ -105,16 +105,30 @@ def body_size(body: Body | None) -> int:
 
 class SyncUnavailable(ConnectionError):
     """The synchronizer could not be reached, or failed (5xx). Worth retrying. `unreached`:
-    no connection was made at all (refused, unresolvable, connect timeout)."""
+    no connection was made at all (refused, unresolvable, connect timeout); `reset`: the
+    connection was reset or closed before any of an answer; `status`: the 5xx answered."""
 
-    def __init__(self, message: str, *, unreached: bool = False) -> None:
+    def __init__(
+        self, message: str, *, unreached: bool = False, reset: bool = False, status: int = 0
+    ) -> None:
         super().__init__(message)
-        self.unreached = unreached
+        self.unreached, self.reset, self.status = unreached, reset, status
+
+    @property
+    def turned_away(self) -> bool:
+        """Refused for now without being looked at (503, or a reset before any answer): what
+        an upload port at its connection cap does. The main port may take the request."""
+        return self.status == 503 or self.reset
 
 
 UNREACHED: Final = frozenset({pycurl.E_COULDNT_RESOLVE_HOST, pycurl.E_COULDNT_CONNECT})
 """libcurl's codes for a connection never made (a connect timeout is E_OPERATION_TIMEDOUT,
 which a stalled transfer shares: `_perform` tells them apart by the connect time)."""
+RESET: Final = frozenset(
+    {pycurl.E_GOT_NOTHING, pycurl.E_SEND_ERROR, pycurl.E_RECV_ERROR, pycurl.E_SSL_CONNECT_ERROR}
+)
+"""libcurl's codes for a connection reset or closed with no answer (a failed certificate
+check is E_PEER_FAILED_VERIFICATION, not one of them)."""
 
 
 class SyncRefused(RuntimeError):
@@ -263,7 +277,10 @@ class SyncClient:
             unreached = e.args[0] in UNREACHED or (
                 e.args[0] == pycurl.E_OPERATION_TIMEDOUT and c.getinfo(pycurl.CONNECT_TIME) == 0
             )
-            raise SyncUnavailable(f"{method} {path}: {e.args[-1]}", unreached=unreached) from None
+            reset = e.args[0] in RESET
+            raise SyncUnavailable(
+                f"{method} {path}: {e.args[-1]}", unreached=unreached, reset=reset
+            ) from None
         status = int(c.getinfo(pycurl.RESPONSE_CODE))
         self.http_version = HTTP_VERSIONS.get(int(c.getinfo(pycurl.INFO_HTTP_VERSION)), "?")
         return self._answered(method, path, body, status, headers, out.getvalue())
@@ -278,7 +295,9 @@ class SyncClient:
         try:
             status, headers, payload = self.sender.post(path, body, content_type, token)
         except Failed as e:
-            raise SyncUnavailable(f"POST {path}: {e}", unreached=e.unreached) from None
+            raise SyncUnavailable(
+                f"POST {path}: {e}", unreached=e.unreached, reset=e.reset
+            ) from None
         self.http_version = "HTTP/1.1"
         return self._answered("POST", path, body, status, headers, payload)
 
@@ -295,7 +314,7 @@ class SyncClient:
         self.bytes_up += body_size(body)
         self.bytes_down += len(payload)
         if status >= 500:
-            raise SyncUnavailable(f"{method} {path}: HTTP {status}")
+            raise SyncUnavailable(f"{method} {path}: HTTP {status}", status=status)
         if status >= 400:
             try:
                 err = json.loads(payload)

@@ -48,12 +48,19 @@ CONNECT_TIMEOUT_S: Final = 3.0
 
 class Failed(ConnectionError):
     """The request did not get an answer. `unreached`: no connection was made at all;
-    `fresh`: it failed on a new connection (a reused one that fails before any answer is
-    tried again on a new one)."""
+    `reset`: the server reset or closed the connection before any of an answer (a port at
+    its connection cap turns a TLS connection away so); `fresh`: it failed on a new
+    connection (a reused one that fails before any answer is tried again on a new one)."""
 
-    def __init__(self, message: str, *, unreached: bool = False, fresh: bool = True) -> None:
+    def __init__(
+        self, message: str, *, unreached: bool = False, reset: bool = False, fresh: bool = True
+    ) -> None:
         super().__init__(message)
-        self.unreached, self.fresh = unreached, fresh
+        self.unreached, self.reset, self.fresh = unreached, reset, fresh
+
+
+RESETS: Final = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError, ssl.SSLEOFError)
+"""The errors of a connection the server reset or closed (not a timeout, not a certificate)."""
 
 
 class PartsSender:
@@ -121,7 +128,8 @@ class PartsSender:
                 sock = self._ssl().wrap_socket(raw, server_hostname=self.host)
         except (OSError, ssl.SSLError) as e:
             raw.close()
-            raise Failed(f"TLS with {self.host}:{self.port}: {e}") from None
+            reset = isinstance(e, RESETS)
+            raise Failed(f"TLS with {self.host}:{self.port}: {e}", reset=reset) from None
         self.sock = sock
         return sock, True
 
@@ -157,7 +165,8 @@ class PartsSender:
             raise
         except (OSError, ssl.SSLError) as e:
             self.close()
-            raise Failed(f"{self.host}:{self.port}: {e}", fresh=fresh) from None
+            reset = isinstance(e, RESETS)
+            raise Failed(f"{self.host}:{self.port}: {e}", reset=reset, fresh=fresh) from None
 
     def _send(
         self, sock: socket.socket, head: bytes, views: list[memoryview], deadline: float
@@ -242,5 +251,9 @@ class PartsSender:
         chunk = sock.recv(1 << 16)
         if not chunk and not eof_ok:
             what = "mid-answer" if began else "before answering"
-            raise Failed(f"{self.host}:{self.port} closed the connection {what}", fresh=began)
+            raise Failed(
+                f"{self.host}:{self.port} closed the connection {what}",
+                reset=not began,
+                fresh=began,
+            )
         return chunk

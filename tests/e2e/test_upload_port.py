@@ -5,7 +5,9 @@ port's contract on the one route it serves, over raw sockets.
 
 One `ddiloco synchronizer --upload-port P` process serves the module (a learner joined, the
 model initialized, a 1 s body timeout). Refusals that come before the body (401, 404, 405,
-411, 413, 431, 400, 505) come at once and close the connection; 408 comes after the timeout;
+411, 413, 431, 400, 505) come at once and close the connection, a malformed head (its
+Content-Length, line endings, Host, a NUL or CR in a value) being 400; 408 comes after the
+timeout, or when a body trickles slower than the port's floor rate;
 a body refused for what it holds (422) leaves the connection usable. Nothing refused changes
 a served fragment; the one good update merges once, and its re-send is a duplicate.
 """
@@ -13,6 +15,7 @@ a served fragment; the one good update merges once, and its re-send is a duplica
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -104,6 +107,20 @@ BEFORE_THE_BODY = {
     "bad_field": (head("POST", UPDATE) + "no colon here\r\n", 400, "bad_request"),
     "two_lengths": (head("POST", UPDATE, Content_Length="2") + "Content-Length: 3\r\n", 400, "bad_request"),
     "huge_head": (head("POST", UPDATE, X_Pad="a" * (70 << 10)), 431, "request_header_fields_too_large"),
+    **{  # RFC 9112: a Content-Length that is not digits is malformed (400), not missing (411)
+        f"length_{name}": (head("POST", UPDATE, Content_Length=value), 400, "bad_request")
+        for name, value in {
+            "5000_digits": "1" * 5000, "negative": "-1", "letters": "abc", "signed": "+5",
+            "hex": "0x21", "exponent": "1e3", "empty": "",
+        }.items()
+    },
+    "bare_lf": (head("POST", UPDATE, Content_Length="2").replace("\r\n", "\n"), 400, "bad_request"),
+    "te_folded": (head("POST", UPDATE, Content_Length="2") + "Transfer-Encoding\n: chunked\r\n", 400, "bad_request"),
+    "te_and_length": (head("POST", UPDATE, Content_Length="2", Transfer_Encoding="chunked"), 400, "bad_request"),
+    "nul_in_value": (head("POST", UPDATE, Content_Length="2", X_A="a\x00b"), 400, "bad_request"),
+    "cr_in_value": (head("POST", UPDATE, Content_Length="2", X_A="a\rb"), 400, "bad_request"),
+    "two_hosts": (head("POST", UPDATE, Content_Length="2", Host="127.0.0.2"), 400, "bad_request"),
+    "no_host": (head("POST", UPDATE, Content_Length="2").replace("Host: 127.0.0.1\r\n", ""), 400, "bad_request"),
 }  # fmt: skip
 
 
@@ -131,6 +148,21 @@ def test_stalled_body_times_out(up: Uploads) -> None:
         status, headers, body = answer(sock)
     refused(status, body, 408, "timeout")
     assert BODY_TIMEOUT_S * 0.9 < time.monotonic() - t0 < BODY_TIMEOUT_S + 3.0
+    assert headers.get("connection") == "close"
+    assert up.refusals().get("timeout", 0) == before + 1
+
+
+def test_a_trickled_body_times_out_at_its_deadline(up: Uploads) -> None:
+    """A byte every 0.4 s keeps every read under the 1 s body timeout; the body must still
+    be whole within the timeout plus its size at bulk.MIN_BODY_RATE."""
+    before = up.refusals().get("timeout", 0)
+    t0 = time.monotonic()
+    with up.raw(head("POST", UPDATE, Content_Length="1000")) as sock:
+        while not select.select([sock], [], [], 0.4)[0]:
+            sock.sendall(b"\x10")
+            assert time.monotonic() - t0 < 10, "the trickle was never cut off"
+        status, headers, body = answer(sock)
+    assert "slower than" in refused(status, body, 408, "timeout")["detail"]
     assert headers.get("connection") == "close"
     assert up.refusals().get("timeout", 0) == before + 1
 

@@ -6,11 +6,20 @@ real loopback sockets, the learner's own Streamer.
 A learner posts each fragment's updates to its owner shard's upload port, which the shard
 named at join (and nothing else goes there); when that port cannot be reached the uploads go
 to the main URL and nothing is lost; an explicit DDILOCO_UPLOAD_URL list is checked against
-the shards. The hostile-input cases of the port are in tests/e2e/test_upload_port.py.
+the shards. Then the port against hostile clients, over raw sockets: a malformed head is 400
+and closed, a trickled body 408 at its deadline, silent sockets are closed and cannot keep a
+learner out, a credential holds a few connections at most, and an update the port turns
+away at its cap goes to the main URL. The same refusals against a synchronizer process are
+in tests/e2e/test_upload_port.py; fuzzed heads in tests/unit/test_upload_port_fuzz.py.
 """
 
 from __future__ import annotations
 
+import http.client
+import json
+import select
+import socket
+import ssl
 import threading
 import time
 
@@ -21,8 +30,9 @@ from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.streaming import Streamer
 from ddiloco.learner.uploads import upload_overrides, with_port
 from ddiloco.local.processes import free_port
-from ddiloco.synchronizer import codec
-from ddiloco.synchronizer.client import SyncClient
+from ddiloco.synchronizer import bulk, codec, tls
+from ddiloco.synchronizer.auth import StaticTokens, learner_token, spare_token
+from ddiloco.synchronizer.client import ClientTLS, SyncClient, SyncUnavailable
 from ddiloco.synchronizer.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
@@ -32,6 +42,7 @@ from ddiloco.synchronizer.protocol import (
     TensorSpec,
     UpdateMeta,
 )
+from tests.conftest import TOKEN
 
 LAYOUT = Layout(
     fragments=[
@@ -209,3 +220,369 @@ def test_body_reads_wait_while_a_merge_computes(make_sync_server, merge_first: b
     assert uploads_of(server) == 1
     up.close()
     c.close()
+
+
+# ---- hostile input: strict heads, deadlines, caps (raw sockets on loopback) --------------
+def ready(make_sync_server, **settings: object):
+    """A synchronizer with its upload port, learners l0 and l1 joined, the model initialized."""
+    server = make_sync_server(quorum=1, grace=False, upload_port=0, **settings)
+    boss = SyncClient(server.url, server.token)
+    for learner in ("l0", "l1"):
+        boss.join(JoinRequest(learner_id=learner))
+    boss.init(codec.encode(TENSORS, {LAYOUT_KEY: LAYOUT.model_dump_json()}))
+    boss.close()
+    return server
+
+
+def served(server) -> list[tuple[int, bytes]]:
+    """Every fragment as the synchronizer serves it (version, bytes)."""
+    out = []
+    for p in range(len(LAYOUT.fragments)):
+        version, body = server.sync.fragment(p)
+        out.append((version, bytes(body)))
+    return out
+
+
+def update(learner: str = "l0", p: int = 1, step: int = 10) -> bytes:
+    meta = UpdateMeta(
+        learner_id=learner, fragment=p, base_version=0, steps=10, tokens=100, learner_step=step
+    )
+    n = LAYOUT.fragments[p].tensors[0].shape[0]
+    return codec.encode({f"w{p}": torch.full((n,), 0.25)}, meta.to_metadata())
+
+
+def request(
+    *fields: str, p: int = 1, token: str | None = TOKEN, length: str | None = "64"
+) -> bytes:
+    """A learner's request head (CRLF, Host, credential, Content-Length) with `fields` added."""
+    lines = [f"POST /v1/fragments/{p}/updates HTTP/1.1", "Host: 127.0.0.1"]
+    if token is not None:
+        lines.append(f"Authorization: Bearer {token}")
+    if length is not None:
+        lines.append(f"Content-Length: {length}")
+    return ("\r\n".join([*lines, *fields]) + "\r\n\r\n").encode("latin-1")
+
+
+def connect(port: int, context: ssl.SSLContext | None = None) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    return context.wrap_socket(sock, server_hostname="127.0.0.1") if context else sock
+
+
+def answer(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    resp = http.client.HTTPResponse(sock)  # type: ignore[arg-type]
+    resp.begin()
+    return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+
+
+def refused(got: tuple[int, dict[str, str], bytes], status: int, kind: str) -> dict[str, str]:
+    assert got[0] == status, got
+    err = json.loads(got[2])
+    assert err["error"] == kind and err["detail"], err
+    return err
+
+
+def closed(sock: socket.socket, within: float = 5.0) -> bool:
+    """The server closed the connection (EOF or a reset) within `within` seconds."""
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def held_mid_body(server, token: str, n: int) -> list[socket.socket]:
+    """`n` connections whose request passed its checks and whose body is read no further:
+    each holds its place against the caps until closed (each counted before the next is
+    opened: none is taken for a silent one)."""
+    uploads = server.server.config.app.state.uploads
+    out = []
+    for _ in range(n):
+        held = uploads.authenticated
+        sock = connect(server.sync.upload_port)
+        sock.sendall(request(token=token, length="64") + b"\x00" * 8)
+        out.append(sock)
+        wait_for(lambda held=held: uploads.authenticated > held)
+    return out
+
+
+def wait_for(check, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+MALFORMED = {
+    "length_of_5000_digits": request(length="1" * 5000),
+    "length_negative": request(length="-1"),
+    "length_letters": request(length="abc"),
+    "length_signed": request(length="+5"),
+    "length_hex": request(length="0x21"),
+    "length_exponent": request(length="1e3"),
+    "length_empty": request(length=""),
+    "lengths_that_differ": request("Content-Length: 65"),
+    "bare_lf": request().replace(b"\r\n", b"\n"),
+    "bare_cr_ending": request().replace(b"Host: 127.0.0.1\r\n", b"Host: 127.0.0.1\r"),
+    "te_folded_beside_length": request().replace(b"\r\n\r\n", b"\r\nTransfer-Encoding\n: chunked\r\n\r\n"),
+    "te_space_before_colon": request("Transfer-Encoding : chunked"),
+    "te_beside_length": request("Transfer-Encoding: chunked"),
+    "te_unknown": request("Transfer-Encoding: gzip", length=None),
+    "obs_fold": request("X-Note: a", " folded"),
+    "nul_in_value": request("X-Note: a\x00b"),
+    "cr_in_value": request("X-Note: a\rb"),
+    "two_hosts": request("Host: 127.0.0.2"),
+    "no_host": request().replace(b"Host: 127.0.0.1\r\n", b""),
+    "space_in_name": request("X Note: a"),
+    "credential_in_a_bad_line": request(f"Authorization : Bearer {TOKEN}", token=None),
+    "junk_request_line": b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_a_malformed_head_is_400_at_once_and_closed(make_sync_server, caplog, case: str) -> None:
+    """Anything but a well-formed HTTP/1.1 head (RFC 9112: a malformed Content-Length is
+    400, not 411; line endings are CRLF; one Host) is answered 400 before the body, and the
+    connection closed: its bytes are never taken for a body or a next request. The answer
+    and the log say what was wrong without quoting the line (it may hold a credential)."""
+    server = ready(make_sync_server)
+    before = served(server)
+    t0 = time.monotonic()
+    with connect(server.sync.upload_port) as sock:
+        sock.sendall(MALFORMED[case] + b"x" * 64)
+        got = answer(sock)
+        assert closed(sock)
+    refused(got, 400, "bad_request")
+    assert got[1]["connection"] == "close"
+    assert time.monotonic() - t0 < 2.0
+    assert served(server) == before
+    assert TOKEN not in got[2].decode() and TOKEN not in caplog.text
+
+
+def test_a_length_of_5000_digits_is_400_over_tls_too(make_sync_server, tmp_path) -> None:
+    """The same port over TLS (its own listener on the same synchronizer)."""
+    ca = tls.issue_ca("test CA")
+    cert, key = tls.write_pair(
+        tls.issue_server(ca, ["localhost"], ["127.0.0.1"]), tmp_path / "s.crt", tmp_path / "s.key"
+    )
+    ca_file = tls.write_pem(ca.cert_pem, tmp_path / "ca.crt")
+    server = ready(make_sync_server)
+    context = tls.server_context(cert, key, alpn=["http/1.1"])
+    port = bulk.UploadServer(
+        server.sync, StaticTokens(TOKEN), server.sync.settings, context=context
+    )
+    port.start()
+    try:
+        client = ssl.create_default_context(cafile=ca_file)
+        with connect(port.port, client) as sock:
+            sock.sendall(request(length="1" * 5000))
+            got = answer(sock)
+        refused(got, 400, "bad_request")
+        with connect(port.port, client) as sock:  # and a good one after it
+            body = update()
+            sock.sendall(request(length=str(len(body))) + body)
+            assert answer(sock)[0] == 200
+    finally:
+        port.close()
+
+
+def test_connection_close_ends_the_connection_after_a_refusal(make_sync_server) -> None:
+    """A body refused for what it holds keeps the connection, unless the request said
+    `Connection: close`."""
+    server = ready(make_sync_server)
+    garbage = b"\xff" * 64
+    with connect(server.sync.upload_port) as sock:
+        sock.sendall(request("Connection: close") + garbage)
+        got = answer(sock)
+        refused(got, 422, "invalid")
+        assert got[1]["connection"] == "close"
+        assert closed(sock)
+    with connect(server.sync.upload_port) as sock:  # without it, the connection stays
+        sock.sendall(request() + garbage)
+        got = answer(sock)
+        refused(got, 422, "invalid")
+        assert "connection" not in got[1]
+        body = update()
+        sock.sendall(request(length=str(len(body))) + body)
+        assert answer(sock)[0] == 200
+
+
+def test_a_trickled_body_is_408_at_its_deadline(make_sync_server) -> None:
+    """A body that sends a byte every 0.3 s never waits `body_timeout_s` (1 s) for a read,
+    but must be whole in body_timeout_s + size / MIN_BODY_RATE: 408 and closed then, where
+    it used to hold its thread and buffer for as long as it went on."""
+    server = ready(make_sync_server, body_timeout_s=1.0)
+    before = served(server)
+    t0 = time.monotonic()
+    with connect(server.sync.upload_port) as sock:
+        sock.sendall(request(length="1000"))
+        while not select.select([sock], [], [], 0.3)[0]:
+            sock.sendall(b"\x00")
+            assert time.monotonic() - t0 < 10, "never answered"
+        got = answer(sock)
+        assert closed(sock)
+    assert "slower than" in refused(got, 408, "timeout")["detail"]
+    assert 0.9 < time.monotonic() - t0 < 1.0 + 1000 / bulk.MIN_BODY_RATE + 2.0
+    assert served(server) == before
+
+
+def test_a_silent_connection_is_closed_after_the_head_deadline(make_sync_server) -> None:
+    server = ready(make_sync_server)
+    t0 = time.monotonic()
+    with connect(server.sync.upload_port) as sock:
+        assert closed(sock, bulk.HEAD_TIMEOUT_S + 3.0)
+    assert bulk.HEAD_TIMEOUT_S * 0.9 < time.monotonic() - t0 < bulk.HEAD_TIMEOUT_S + 2.0
+
+
+def test_silent_sockets_cannot_keep_a_learner_out(make_sync_server) -> None:
+    """MAX_CONNECTIONS sockets that send nothing, with no credential: a learner's upload
+    still gets in at once (each connection accepted past MAX_ANONYMOUS closes the oldest
+    silent one; the learner's sends its head at once and holds its place by its credential),
+    and every silent one is closed within the head deadline."""
+    server = ready(make_sync_server)
+    port = server.sync.upload_port
+    uploads = server.server.config.app.state.uploads
+    silent = [connect(port) for _ in range(bulk.MAX_CONNECTIONS)]
+    try:
+        poster = SyncClient(
+            f"http://127.0.0.1:{port}", learner_token(TOKEN, "l0"), http2=False, sendmsg=True
+        )
+        assert poster.post_update(1, [update()]).status == "accepted"
+        assert uploads.answers[("http", "503")] == 0  # nobody was turned away
+        assert len(uploads.anonymous) <= bulk.MAX_ANONYMOUS
+        assert all(closed(s, bulk.HEAD_TIMEOUT_S + 3.0) for s in silent)
+        poster.close()
+    finally:
+        for s in silent:
+            s.close()
+
+
+def test_one_credential_holds_at_most_its_cap(make_sync_server) -> None:
+    """A learner's credential holds MAX_PER_CREDENTIAL connections; one more is 503 (the
+    learner posts to the main port then), while other learners and the job key get in."""
+    server = ready(make_sync_server)
+    port = server.sync.upload_port
+    l0 = learner_token(TOKEN, "l0")
+    holders = held_mid_body(server, l0, bulk.MAX_PER_CREDENTIAL)
+    holders += held_mid_body(server, TOKEN, bulk.MAX_PER_CREDENTIAL + 1)  # the job key: no cap
+    try:
+        with connect(port) as sock:
+            body = update("l0")
+            sock.sendall(request(token=l0, length=str(len(body))) + body)
+            got = answer(sock)
+        refused(got, 503, "unavailable")
+        assert got[1]["connection"] == "close" and got[1]["retry-after"] == "1"
+        for token, learner in ((learner_token(TOKEN, "l1"), "l1"), (TOKEN, "l0")):
+            with connect(port) as sock:
+                body = update(learner)
+                sock.sendall(request(token=token, length=str(len(body))) + body)
+                assert answer(sock)[0] == 200
+    finally:
+        for s in holders:
+            s.close()
+
+
+def test_credentials_are_checked_before_and_after_the_body(make_sync_server) -> None:
+    """A spare's credential is 403 before the body; a learner's may post only its own
+    updates (403 after the body, the connection kept)."""
+    server = ready(make_sync_server)
+    port = server.sync.upload_port
+    before = served(server)
+    with connect(port) as sock:
+        sock.sendall(request(token=spare_token(TOKEN, "pod-0"), length=str(1 << 30)))
+        got = answer(sock)
+        assert closed(sock)
+    refused(got, 403, "forbidden")
+    with connect(port) as sock:
+        other = update("l1")
+        sock.sendall(request(token=learner_token(TOKEN, "l0"), length=str(len(other))) + other)
+        refused(answer(sock), 403, "forbidden")
+        assert served(server) == before
+        own = update("l0")
+        sock.sendall(request(token=learner_token(TOKEN, "l0"), length=str(len(own))) + own)
+        assert answer(sock)[0] == 200
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_a_port_at_its_cap_turns_the_client_away(
+    make_sync_server, monkeypatch, tmp_path, scheme: str
+) -> None:
+    """At the connection cap the port answers 503 (over TLS: closes before the handshake);
+    the client says `turned_away`, not `unreached`: the learner posts to the main port."""
+    monkeypatch.setattr(bulk, "MAX_CONNECTIONS", 0)
+    server = ready(make_sync_server)
+    tls_client, context = None, None
+    if scheme == "https":
+        ca = tls.issue_ca("test CA")
+        pair = tls.issue_server(ca, ["localhost"], ["127.0.0.1"])
+        cert, key = tls.write_pair(pair, tmp_path / "s.crt", tmp_path / "s.key")
+        context = tls.server_context(cert, key, alpn=["http/1.1"])
+        tls_client = ClientTLS(ca_file=tls.write_pem(ca.cert_pem, tmp_path / "ca.crt"))
+    port = bulk.UploadServer(
+        server.sync, StaticTokens(TOKEN), server.sync.settings, context=context
+    )
+    port.start()
+    try:
+        for sendmsg in (True, False):  # from the parts' memory, and through libcurl
+            c = SyncClient(
+                f"{scheme}://127.0.0.1:{port.port}", TOKEN, http2=False, sendmsg=sendmsg,
+                tls=tls_client, timeout=10,
+            )  # fmt: skip
+            with pytest.raises(SyncUnavailable) as e:
+                c.post_update(1, [update()])
+            assert e.value.turned_away and not e.value.unreached, e.value
+            c.close()
+    finally:
+        port.close()
+
+
+def test_an_upload_port_at_its_cap_sends_that_update_to_the_main_port(
+    make_sync_server, monkeypatch
+) -> None:
+    """The learner's updates that the upload port turns away (503 at its cap) go to the main
+    port at once, none lost; once the port has room the next ones go to it again."""
+    monkeypatch.setattr(bulk, "MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(bulk, "MAX_ANONYMOUS", 1)
+    server = make_sync_server(quorum=1, grace=False, upload_port=0)
+    cfg = LearnerConfig(sync_url=server.url, token=server.token, learner_id="l0")
+    s = Streamer(cfg, LAYOUT, lambda: TENSORS)
+    s.fetch_all()  # joined and initialized
+    uploads = server.server.config.app.state.uploads
+    holders = held_mid_body(server, TOKEN, 2)
+    s.report(
+        Heartbeat(
+            learner_id="l0", step=10, steps=[10] * 4, tokens=[100] * 4, base_versions=[0] * 4,
+            step_seconds=0.1,
+        )
+    )  # fmt: skip
+    s.start()
+
+    def send(p: int) -> None:
+        version = server.sync.versions()[p]
+        meta = UpdateMeta(
+            learner_id="l0", fragment=p, base_version=version, steps=10, tokens=100,
+            learner_step=10 + version, incarnation=s.incarnation,
+        )  # fmt: skip
+        n = LAYOUT.fragments[p].tensors[0].shape[0]
+        s.send(meta, {f"w{p}": torch.full((n,), 0.5)})
+
+    try:
+        for p in (0, 1):
+            send(p)
+        assert s.outbox.wait_empty(20)
+        assert [r[2] for r in sorted(s.results())] == ["accepted"] * 2
+        assert uploads_of(server) == 0  # both went to the main port
+        assert s.fallback_until[0] == 0.0  # that update only: the port is not given up on
+        for h in holders:
+            h.close()
+        wait_for(lambda: uploads.authenticated == 0)
+        for p in (2, 3):
+            send(p)
+        assert s.outbox.wait_empty(20)
+        assert [r[2] for r in sorted(s.results())] == ["accepted"] * 2
+        assert uploads_of(server) == 2
+    finally:
+        for h in holders:
+            h.close()
+        s.close()
