@@ -136,7 +136,13 @@ class DecoupledDiLoCo:
         )
         """Prometheus instruments, served by rank 0 on cfg.metrics_port (learner/metrics.py)."""
         if self.group.root:
-            self.streamer = Streamer(cfg, self.layout, self._initial, metrics=self.metrics)
+            self.streamer = Streamer(
+                cfg,
+                self.layout,
+                self._initial,
+                metrics=self.metrics,
+                tokens_per_step=tokens_per_step,
+            )
         self._initial_values: Tensors | None = None
         self._preempted = False
         self._arrived: dict[int, list[tuple[int, Tensors]]] = {}

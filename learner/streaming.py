@@ -48,7 +48,7 @@ from ddiloco.learner import hf
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.data import join_reserve
 from ddiloco.learner.metrics import LearnerMetrics
-from ddiloco.learner.outbox import Outbox
+from ddiloco.learner.outbox import Entry, Outbox
 from ddiloco.learner.uploads import UPLOAD_FALLBACK_S, upload_overrides, with_port
 from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.client import SyncClient, SyncRefused, SyncUnavailable
@@ -59,6 +59,7 @@ from ddiloco.synchronizer.protocol import (
     JoinRequest,
     Layout,
     UpdateMeta,
+    UpdateResponse,
     shard_map,
 )
 
@@ -92,8 +93,12 @@ class Streamer:
         layout: Layout,
         initial: Callable[[], Tensors],
         metrics: LearnerMetrics | None = None,
+        tokens_per_step: int = 0,
     ) -> None:
         self.cfg = cfg
+        self.tokens_per_step = tokens_per_step
+        """The tokens one inner step trains on (the whole group's), declared at join: the
+        synchronizer refuses updates claiming more per step. 0: none declared."""
         self.metrics = metrics or LearnerMetrics(cfg.learner_id, enabled=False)
         self.layout = layout
         self.initial = initial
@@ -113,6 +118,10 @@ class Streamer:
         self.fixed_uploads = bool(getattr(cfg, "upload_url", "") or "")
         self.fallback_until = [0.0] * len(self.urls)
         """Per shard: until when uploads go to the main URL (its upload port unreachable)."""
+        self.turned_away: list[SyncClient | None] = [None] * len(self.urls)
+        """Per shard: the main URL's client for updates its upload port turned away."""
+        self.turned_away_said = [-UPLOAD_FALLBACK_S] * len(self.urls)
+        """Per shard: when a turned-away update was last logged as a warning."""
         self.versions: list[int] = [0] * len(layout.fragments)
         self.outbox = Outbox(len(layout.fragments))
         self.left: dict[int, dict[str, int]] = {}
@@ -168,6 +177,7 @@ class Streamer:
                 self.cfg.batch_size,
                 int(os.environ.get("WORLD_SIZE") or getattr(self.cfg, "nproc_per_node", 1)),
             ),
+            tokens_per_step=self.tokens_per_step or None,
         )
         resp = client.join(req)
         accepted = getattr(resp, "update_encodings", None)  # [] from an older synchronizer
@@ -398,6 +408,40 @@ class Streamer:
         )
         return True
 
+    def _post(self, shard: int, client: SyncClient, entry: Entry) -> UpdateResponse:
+        """Post an update to the shard's upload target. One its upload port turned away (a
+        503, or a connection reset before any answer: the port at its connection caps) goes
+        to the main URL at once; the next update tries the upload port again."""
+        meta = entry.meta
+        try:
+            return client.post_update(meta.fragment, entry.encoded())  # a re-send: same bytes
+        except SyncUnavailable as e:
+            if not e.turned_away or client.base_url == self.urls[shard].rstrip("/"):
+                raise
+            now = time.monotonic()  # a warning per shard per UPLOAD_FALLBACK_S at most
+            warn = now - self.turned_away_said[shard] >= UPLOAD_FALLBACK_S
+            if warn:
+                self.turned_away_said[shard] = now
+            log.log(
+                logging.WARNING if warn else logging.DEBUG,
+                "Upload port %s turned update %s away (%s); posting it to %s",
+                client.base_url,
+                meta.update_id(),
+                e,
+                self.urls[shard],
+            )
+        main = self.turned_away[shard]
+        if main is None:
+            main = self.turned_away[shard] = SyncClient(
+                self.urls[shard], self.tokens, http2=self.cfg.upload_http2, tls=self.tls
+            )
+        try:
+            return main.post_update(meta.fragment, entry.encoded())
+        except SyncUnavailable as e:  # not the upload port's fault: retried as an outage
+            raise SyncUnavailable(f"turned away by the upload port, then {e}") from None
+        finally:
+            self._count(main)
+
     def _upload_loop(self, shard: int = 0) -> None:
         client, backoff = self._upload_client(shard, None), Backoff()
         # each shard's thread takes the oldest update of that shard's fragments: one shard
@@ -410,8 +454,7 @@ class Streamer:
             meta = entry.meta
             client = self._upload_client(shard, client)
             try:
-                # encoded once: a re-send carries the same bytes
-                resp = client.post_update(meta.fragment, entry.encoded())
+                resp = self._post(shard, client, entry)
             except SyncRefused as e:
                 if e.status == 401:
                     # not the update's fault: a token being rotated (the client already
