@@ -26,6 +26,7 @@ from ddiloco.local.launcher import LocalConfig, LocalRun
 from ddiloco.local.processes import Child, ddiloco_command, env_with, terminate_all
 from ddiloco.operator.plan import Assignment
 from ddiloco.operator.spares import put_assignment
+from ddiloco.synchronizer.auth import spare_token
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(400)]
 POD = "job-g-spare-0-abcde"
@@ -64,11 +65,10 @@ def test_a_spare_learner_takes_over_the_slot_it_is_assigned(
             str(tmp_path / "steps.jsonl"),
         )
         env = env_with(
-            DDILOCO_TOKEN=sync.token,
+            DDILOCO_TOKEN=spare_token(sync.token, POD),  # its own: reads its assignment alone
             DDILOCO_SPARE="1",
             DDILOCO_POD_NAME=POD,
             DDILOCO_SPARE_READY_FILE=str(ready),
-            DDILOCO_SPARE_LABELS_FILE=str(tmp_path / "labels"),  # absent: no fallback here
             OMP_NUM_THREADS="1",
         )
         for name in ("DDILOCO_LEARNER_ID", "DDILOCO_LEARNER_INDEX", "DDILOCO_NUM_LEARNERS"):
