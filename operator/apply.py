@@ -18,7 +18,7 @@ from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
 from ddiloco.operator import api as ddapi
-from ddiloco.operator import builders, certs
+from ddiloco.operator import builders, certs, tokens
 from ddiloco.operator.plan import Action, Target
 
 Timeout: TypeAlias = float | tuple[float, float]  # seconds, or (connect, read)
@@ -40,12 +40,12 @@ def delete_job_objects(
     """Delete the job's objects in one target; return how many of its pods still exist.
 
     Only objects the job made: pods are selected by the job's uid, and each named object
-    (token Secret; at home the synchronizer's StatefulSet, Services and claims, and an older
-    operator's Deployment and claim) is read first and deleted only if it carries the job's
-    uid (label or ownerReference), with the uid it was read with as a precondition, so a
-    same-named object of someone else's is never touched. The shards' claims go with the
-    StatefulSet (its retention policy) and are deleted here too, so the finalizer does not
-    depend on the garbage collector's timing."""
+    (the key and learner credentials Secrets; at home the synchronizer's StatefulSet,
+    Services and claims, and an older operator's Deployment and claim) is read first and
+    deleted only if it carries the job's uid (label or ownerReference), with the uid it was
+    read with as a precondition, so a same-named object of someone else's is never touched.
+    The shards' claims go with the StatefulSet (its retention policy) and are deleted here
+    too, so the finalizer does not depend on the garbage collector's timing."""
     core, apps = kubernetes.client.CoreV1Api(client), kubernetes.client.AppsV1Api(client)
     ns = tgt.namespace
     kw: dict[str, Any] = {"_request_timeout": timeout}
@@ -58,12 +58,11 @@ def delete_job_objects(
         for p in mine
         if not p.metadata.deletion_timestamp
     ]
+    # the job key (home; in a remote target an older operator's copy) and the groups'
+    # learner credentials there (tokens.py)
     named: list[tuple[Callable[..., Any], Callable[..., Any], str]] = [
-        (
-            core.read_namespaced_secret,
-            core.delete_namespaced_secret,
-            builders.token_secret_name(job),
-        )
+        (core.read_namespaced_secret, core.delete_namespaced_secret, name)
+        for name in [builders.token_secret_name(job), *tokens.secret_names(job, tgt).values()]
     ]
     # the TLS Secrets (certs.py): CA, server certificate, trust bundle, client certificates
     named += [

@@ -6,9 +6,16 @@
 Pure functions of the job (and, for Secrets, the token): no API calls, no clock. reconcile.py
 decides which of them to create; clusters.py sends them. The synchronizer and learner are
 configured only through environment variables (the contract of `ddiloco synchronizer` and
-`ddiloco learner`); the token, certificates and keys reach them as files of mounted Secrets,
-never through the pod spec, so a rotated token or a renewed certificate arrives without a new
-pod (the kubelet updates mounted Secrets in place; environment variables it never updates).
+`ddiloco learner`); the credentials, certificates and keys reach them as files of mounted
+Secrets, never through the pod spec, so a rotated token or a renewed certificate arrives
+without a new pod (the kubelet updates mounted Secrets in place; environment variables it
+never updates).
+
+Credentials (operator/tokens.py): the job key, `<job>-token`, is mounted by the synchronizer
+alone. A learner pod mounts one item of its group's credentials Secret
+(`learner_tokens_secret_name`): its learner id's credential, which speaks for that id alone; a
+hot spare mounts its own spare credential (`spare_token_key`), which reads only its own
+assignment.
 
 The synchronizer's own workload is built in sync_workload.py. It (issue 15) is a StatefulSet `<job>-synchronizer` of `synchronizer.shards`
 (S) pods, `<job>-synchronizer-<i>` for shard i (DDILOCO_SHARD from the pod-index label), each
@@ -75,7 +82,6 @@ ROLE_SPARE: Final = "spare"
 ROLE_LEARNER: Final = "learner"
 ANNOTATION_PROMOTED_AT: Final = "ddiloco.dev/promoted-at"
 SPARE_READY_FILE: Final = "/tmp/ddiloco-spare-ready"  # learner/spare.py writes it once warm
-PODINFO_DIR: Final = "/etc/ddiloco/podinfo"  # downward API: the pod's labels, kept current
 ANNOTATION_SPEC_HASH: Final = "ddiloco.dev/spec-hash"
 # On the synchronizer's pod template: a digest of the certificates it serves and trusts. The
 # synchronizer loads them at startup, so a renewed certificate rolls its pod (the token, which
@@ -85,7 +91,23 @@ MANAGED_BY: Final = "ddiloco-operator"
 
 
 def token_secret_name(job: DecoupledDiLoCoJob) -> str:
+    """The job key: home only, mounted by the synchronizer, read by the operator."""
     return f"{job.name}-token"
+
+
+def learner_tokens_secret_name(job: DecoupledDiLoCoJob, group: str) -> str:
+    """`<job>-<group>-tokens-<tag>`: a group's learner and spare credentials, in the group's
+    cluster, one item per learner id and per spare pod (each pod mounts its own item only).
+    One Secret per group keeps it well below the apiserver's 1 MiB for the largest group
+    (512 slots and their spares, two lines each during a rotation); the tag, as for pod
+    names, keeps two jobs' Secrets apart in a namespace they share."""
+    return _tagged_pod_name(job, group, "tokens")
+
+
+def spare_token_key(pod: str) -> str:
+    """The item of a hot spare's credential in its group's credentials Secret. Learner ids
+    (`<group>-<index>`) never hold a dot, so the two kinds of item cannot meet."""
+    return f"spare.{pod}"
 
 
 def synchronizer_name(job: DecoupledDiLoCoJob) -> str:
@@ -288,8 +310,9 @@ def build_token_secret(
     owned: bool = True,
     annotations: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The bearer token learners present to the synchronizer; copied into remote clusters.
-    During a rotation it holds two lines, "new\nold" (operator/tokens.py)."""
+    """The job key: the synchronizer's and the operator's credential, home only (learners
+    hold credentials derived from it, `build_learner_tokens_secret`). During a rotation it
+    holds two lines, "new\nold" (operator/tokens.py)."""
     meta = _metadata(job, token_secret_name(job), "token", namespace or job.namespace, owned)
     if annotations:
         meta["annotations"] = dict(annotations)
@@ -299,6 +322,32 @@ def build_token_secret(
         "type": "Opaque",
         "metadata": meta,
         "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def build_learner_tokens_secret(
+    job: DecoupledDiLoCoJob,
+    group: str,
+    data: dict[str, bytes],
+    namespace: str | None = None,
+    owned: bool = True,
+) -> dict[str, Any]:
+    """A group's learner credentials (`learner_tokens_secret_name`), `data` as tokens.py
+    derives it from the job key: one item per learner id and per spare pod."""
+    meta = _metadata(
+        job,
+        learner_tokens_secret_name(job, group),
+        "learner-tokens",
+        namespace or job.namespace,
+        owned,
+    )
+    meta["labels"][LABEL_GROUP] = group
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": meta,
+        "data": {k: base64.b64encode(v).decode() for k, v in sorted(data.items())},
     }
 
 
@@ -358,9 +407,14 @@ def secret_token(secret: dict[str, Any] | None) -> str | None:
     return base64.b64decode(data).decode() if data else None
 
 
-def _secret_volume(name: str, secret: str) -> dict[str, Any]:
-    # 0440 + the pod's fsGroup: readable by the image's user, not by the world
-    return {"name": name, "secret": {"secretName": secret, "defaultMode": 0o440}}
+def _secret_volume(name: str, secret: str, item: str | None = None) -> dict[str, Any]:
+    """A Secret volume, 0440 + the pod's fsGroup: readable by the image's user, not by the
+    world. With `item`, only that key of the Secret, as the file TOKEN_KEY (a projection the
+    kubelet keeps current, unlike a subPath)."""
+    source: dict[str, Any] = {"secretName": secret, "defaultMode": 0o440}
+    if item is not None:
+        source["items"] = [{"key": item, "path": TOKEN_KEY}]
+    return {"name": name, "secret": source}
 
 
 def _mount(name: str, path: str) -> dict[str, Any]:
@@ -372,9 +426,14 @@ def _files(
     job: DecoupledDiLoCoJob, group: LearnerGroup | None, index: int = 0
 ) -> tuple[dict[str, str], list[dict[str, Any]], list[dict[str, Any]]]:
     """The env, volumes and mounts of the Secret files a container reads: the synchronizer's
-    (group None) or a learner slot's."""
+    (group None: the job key) or a learner slot's (its own credential, one item of its
+    group's credentials Secret; a spare swaps the item, `build_spare_pod`)."""
     env = {"DDILOCO_TOKEN_FILE": f"{TOKEN_DIR}/{TOKEN_KEY}"}
-    volumes = [_secret_volume("token", token_secret_name(job))]
+    if group is None:
+        volumes = [_secret_volume("token", token_secret_name(job))]
+    else:
+        secret = learner_tokens_secret_name(job, group.name)
+        volumes = [_secret_volume("token", secret, learner_id(group.name, index))]
     mounts = [_mount("token", TOKEN_DIR)]
     tls = job.spec.synchronizer.tls
     if group is None and tls.enabled:
@@ -521,13 +580,14 @@ def build_spare_pod(
 ) -> dict[str, Any]:
     """A hot spare of `group`: a learner pod without a slot identity (operator/spares.py).
 
-    Everything else is a slot pod's (image, resources, scheduling, token and trust files),
-    plus DDILOCO_SPARE=1 and its own name (DDILOCO_POD_NAME, downward API): `ddiloco
-    learner` then warms up (learner/spare.py), writes SPARE_READY_FILE, which its readiness
-    probe waits for, and long-polls the synchronizer's GET /v1/spares/<pod> for the slot it
-    takes over. Its labels are also mounted (PODINFO_DIR), which the kubelet refreshes after
-    the operator's patch: the fallback should the synchronizer lose the assignment. Under
-    mutual TLS it mounts its own client certificate (`spare_client_secret_name`)."""
+    Everything else is a slot pod's (image, resources, scheduling, trust files), plus
+    DDILOCO_SPARE=1 and its own name (DDILOCO_POD_NAME, downward API): `ddiloco learner`
+    then warms up (learner/spare.py), writes SPARE_READY_FILE, which its readiness probe
+    waits for, and long-polls the synchronizer's GET /v1/spares/<pod> for the slot it takes
+    over. Its token file is its own spare credential (`spare_token_key`), which reads that
+    assignment and nothing else; the assignment brings the slot's learner credential. Under
+    mutual TLS it mounts its own client certificate (`spare_client_secret_name`): no slot's
+    credential or key is ever mounted into another pod."""
     pod = build_learner_pod(job, group, 0, namespace, owned)
     name = spare_pod_name(job, group.name, serial)
     meta = pod["metadata"]
@@ -548,27 +608,13 @@ def build_spare_pod(
         "exec": {"command": ["test", "-e", SPARE_READY_FILE]},
         "periodSeconds": 1,
     }
-    container["volumeMounts"] = [*container["volumeMounts"], _mount("podinfo", PODINFO_DIR)]
-    spec["volumes"] = [
-        *(
-            {
-                **v,
-                "secret": {
-                    **v["secret"],
-                    "secretName": spare_client_secret_name(job, group.name, serial),
-                },
-            }
-            if v["name"] == "client"
-            else v
-            for v in spec["volumes"]
+    own = {
+        "client": _secret_volume("client", spare_client_secret_name(job, group.name, serial)),
+        "token": _secret_volume(
+            "token", learner_tokens_secret_name(job, group.name), spare_token_key(name)
         ),
-        {
-            "name": "podinfo",
-            "downwardAPI": {
-                "items": [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]
-            },
-        },
-    ]
+    }
+    spec["volumes"] = [own.get(v["name"], v) for v in spec["volumes"]]
     return pod
 
 

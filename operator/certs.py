@@ -50,8 +50,9 @@ from typing import Any, Final
 from urllib.parse import urlsplit
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 
-from ddiloco.operator import builders
+from ddiloco.operator import builders, tokens
 from ddiloco.operator import conditions as c
 from ddiloco.operator.api import DecoupledDiLoCoJob
 from ddiloco.operator.plan import (
@@ -116,9 +117,12 @@ def needs_renewal(cert: x509.Certificate, now: datetime, days: int) -> bool:
 
 
 def issued_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
+    """True when `ca` signed `cert`. A certificate from another CA, including one that has the
+    same name (a CA Secret recreated by hand, or the job's CA after a renewal), is simply not
+    issued by it: that is a reason to reissue, never an error."""
     try:
         cert.verify_directly_issued_by(ca)
-    except (ValueError, TypeError, x509.InvalidSignature):
+    except (ValueError, TypeError, InvalidSignature):
         return False
     return True
 
@@ -195,8 +199,10 @@ class _Writer:
         self.plan.actions.append(Action(verb, self.tgt, "Secret", name, body))
 
     def prune(self) -> None:
-        """Delete the job's TLS Secrets here that nothing wants any more (never the token)."""
+        """Delete the job's TLS Secrets here that nothing wants any more (never the key nor
+        the learners' credentials: tokens.py keeps those)."""
         keep = self.wanted | {builders.token_secret_name(self.job)}
+        keep |= set(tokens.secret_names(self.job, self.tgt).values())
         for name, secret in sorted(self.view.secrets.items()):
             if name not in keep and secret.job_uid == self.job.uid:
                 self.plan.actions.append(Action("delete", self.tgt, "Secret", name))

@@ -101,6 +101,7 @@ def derived(job: DecoupledDiLoCoJob) -> Iterator[tuple[str, str, Rule]]:
                 yield "Secret", secret, dns1123_subdomain
             for label, value in pod["metadata"]["labels"].items():
                 yield f"learner pod {name}: label {label}", value, label_value
+        yield "Secret", builders.learner_tokens_secret_name(job, group.name), dns1123_subdomain
         hot = job.spec.failure_policy.hot_spares
         if hot:  # hot spares (spares.py): serials stay below replicas + 2 hotSpares
             serial = group.replicas + 2 * hot

@@ -143,6 +143,7 @@ class SecretView:
     data: Mapping[str, bytes] = field(default_factory=dict, repr=False)
     job_uid: str = ""
     annotations: Mapping[str, str] = field(default_factory=dict)
+    owners: tuple[str, ...] = ()  # uids of its ownerReferences (the job's, for home objects)
 
     @classmethod
     def from_k8s(cls, secret: Mapping[str, Any]) -> SecretView:
@@ -151,18 +152,21 @@ class SecretView:
             data={k: base64.b64decode(v) for k, v in (secret.get("data") or {}).items()},
             job_uid=(meta.get("labels") or {}).get(builders.LABEL_JOB_UID, ""),
             annotations=dict(meta.get("annotations") or {}),
+            owners=tuple(r.get("uid", "") for r in meta.get("ownerReferences") or []),
         )
 
 
 @dataclass(frozen=True)
 class ClusterView:
-    """One target as observed: the job's pods and token Secret there, or why it can't be seen."""
+    """One target as observed: the job's pods and Secrets there, or why it can't be seen."""
 
     pods: tuple[PodView, ...] = ()
+    # the job key Secret's content: home's; in a remote target, a copy an older operator made
+    # (reconcile.py deletes it: remote clusters hold learners' credentials only)
     token: str | None = None
     problem: tuple[str, str] | None = None  # (condition reason, message): not reachable
-    # the Secrets labelled with the job's name, by name (TLS material, the token with its
-    # rotation annotations); runtime.py lists them
+    # the job's Secrets there, by name, each read by name (TLS material, the groups' learner
+    # credentials, the token with its rotation annotations); runtime.py reads them
     secrets: Mapping[str, SecretView] = field(default_factory=dict)
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
-from ddiloco.operator import builders, names, slots, spares, sync_workload
+from ddiloco.operator import builders, names, slots, spares, sync_workload, tokens
 from ddiloco.operator import conditions as c
 from ddiloco.operator.api import (
     DecoupledDiLoCoJob,
@@ -84,7 +84,7 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
         return Plan(status=status)
 
     plan = Plan()
-    tok = token_plan(job, obs, fresh_token)  # the token Secret, and its rotation (tokens.py)
+    tok = token_plan(job, obs, fresh_token)  # the job key Secret, and its rotation (tokens.py)
     token = tok.token
     plan.actions += [tok.action] if tok.action is not None else []
     plan.events += [tok.event] if tok.event is not None else []
@@ -101,7 +101,6 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
     degraded: list[tuple[str, str]] = list(tls.problems)
     not_ready: list[str] = []
     done = 0
-    copied: set[Target] = set()
     for group in job.spec.learner_groups:
         tgt = target_of(job, group)
         view = obs.clusters.get(tgt, ClusterView(problem=(c.CLUSTER_UNREACHABLE, "not observed")))
@@ -136,18 +135,9 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
                 )
             )
             continue
-        if tgt.secret is not None and view.token != token and tgt not in copied:
-            copied.add(tgt)
-            verb = "create" if view.token is None else "replace"
-            plan.actions.append(
-                Action(
-                    verb,
-                    tgt,
-                    "Secret",
-                    builders.token_secret_name(job),
-                    builders.build_token_secret(job, token, tgt.namespace, owned=False),
-                )
-            )
+        # the group's learner credentials, derived from the key, before the pods that mount them
+        if (creds := tokens.credentials_action(job, group, tgt, view, token)) is not None:
+            plan.actions.append(creds)
         pods = {(p.group, p.index): p for p in view.pods if p.job_uid == job.uid and not p.spare}
         hot = spares.observe(job, group, view.pods)  # hot spares (operator/spares.py)
         ready = replaced = promoted = finished = 0
@@ -391,18 +381,23 @@ def _synchronizer(
 
 
 def _prune(job: DecoupledDiLoCoJob, obs: Observed, plan: Plan, groups: list[GroupStatus]) -> None:
-    """Delete pods of removed slots and groups, and token copies no group needs any more
-    (never a pod of another job, not even an older one of the same name). A removed group stays in the status until its
-    cluster has been cleaned."""
+    """Delete pods of removed slots and groups, and credentials no pod needs any more (a
+    removed group's, copies of the job key in remote clusters; tokens.prune), never a pod of
+    another job, not even an older one of the same name. A removed group stays in the status
+    until its cluster has been cleaned of its pods and credentials."""
     wanted = {(g.name, i) for g in job.spec.learner_groups for i in range(g.replicas)}
     in_spec = {g.name for g in job.spec.learner_groups}
-    used = {target_of(job, g) for g in job.spec.learner_groups} | {home(job)}
     for old in job.status.groups:
         if old.name in in_spec:
             continue
         tgt = Target(old.kubeconfig_secret, old.namespace or job.namespace)
         view = obs.clusters.get(tgt)
-        if view is None or view.problem is not None or any(p.group == old.name for p in view.pods):
+        if (
+            view is None
+            or view.problem is not None
+            or any(p.group == old.name for p in view.pods)
+            or builders.learner_tokens_secret_name(job, old.name) in view.secrets
+        ):
             groups.append(old.model_copy(update={"desired": 0}))
     for tgt, view in obs.clusters.items():
         if view.problem is not None:
@@ -416,5 +411,4 @@ def _prune(job: DecoupledDiLoCoJob, obs: Observed, plan: Plan, groups: list[Grou
                 (pod.group, pod.index) not in wanted or tgt != target_of_group(job, pod.group)
             ) and not pod.terminating:
                 plan.actions.append(Action("delete", tgt, "Pod", pod.name, uid=pod.uid))
-        if tgt not in used and view.token is not None:
-            plan.actions.append(Action("delete", tgt, "Secret", builders.token_secret_name(job)))
+    plan.actions += tokens.prune(job, obs)

@@ -224,8 +224,13 @@ class Runtime:
         )
 
     def _observe_target(self, job: ddapi.DecoupledDiLoCoJob, tgt: Target) -> ClusterView:
-        """One target's pods and token copy, or why they cannot be seen. Every failure of a
-        remote cluster (whatever it raised) becomes a problem; home's propagate."""
+        """One target's pods and the job's Secrets there, or why they cannot be seen. Every
+        failure of a remote cluster (whatever it raised) becomes a problem; home's propagate.
+
+        A Secret of a name the job needs that the job did not make holds the target back (a
+        NameConflict): at home the key, anywhere a group's credentials, which its pods would
+        mount. A remote `<job>-token` is only ever a copy an older operator made, to delete:
+        someone else's of that name is left alone and is no conflict."""
         try:
             client = self.clusters.client(tgt, job.namespace)
             core = kubernetes.client.CoreV1Api(client)
@@ -239,6 +244,14 @@ class Runtime:
                     builders.token_secret_name(job), tgt.namespace, _request_timeout=self.timeout
                 )
             )
+            creds = {
+                name: get_or_none(
+                    lambda name=name: core.read_namespaced_secret(
+                        name, tgt.namespace, _request_timeout=self.timeout
+                    )
+                )
+                for name in tokens.secret_names(job, tgt).values()
+            }
             job_secrets = certs.observe_secrets(core, job, tgt, self.timeout)
         except ClusterProblem as p:
             return ClusterView(problem=(p.reason, p.message))
@@ -248,10 +261,20 @@ class Runtime:
             p = self.clusters.failed(tgt, job.namespace, e)
             return ClusterView(problem=(p.reason, p.message))
         if secret is not None and not builders.made_by(job, secret.metadata):
-            name = builders.token_secret_name(job)
-            return ClusterView(
-                problem=(c.NAME_CONFLICT, _foreign(job, "Secret", tgt.namespace, name, tgt))
-            )
+            if tgt.secret is None:
+                name = builders.token_secret_name(job)
+                return ClusterView(
+                    problem=(c.NAME_CONFLICT, _foreign(job, "Secret", tgt.namespace, name, tgt))
+                )
+            secret = None  # someone else's, of the name an older operator's copy had
+        for name, found in creds.items():
+            if found is None:
+                continue
+            if not builders.made_by(job, found.metadata):
+                return ClusterView(
+                    problem=(c.NAME_CONFLICT, _foreign(job, "Secret", tgt.namespace, name, tgt))
+                )
+            job_secrets[name] = SecretView.from_k8s(as_dict(client, found))
         if secret is not None:  # tokens.py keeps a rotation's state in its annotations
             job_secrets[builders.token_secret_name(job)] = SecretView.from_k8s(
                 as_dict(client, secret)

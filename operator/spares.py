@@ -20,8 +20,9 @@ backoff and limit as a new pod), and a Ready spare of the group stands by:
      the pod's uid and its role "spare" preconditions: a spare deleted, replaced or promoted
      meanwhile is refused, never promoted twice;
   2. once the patch is done, the runtime PUTs the assignment to the synchronizer
-     (`PUT /v1/spares/<pod>`, the job token, the operator's own TLS client as for
-     /v1/status), which hands it to the spare's waiting long poll;
+     (`PUT /v1/spares/<pod>`, the job key, the operator's own TLS client as for
+     /v1/status), which hands it to the spare's waiting long poll (the spare asks with its
+     own spare credential, and is answered the slot's learner credential with it);
   3. a new spare is created in the same pass (the lowest serial no pod of the group uses).
 The slot's books count the promoted pod as its replacement exactly as a new pod (its attempt
 label), and a SparePromoted event (posted once the patch is done) names both. Without a Ready spare the slot gets a new pod.
@@ -29,8 +30,9 @@ label), and a SparePromoted event (posted once the patch is done) names both. Wi
 Crash safety without history: the promotion is in the pod's labels, so each pass derives from
 what it observes which promoted pods still need their assignment: every promoted pod younger
 than RESEND_S is re-sent (PUT is idempotent) until the synchronizer says the spare fetched it
-(a restarted synchronizer, which forgot it, gets it again). Past that the spare reads the same
-identity from its labels (a downward API file the kubelet refreshes), so it is never stuck.
+(a restarted synchronizer, which forgot it, gets it again). The spare learns its slot from
+the synchronizer alone: one whose assignment was not delivered within RESEND_S (a
+synchronizer down for longer) keeps waiting.
 """
 
 from __future__ import annotations

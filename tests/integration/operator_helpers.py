@@ -449,6 +449,73 @@ def untagged(name: str) -> str:
     return name.rsplit("-", 1)[0]
 
 
+# --------------------------------------------------------------------------- credentials
+
+
+def job_key(cl: Clusters, job: str) -> list[str]:
+    """The job key's lines, newest first, as the home `<job>-token` Secret holds them."""
+    data = cl.core().read_namespaced_secret(f"{job}-token", cl.ns).data["token"]
+    return [x.strip() for x in base64.b64decode(data).decode().splitlines() if x.strip()]
+
+
+def job_secret_names(cl: Clusters, cluster: str, job: str) -> set[str]:
+    """The names of the job's Secrets in one cluster (listed by label: the test may list
+    Secrets, the operator never does)."""
+    found = cl.core(cluster).list_namespaced_secret(cl.ns, label_selector=f"ddiloco.dev/job={job}")
+    return {s.metadata.name for s in found.items}
+
+
+def learner_credentials(
+    cl: Clusters, cluster: str, job: str, group: str
+) -> tuple[str, dict[str, str]]:
+    """A group's learner credentials Secret in its cluster: (name, decoded items)."""
+    found = (
+        cl.core(cluster)
+        .list_namespaced_secret(
+            cl.ns,
+            label_selector=(
+                f"ddiloco.dev/job={job},ddiloco.dev/group={group},"
+                "app.kubernetes.io/component=learner-tokens"
+            ),
+        )
+        .items
+    )
+    if len(found) != 1:
+        raise LookupError(f"{len(found)} credentials Secrets of group {group} in {cluster}")
+    data = {k: base64.b64decode(v).decode() for k, v in (found[0].data or {}).items()}
+    return str(found[0].metadata.name), data
+
+
+def check_own_credential(cl: Clusters, cluster: str, job: str, pod: Any) -> str:
+    """Assert that `pod` (a learner or a hot spare) mounts its own credential and nothing of
+    the job key: one item of its group's credentials Secret, as the token file, holding what
+    the key derives for its learner id (or, a spare, for its pod name). Returns the item."""
+    from ddiloco.synchronizer import auth
+
+    volumes = {v.name: v for v in pod.spec.volumes}
+    secrets = [v.secret.secret_name for v in volumes.values() if v.secret is not None]
+    assert f"{job}-token" not in secrets, (pod.metadata.name, secrets)
+    token = volumes["token"].secret
+    labels = pod.metadata.labels
+    group = labels["ddiloco.dev/group"]
+    name, data = learner_credentials(cl, cluster, job, group)
+    assert token.secret_name == name
+    (item,) = token.items
+    if "ddiloco.dev/spare" in labels:  # born a spare: its own pod's credential, also promoted
+        kind, who = "spare", pod.metadata.name
+        assert item.key == f"spare.{who}"
+    else:
+        kind, who = "learner", labels["ddiloco.dev/learner-id"]
+        assert item.key == who
+    assert item.path == "token"
+    mount = next(m for m in pod.spec.containers[0].volume_mounts if m.name == "token")
+    assert not mount.sub_path  # a subPath mount would never see a rotation
+    env = {e.name: e.value for e in pod.spec.containers[0].env}
+    assert env["DDILOCO_TOKEN_FILE"] == f"{mount.mount_path}/token" and "DDILOCO_TOKEN" not in env
+    assert data[item.key] == auth.derived_lines(job_key(cl, job), kind, who)
+    return str(item.key)
+
+
 # --------------------------------------------------------------------------- fixtures
 
 

@@ -74,7 +74,7 @@ def test_three_cluster_example_becomes_ready(cl: h.Clusters, operator: h.Operato
     assert len(base64.b64decode(token)) >= 32
     assert not cl.pods("home", "three-regions")  # no learners at home in this example
 
-    # regions: two learner pods each, with stable ids and the same token Secret
+    # regions: two learner pods each, with stable ids, each holding its own credential only
     seen = set()
     for region in ("region-a", "region-b"):
         pods = cl.pods(region, "three-regions")
@@ -92,8 +92,13 @@ def test_three_cluster_example_becomes_ready(cl: h.Clusters, operator: h.Operato
             assert env["DDILOCO_LEARNER_ID"] == p.metadata.labels["ddiloco.dev/learner-id"]
             assert env["DDILOCO_NUM_LEARNERS"] == "4" and env["DDILOCO_P"] == "24"
             seen.add(int(env["DDILOCO_LEARNER_INDEX"]))
-        copy = cl.core(region).read_namespaced_secret("three-regions-token", cl.ns)
-        assert copy.data["token"] == token
+            h.check_own_credential(cl, region, "three-regions", p)
+        # the job key stays home: a region holds its learners' credentials, nothing more
+        creds, items = h.learner_credentials(cl, region, "three-regions", region)
+        there = h.job_secret_names(cl, region, "three-regions")
+        assert creds in there and "three-regions-token" not in there, there
+        assert sorted(items) == [f"{region}-0", f"{region}-1"]
+        assert base64.b64decode(token).decode() not in "".join(items.values())
     assert seen == {0, 1, 2, 3}  # one data shard each
 
     out = cl.kubectl("get", "ddj", "three-regions").stdout

@@ -56,9 +56,14 @@ def test_deleting_the_job_removes_everything_in_every_cluster(
     job = three_cluster_job(cl, "del", 1)
     h.wait_condition(cl, job, "Ready", timeout=60)
     assert all(cl.pods(c, job) for c in ALL)
-    assert all(
-        not gone(lambda c=c: cl.core(c).read_namespaced_secret(f"{job}-token", cl.ns)) for c in ALL
-    )
+    # the job key at home only; every cluster its group's credentials, each pod its own
+    assert not gone(lambda: cl.core().read_namespaced_secret(f"{job}-token", cl.ns))
+    for c in ALL:
+        _, items = h.learner_credentials(cl, c, job, c)
+        assert sorted(items) == [f"{c}-0"]
+        assert (f"{job}-token" in h.job_secret_names(cl, c, job)) == (c == "home"), c
+        for pod in cl.pods(c, job):
+            h.check_own_credential(cl, c, job, pod)
 
     t0 = time.monotonic()
     cl.custom().delete_namespaced_custom_object(h.GROUP, h.VERSION, cl.ns, h.PLURAL, job)
@@ -66,7 +71,7 @@ def test_deleting_the_job_removes_everything_in_every_cluster(
     print(f"job and its objects in 3 clusters deleted in {time.monotonic() - t0:.1f}s")
     for c in ALL:  # the finalizer waited for the pods, so they are gone already
         assert cl.pods(c, job) == [], c
-        assert gone(lambda c=c: cl.core(c).read_namespaced_secret(f"{job}-token", cl.ns)), c
+        assert h.job_secret_names(cl, c, job) == set(), c  # the key, credentials, TLS
     name = f"{job}-synchronizer"
     assert gone(lambda: cl.apps().read_namespaced_stateful_set(name, cl.ns))
     assert gone(lambda: cl.core().read_namespaced_service(name, cl.ns))
@@ -96,7 +101,7 @@ def test_deleting_after_the_kubeconfig_secret_went_still_cleans_the_region(
     cl.custom().delete_namespaced_custom_object(h.GROUP, h.VERSION, cl.ns, h.PLURAL, job)
     k8senv.wait_until("the job to go", lambda: gone(lambda: cl.job(job)), timeout=30)
     assert cl.pods("region-a", job) == []
-    assert gone(lambda: cl.core("region-a").read_namespaced_secret(f"{job}-token", cl.ns))
+    assert h.job_secret_names(cl, "region-a", job) == set()
 
 
 def test_killing_the_operator_mid_reconcile_leaves_one_pod_per_slot(
@@ -142,6 +147,10 @@ def test_scaling_a_group_adds_and_removes_slots(cl: h.Clusters, operator: h.Oper
         "4 learners", lambda: len(u := h.running_uids(cl, ["home"], job)) == 4 and u, timeout=30
     )
     assert {k: up[k] for k in before} == before  # the first two untouched
+    # a credential per slot, there before its pod; each pod mounts its own
+    assert sorted(h.learner_credentials(cl, "home", job, "a")[1]) == [f"a-{i}" for i in range(4)]
+    for pod in cl.pods("home", job):
+        h.check_own_credential(cl, "home", job, pod)
     job_up = h.wait_condition(cl, job, "Ready")
     assert (job_up["status"]["desiredLearners"], job_up["status"]["readyLearners"]) == (4, 4)
 
@@ -156,6 +165,12 @@ def test_scaling_a_group_adds_and_removes_slots(cl: h.Clusters, operator: h.Oper
         30,
     )
     assert down["a-0"] == before["a-0"]
+    # the removed slots' credentials go once their pods have
+    k8senv.wait_until(
+        "the removed slots' credentials to go",
+        lambda: sorted(h.learner_credentials(cl, "home", job, "a")[1]) == ["a-0"],
+        timeout=10,
+    )
     job_down = h.wait_condition(cl, job, "Ready")
     assert len(job_down["status"]["groups"][0]["shards"]) == 1
     assert job_down["status"]["groups"][0]["replaced"] == 0  # scaling is not a failure

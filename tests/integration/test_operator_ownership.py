@@ -12,6 +12,7 @@ PriorityClass) shows as a FailedCreate event and condition quoting the apiserver
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import k8senv
@@ -59,18 +60,34 @@ def events(cl: h.Clusters, job: str, reason: str) -> list[Any]:
     return [e for e in found if e.reason == reason]
 
 
-def test_someone_elses_token_secret_in_a_region_is_never_changed_nor_deleted(
+def test_someone_elses_secrets_in_a_region_are_never_changed_nor_deleted(
     cl: h.Clusters, operator: h.Operator
 ) -> None:
-    for name in ("region-a", "region-b"):
-        h.kubeconfig_secret(cl, f"{name}-kubeconfig", name)
-    theirs = foreign_secret(cl, "region-a", "own-token")
+    """A Secret of the name a group's learner credentials need (its pods would mount it)
+    holds that group back; one of the name of the job key, which no region needs, is simply
+    left alone."""
+    h.kubeconfig_secret(cl, "region-b-kubeconfig", "region-b")
+    unrelated = foreign_secret(cl, "region-b", "own-token")
     groups = [{"name": "home", "replicas": 1}, region("region-a", 1), region("region-b", 1)]
     job = h.create_job(cl, h.job_manifest("own", groups))
+    # the credentials' name carries a tag of the job's uid: known once the job exists, and
+    # taken in region-a before the operator can reach it (its kubeconfig Secret comes after)
+    meta = cl.job(job)["metadata"]
+    taken = builders.learner_tokens_secret_name(
+        SimpleNamespace(name=job, uid=meta["uid"]),  # type: ignore[arg-type]
+        "region-a",
+    )
+    theirs = foreign_secret(cl, "region-a", taken)
+    h.kubeconfig_secret(cl, "region-a-kubeconfig", "region-a")
 
-    got = h.wait_condition(cl, job, "Degraded", reason="NameConflict", timeout=30)
+    def conflict() -> dict[str, Any] | None:
+        got = cl.job(job)
+        deg = h.condition(got, "Degraded")
+        return got if deg.get("reason") == "NameConflict" and taken in deg["message"] else None
+
+    got = k8senv.wait_until("NameConflict naming the credentials Secret", conflict, timeout=30)
     message = h.condition(got, "Degraded")["message"]
-    assert f"Secret {cl.ns}/own-token" in message and "region-a-kubeconfig" in message, message
+    assert f"Secret {cl.ns}/{taken}" in message and "region-a-kubeconfig" in message, message
     # the rest of the job goes on; nothing is made where the conflict is
     k8senv.wait_until(
         "learners at home and in region-b",
@@ -79,14 +96,17 @@ def test_someone_elses_token_secret_in_a_region_is_never_changed_nor_deleted(
     )
     time.sleep(4 * float(h.RESYNC_S))
     assert cl.pods("region-a", job) == []
-    now = cl.core("region-a").read_namespaced_secret("own-token", cl.ns)
-    assert now.metadata.uid == theirs.metadata.uid
-    assert now.metadata.resource_version == theirs.metadata.resource_version  # not written
-    assert now.metadata.labels == {"owner": "someone-else"}
+    for cluster, before in (("region-a", theirs), ("region-b", unrelated)):
+        now = cl.core(cluster).read_namespaced_secret(before.metadata.name, cl.ns)
+        assert now.metadata.uid == before.metadata.uid
+        assert now.metadata.resource_version == before.metadata.resource_version  # not written
+        assert now.metadata.labels == {"owner": "someone-else"}
 
     delete_job(cl, job)
-    after = cl.core("region-a").read_namespaced_secret("own-token", cl.ns)
-    assert after.metadata.uid == theirs.metadata.uid and set(after.data) == {"password", "other"}
+    for cluster, before in (("region-a", theirs), ("region-b", unrelated)):
+        after = cl.core(cluster).read_namespaced_secret(before.metadata.name, cl.ns)
+        assert after.metadata.uid == before.metadata.uid
+        assert set(after.data) == {"password", "other"}
 
 
 def test_someone_elses_token_secret_at_home_holds_the_job_back_untouched(

@@ -113,7 +113,7 @@ def test_a_refused_region_stops_nothing_elsewhere(cl: h.Clusters, operator: h.Op
     assert "Left behind" in skipped[0].message
     for name in ("home", "region-b"):  # what could be reached was cleaned
         assert cl.pods(name, job) == [], name
-        assert gone(lambda name=name: cl.core(name).read_namespaced_secret(f"{job}-token", cl.ns))
+        assert h.job_secret_names(cl, name, job) == set(), name  # key, credentials, TLS
     assert operator.running()
 
 

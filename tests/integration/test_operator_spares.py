@@ -8,7 +8,8 @@ synchronizer` process on loopback (DDILOCO_OPERATOR_STATUS_URL_TEMPLATE), which 
 tokens from a file: once the operator has made the job's token Secret, the test writes that
 token there (the synchronizer re-reads the file), as the mounted Secret would be in a pod.
 Pods never run (kwok marks them Running and Ready), so a slot's failure is the kubelet's
-status write, and the test itself plays the spare's long poll against the synchronizer.
+status write, and the test itself plays the spare's long poll against the synchronizer, with
+the one credential the spare pod mounts (its item of the group's credentials Secret).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kubernetes.client.exceptions import ApiException
 from operator_helpers import cl_fixture, crd_fixture  # noqa: F401  (fixtures)
 
 from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
+from ddiloco.synchronizer import auth
 from ddiloco.synchronizer.client import SyncClient
 
 pytestmark = pytest.mark.integration
@@ -145,6 +147,12 @@ def test_a_failed_slot_is_taken_over_by_its_groups_hot_spare(
         return {"home": home[0], "region-a": remote[0]} if ok else None
 
     spare = k8senv.wait_until("one Ready spare per group", one_spare_each, timeout=60)
+    # each pod mounts its own credential: the slots their learner's, the spares their own
+    own = {}
+    for cluster in ("home", "region-a"):
+        for pod in all_pods(cl, cluster, job):
+            own[pod.metadata.name] = h.check_own_credential(cl, cluster, job, pod)
+    assert own[spare["home"].metadata.name] == f"spare.{spare['home'].metadata.name}"
     assert spare["home"].metadata.name.startswith("hot-a-spare-0-")
     assert spare["region-a"].metadata.name.startswith("hot-region-a-spare-0-")
     assert SLOT not in spare["home"].metadata.labels
@@ -214,14 +222,24 @@ def test_a_failed_slot_is_taken_over_by_its_groups_hot_spare(
     # synchronizer then holds each assignment: what the spare's long poll receives
     sync.child.kill()
     sync.start()
-    client = sync.client()
-    for pod, lid, shard in ((home_pod, "a-0", 0), (remote_pod, "region-a-0", 2)):
+    for pod, cluster, lid, shard in (
+        (home_pod, "home", "a-0", 0),
+        (remote_pod, "region-a", "region-a-0", 2),
+    ):
+        # the spare's own credential, as its token file holds it (promoted, it keeps it)
+        group = pod.metadata.labels["ddiloco.dev/group"]
+        item = h.check_own_credential(cl, cluster, job, pod)
+        mine = h.learner_credentials(cl, cluster, job, group)[1][item].splitlines()[0]
+        assert mine == auth.spare_token(sync.token, pod.metadata.name) != sync.token
+        client = SyncClient(sync.url, mine, timeout=30)
         status, _, answer = client.request("GET", f"/v1/spares/{pod.metadata.name}?wait_s=10")
         got = json.loads(answer)
         assert status == 200, answer
         assert (got["learner_id"], got["learner_index"], got["num_learners"]) == (lid, shard, 3)
         assert got["attempt"] == 1
-    client.close()
+        # with it the slot's learner credential, which speaks for that slot alone
+        assert got["token"] == auth.learner_token(sync.token, lid)
+        client.close()
 
     # a new spare stands by in each group; the books count one promoted replacement each
     def refilled() -> dict[str, Any] | None:

@@ -7,7 +7,7 @@ Three clusters (home, region-a, region-b). The operator issues a CA and a server
 per job, copies the CA (never its key) into every region its learners run in, gives every
 learner slot a client certificate with mutual TLS, renews what nears expiry, asks cert-manager
 instead when told to (its CRD installed here, no controller: the test plays cert-manager), and
-rotates the token without restarting a pod. Pods never run containers (kwok), so the checks
+rotates the job key, and the learners' credentials derived from it, without restarting a pod. Pods never run containers (kwok), so the checks
 are on the objects: the Secrets' keys and parsed certificates, the env and volumes of the pods.
 """
 
@@ -25,6 +25,7 @@ from cryptography import x509
 from kubernetes.client.exceptions import ApiException
 from operator_helpers import cl_fixture, crd_fixture, operator_fixture  # noqa: F401  (fixtures)
 
+from ddiloco.synchronizer import auth
 from ddiloco.synchronizer import tls as x
 
 pytestmark = pytest.mark.integration
@@ -157,11 +158,13 @@ def test_the_job_gets_its_ca_certificates_and_mounts_everywhere(
         client = x.KeyPair.from_pem(data(client_secret)["tls.crt"], data(client_secret)["tls.key"])
         assert client.common_name == lid
         client.certificate.verify_directly_issued_by(ca.certificate)
+        creds, _ = h.learner_credentials(cl, cluster, job, "a" if cluster == "home" else cluster)
         assert mounts == {
-            "/var/run/ddiloco/token": f"{job}-token",
+            "/var/run/ddiloco/token": creds,  # its own credential: one item, never the key
             "/var/run/ddiloco/trust": f"{job}-trust",
             "/var/run/ddiloco/client": client_name,
         }
+        assert h.check_own_credential(cl, cluster, job, pod) == lid
         env = env_of(pod.spec.containers[0])
         assert env["DDILOCO_SYNC_URL"].startswith("https://")
         assert env["DDILOCO_TOKEN_FILE"] == "/var/run/ddiloco/token/token"
@@ -174,10 +177,10 @@ def test_the_job_gets_its_ca_certificates_and_mounts_everywhere(
     )
     region = cl.core("region-a").list_namespaced_secret(cl.ns).items
     assert {s.metadata.name for s in region if s.metadata.name.startswith(job)} == {
-        f"{job}-token",
         f"{job}-trust",
         secret_mounts(learner(cl, "region-a", job).spec)["/var/run/ddiloco/client"],
-    }, "the CA's key and the server's key never leave home"
+        secret_mounts(learner(cl, "region-a", job).spec)["/var/run/ddiloco/token"],
+    }, "the CA's key, the server's key and the job key never leave home"
     other = cl.core("region-b").list_namespaced_secret(cl.ns).items
     assert not [s for s in other if s.metadata.name.startswith(job)], "no learners there"
 
@@ -275,8 +278,12 @@ def test_a_certificate_near_expiry_is_renewed(cl: h.Clusters, operator: h.Operat
 
 
 def token_lines(cl: h.Clusters, cluster: str, job: str) -> list[str]:
-    raw = data(secret(cl, cluster, f"{job}-token"))["token"].decode()
-    return [line for line in raw.splitlines() if line]
+    """What a cluster's token file holds: at home the job key, in region-a the credential of
+    its one learner (region-a-0)."""
+    if cluster == "home":
+        return h.job_key(cl, job)
+    _, items = h.learner_credentials(cl, cluster, job, "region-a")
+    return items["region-a-0"].splitlines()
 
 
 def test_the_token_rotates_without_restarting_a_pod(cl: h.Clusters, operator: h.Operator) -> None:
@@ -294,7 +301,8 @@ def test_the_token_rotates_without_restarting_a_pod(cl: h.Clusters, operator: h.
         cl.apps().read_namespaced_stateful_set(f"{job}-synchronizer", cl.ns).metadata.generation
     )
     (old,) = token_lines(cl, "home", job)
-    assert token_lines(cl, "region-a", job) == [old]
+    assert token_lines(cl, "region-a", job) == [auth.learner_token(old, "region-a-0")]
+    assert f"{job}-token" not in h.job_secret_names(cl, "region-a", job)
 
     cl.kubectl("annotate", "ddj", job, "ddiloco.dev/rotate-token=first", "--overwrite")
     both = k8senv.wait_until(
@@ -307,12 +315,21 @@ def test_the_token_rotates_without_restarting_a_pod(cl: h.Clusters, operator: h.
     )
     new = both[0]
     assert both == [new, old] and new != old
-    assert token_lines(cl, "region-a", job) == [new, old]
+    # the region's learner: its own credential under both keys, the new one first
+    assert token_lines(cl, "region-a", job) == [
+        auth.learner_token(new, "region-a-0"),
+        auth.learner_token(old, "region-a-0"),
+    ]
+    _, home_items = h.learner_credentials(cl, "home", job, "a")
+    assert home_items["a-0"] == auth.derived_lines([new, old], "learner", "a-0")
     notes = secret(cl, "home", f"{job}-token").metadata.annotations
     assert notes["ddiloco.dev/token-rotation"] == "first"
     k8senv.wait_until(
         "the old token dropped everywhere",
-        lambda: all(token_lines(cl, c, job) == [new] for c in clusters),
+        lambda: (
+            token_lines(cl, "home", job) == [new]
+            and token_lines(cl, "region-a", job) == [auth.learner_token(new, "region-a-0")]
+        ),
         timeout=30,
     )
     # the same annotation value is not acted on twice

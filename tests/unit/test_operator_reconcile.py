@@ -9,6 +9,7 @@ the operator does between two passes.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from ddiloco.operator import builders, sync_workload
+from ddiloco.operator import builders, sync_workload, tokens
 from ddiloco.operator import conditions as c
 from ddiloco.operator.api import DecoupledDiLoCoJob, SecretKeyRef
 from ddiloco.operator.plan import (
@@ -24,11 +25,14 @@ from ddiloco.operator.plan import (
     Observed,
     Plan,
     PodView,
+    SecretView,
     Target,
     home,
+    target_of,
     targets,
 )
 from ddiloco.operator.reconcile import reconcile
+from ddiloco.synchronizer import auth
 
 T0 = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
 TOKEN = "tok-123"
@@ -108,8 +112,8 @@ def observe(
     return Observed(
         now=now,
         clusters={
-            home(job): ClusterView(pods=home_pods, token=TOKEN),
-            REMOTE: remote or ClusterView(pods=remote_pods, token=TOKEN),
+            home(job): settled(job, home(job), ClusterView(pods=home_pods, token=TOKEN)),
+            REMOTE: remote or settled(job, REMOTE, ClusterView(pods=remote_pods)),
         },
         statefulset=sts,
         service=True,
@@ -118,6 +122,18 @@ def observe(
         shards_service_ports=built if service_ports is None else service_ports,
         sync_status=sync,
     )
+
+
+def settled(job: DecoupledDiLoCoJob, tgt: Target, view: ClusterView) -> ClusterView:
+    """`view` with what an earlier pass wrote there: each group's learner credentials under
+    TOKEN (tokens.py), for the pods it holds."""
+    found = dict(view.secrets)
+    for group in job.spec.learner_groups:
+        if target_of(job, group) == tgt:
+            found[builders.learner_tokens_secret_name(job, group.name)] = SecretView(
+                data=tokens.credentials(job, group, view, [TOKEN]), job_uid=job.uid
+            )
+    return dataclasses.replace(view, secrets=found)
 
 
 def step(job: DecoupledDiLoCoJob, obs: Observed) -> tuple[DecoupledDiLoCoJob, Plan]:
@@ -131,6 +147,11 @@ def cond(job: DecoupledDiLoCoJob, type_: str) -> tuple[str, str]:
     found = c.get(job.status.conditions, type_)
     assert found is not None, type_
     return found.status, found.reason
+
+
+def secret_data(body: dict[str, Any] | None) -> dict[str, bytes]:
+    assert body is not None
+    return {k: base64.b64decode(v) for k, v in body["data"].items()}
 
 
 def verbs(plan: Plan) -> list[tuple[str, str, str]]:
@@ -163,8 +184,22 @@ def test_a_new_job_creates_everything_everywhere() -> None:
         (builders.learner_pod_name(job, "home", 1), "local"),
         (builders.learner_pod_name(job, "ra", 0), "region-a-kubeconfig"),
     ]
+    # the key stays home; the region gets its learner's credential only, derived from the key
     remote_secret = [a for a in plan.actions if a.kind == "Secret" and a.target == REMOTE]
-    assert builders.secret_token(remote_secret[0].body) == "fresh"  # the same token as home's
+    assert [a.name for a in remote_secret] == [builders.learner_tokens_secret_name(job, "ra")]
+    assert secret_data(remote_secret[0].body) == {
+        "ra-0": auth.learner_token("fresh", "ra-0").encode()
+    }
+    home_secret = next(
+        a for a in plan.actions if a.name == builders.learner_tokens_secret_name(job, "home")
+    )
+    assert secret_data(home_secret.body) == {
+        f"home-{i}": auth.learner_token("fresh", f"home-{i}").encode() for i in (0, 1)
+    }
+    # each written before the pods that mount it
+    kinds = [(a.kind, a.target) for a in plan.actions]
+    for tgt in (home(job), REMOTE):
+        assert kinds.index(("Secret", tgt)) < kinds.index(("Pod", tgt))
     assert job.status.phase == "Pending" and job.status.observed_generation == 3
     assert {x.type for x in job.status.conditions} == set(c.TYPES)
     assert cond(job, c.READY) == ("False", c.SYNCHRONIZER_NOT_READY)
@@ -434,9 +469,15 @@ def test_removed_group_is_cleaned_from_its_cluster() -> None:
     only_home = make_job(learnerGroups=[{"name": "home", "replicas": 2}])
     only_home = only_home.model_copy(update={"status": job.status})
     assert REMOTE in targets(only_home)  # still looked at, from the status
-    job2, plan = step(only_home, observe(only_home, home_pods, remote_pods))
-    assert {("delete", "Pod", "tiny-ra-0"), ("delete", "Secret", "tiny-token")} <= set(verbs(plan))
+    obs = observe(only_home, home_pods, remote=settled(job, REMOTE, ClusterView(pods=remote_pods)))
+    job2, plan = step(only_home, obs)
+    creds = builders.learner_tokens_secret_name(job, "ra")
+    assert {("delete", "Pod", "tiny-ra-0"), ("delete", "Secret", creds)} <= set(verbs(plan))
     assert "ra" in [g.name for g in job2.status.groups]  # until its pods are gone
+    gone = dataclasses.replace(obs.clusters[REMOTE], pods=())
+    job2, plan = step(job2, dataclasses.replace(obs, clusters={**obs.clusters, REMOTE: gone}))
+    assert ("delete", "Secret", creds) in verbs(plan)
+    assert "ra" in [g.name for g in job2.status.groups]  # and its credentials
     job3, _ = step(
         job2,
         Observed(
@@ -494,14 +535,90 @@ def test_pods_of_another_job_with_the_same_name_are_never_deleted() -> None:
     assert created.name != stale.name
 
 
-def test_remote_token_copy_is_refreshed() -> None:
+def test_only_the_synchronizer_mounts_the_job_key() -> None:
+    """Every pod a job makes, slots and hot spares at home and in a region, mounts one item
+    of its group's credentials Secret (its own), the synchronizer alone the key."""
+    job = make_job(failurePolicy={"hotSpares": 1})
+    obs = Observed(now=T0, clusters={home(job): ClusterView(), REMOTE: ClusterView()})
+    _, plan = step(job, obs)
+    made = [a for a in plan.actions if a.kind in ("Pod", "StatefulSet") and a.verb == "create"]
+    assert len([a for a in made if a.kind == "Pod"]) == 5  # 3 slots, a spare per group
+    for action in made:
+        assert action.body is not None
+        spec = action.body["spec"]
+        spec = spec["template"]["spec"] if action.kind == "StatefulSet" else spec
+        secrets = {v["name"]: v["secret"] for v in spec["volumes"] if "secret" in v}
+        if action.kind == "StatefulSet":
+            assert secrets["token"]["secretName"] == "tiny-token"
+            continue
+        assert "tiny-token" not in [v["secretName"] for v in secrets.values()], action.name
+        labels = action.body["metadata"]["labels"]
+        group = labels[builders.LABEL_GROUP]
+        own = labels.get(builders.LABEL_LEARNER_ID) or f"spare.{action.name}"
+        assert secrets["token"] == {
+            "secretName": builders.learner_tokens_secret_name(job, group),
+            "defaultMode": 0o440,
+            "items": [{"key": own, "path": "token"}],
+        }
+
+
+def test_a_removed_slots_credential_goes_with_its_pod() -> None:
     job = make_job()
     home_pods, remote_pods = healthy_pods()
-    _, plan = step(
-        job, observe(job, home_pods, remote=ClusterView(pods=remote_pods, token="other"))
-    )
-    assert verbs(plan) == [("replace", "Secret", "tiny-token")]
-    assert builders.secret_token(plan.actions[0].body) == TOKEN
+    job, _ = step(job, observe(job, home_pods, remote_pods))
+    name = builders.learner_tokens_secret_name(job, "home")
+    fewer = make_job(learnerGroups=[{"name": "home", "replicas": 1}, job.spec.learner_groups[1]])
+    fewer = fewer.model_copy(update={"status": job.status})
+    obs = observe(job, home_pods, remote_pods)  # written for two slots, both pods there
+    job2, plan = step(fewer, obs)
+    assert ("delete", "Pod", "tiny-home-1") in verbs(plan)
+    assert not [a for a in plan.actions if a.name == name]  # kept while its pod drains
+    going = dataclasses.replace(home_pods[1], terminating=True)
+    still = dataclasses.replace(obs.clusters[home(job)], pods=(home_pods[0], going))
+    _, plan = step(job2, dataclasses.replace(obs, clusters={**obs.clusters, home(job): still}))
+    assert not [a for a in plan.actions if a.name == name]
+    gone = dataclasses.replace(still, pods=home_pods[:1])
+    _, plan = step(job2, dataclasses.replace(obs, clusters={**obs.clusters, home(job): gone}))
+    (action,) = [a for a in plan.actions if a.name == name]
+    assert action.verb == "replace"
+    assert secret_data(action.body) == {"home-0": auth.learner_token(TOKEN, "home-0").encode()}
+
+
+def test_credentials_follow_the_key() -> None:
+    """A changed key (a rotation's "new\\nold") rewrites every group's credentials in the
+    same pass, one line per key, the new one first; an up-to-date Secret is left alone."""
+    job = make_job()
+    home_pods, remote_pods = healthy_pods()
+    obs = observe(job, home_pods, remote_pods)
+    assert not [a for a in step(job, obs)[1].actions if a.kind == "Secret"]
+    rotated = dataclasses.replace(obs.clusters[home(job)], token=f"new\n{TOKEN}")
+    _, plan = step(job, dataclasses.replace(obs, clusters={**obs.clusters, home(job): rotated}))
+    written = {a.name: secret_data(a.body) for a in plan.actions if a.kind == "Secret"}
+    assert written == {
+        builders.learner_tokens_secret_name(job, "home"): {
+            lid: auth.derived_lines(["new", TOKEN], "learner", lid).encode()
+            for lid in ("home-0", "home-1")
+        },
+        builders.learner_tokens_secret_name(job, "ra"): {
+            "ra-0": auth.derived_lines(["new", TOKEN], "learner", "ra-0").encode()
+        },
+    }
+
+
+def test_a_copy_of_the_key_in_a_region_is_deleted() -> None:
+    """An older operator copied the job key into every region; a region holds only its
+    learners' credentials now. A key Secret the job owns is home's own (a kubeconfig that
+    points back home), never deleted."""
+    job = make_job()
+    home_pods, remote_pods = healthy_pods()
+    copy = settled(job, REMOTE, ClusterView(pods=remote_pods, token=TOKEN))
+    _, plan = step(job, observe(job, home_pods, remote=copy))
+    assert verbs(plan) == [("delete", "Secret", "tiny-token")]
+    assert plan.actions[0].target == REMOTE
+    own = SecretView(data={"token": TOKEN.encode()}, job_uid=job.uid, owners=(job.uid,))
+    aliased = dataclasses.replace(copy, secrets={**copy.secrets, "tiny-token": own})
+    _, plan = step(job, observe(job, home_pods, remote=aliased))
+    assert verbs(plan) == []
 
 
 def test_invalid_spec_sets_a_condition_and_acts_nowhere() -> None:

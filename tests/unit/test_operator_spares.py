@@ -11,7 +11,9 @@ apiserver does the same in tests/integration/test_operator_spares.py.
 
 from __future__ import annotations
 
+import base64
 import copy
+import dataclasses
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -22,8 +24,9 @@ import yaml
 
 from ddiloco.operator import api, builders, names, spares
 from ddiloco.operator.api import DecoupledDiLoCoJob, FailurePolicy
-from ddiloco.operator.plan import Action, ClusterView, Observed, Plan, PodView, home
+from ddiloco.operator.plan import Action, ClusterView, Observed, Plan, PodView, SecretView, home
 from ddiloco.operator.reconcile import reconcile
+from ddiloco.synchronizer import auth
 
 T0 = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC)
 CRD = (
@@ -106,10 +109,17 @@ def test_a_spare_pod_is_a_learner_pod_without_a_slot() -> None:
     (s,) = slot["spec"]["containers"]
     assert (c["image"], c["command"], c["resources"]) == (s["image"], s["command"], s["resources"])
     assert c["readinessProbe"]["exec"]["command"] == ["test", "-e", builders.SPARE_READY_FILE]
+    # its token file is its own spare credential, one item of its group's credentials Secret
     volumes = {v["name"]: v for v in spare["spec"]["volumes"]}
-    assert volumes["podinfo"]["downwardAPI"]["items"][0]["fieldRef"]["fieldPath"] == (
-        "metadata.labels"
-    )
+    assert volumes["token"]["secret"] == {
+        "secretName": builders.learner_tokens_secret_name(job, "a"),
+        "defaultMode": 0o440,
+        "items": [{"key": f"spare.{name}", "path": "token"}],
+    }
+    assert env["DDILOCO_TOKEN_FILE"] == "/var/run/ddiloco/token/token"
+    assert set(volumes) == {"token"}  # no downward API labels: the assignment comes by API
+    assert [m["name"] for m in c["volumeMounts"]] == ["token"]
+    assert not any("subPath" in m for m in c["volumeMounts"])
     assert spare["spec"]["restartPolicy"] == "Never"
     # its learner_selector sees it (so the job's deletion removes it); from_k8s reads it as one
     assert labels[builders.LABEL_COMPONENT] == "learner"
@@ -151,18 +161,42 @@ def test_the_longest_names_with_spares_are_valid() -> None:
 
 
 class Namespace:
-    """The pods of one namespace, changed by a plan's actions as an apiserver would."""
+    """The pods and Secrets of one namespace, changed by a plan's actions as an apiserver
+    would. A pod is created only if the credential item its token volume names is there (the
+    kubelet could not start it otherwise), and only its own."""
 
     def __init__(self) -> None:
         self.pods: dict[str, dict[str, Any]] = {}
+        self.secrets: dict[str, SecretView] = {}
         self.serial = 0
         self.refused: list[Action] = []
 
     def views(self) -> tuple[PodView, ...]:
         return tuple(v for p in self.pods.values() if (v := PodView.from_k8s(p)) is not None)
 
+    def view(self, token: str) -> ClusterView:
+        return ClusterView(pods=self.views(), token=token, secrets=dict(self.secrets))
+
+    def item(self, pod: dict[str, Any]) -> bytes:
+        """The credential a pod's token file holds."""
+        (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "token"]
+        ((item),) = volume["secret"]["items"]
+        assert item["path"] == "token"
+        return self.secrets[volume["secret"]["secretName"]].data[item["key"]]
+
     def apply(self, plan: Plan, ready: bool = True) -> None:
         for a in plan.actions:
+            if a.kind == "Secret":
+                if a.verb == "delete":
+                    self.secrets.pop(a.name, None)
+                else:
+                    assert a.body is not None
+                    assert (a.verb == "create") == (a.name not in self.secrets)
+                    self.secrets[a.name] = SecretView(
+                        data={k: base64.b64decode(v) for k, v in a.body["data"].items()},
+                        job_uid=a.body["metadata"]["labels"][builders.LABEL_JOB_UID],
+                    )
+                continue
             if a.kind != "Pod":
                 continue
             if a.verb == "create":
@@ -170,6 +204,12 @@ class Namespace:
                 if a.name in self.pods:
                     self.refused.append(a)
                     continue
+                labels = a.body["metadata"]["labels"]
+                if labels.get(builders.LABEL_ROLE) == builders.ROLE_SPARE:
+                    want = auth.spare_token("tok", a.name)
+                else:
+                    want = auth.learner_token("tok", labels[builders.LABEL_LEARNER_ID])
+                assert self.item(a.body) == want.encode(), a.name
                 self.serial += 1
                 body = copy.deepcopy(a.body)
                 body["metadata"]["uid"] = f"uid-{self.serial}"
@@ -215,7 +255,7 @@ def run(
     for k in range(passes):
         obs = Observed(
             now=now + timedelta(seconds=k),
-            clusters={home(job): ClusterView(pods=ns.views(), token="tok")},
+            clusters={home(job): ns.view("tok")},
             statefulset={"status": {"availableReplicas": 1}},
             service=True,
             shards_service=True,
@@ -287,6 +327,39 @@ def test_a_failed_slot_is_handed_to_the_ready_spare_and_a_new_spare_follows() ->
     assert not plans[0].assignments
 
 
+def test_each_pod_holds_its_own_credential_and_the_secret_follows_the_spares() -> None:
+    """The group's credentials Secret: an item per learner id and per spare pod, those there
+    and the next ones a pass may create, so each is there before its pod (Namespace.apply
+    checks every pod's item). A promoted spare keeps its own spare item (it reads its
+    assignment with it); a removed spare's item goes with it."""
+    job = make_job(hot=2)
+    ns = Namespace()
+    job, _ = run(job, ns, T0)
+    name = builders.learner_tokens_secret_name(job, "a")
+
+    def items() -> set[str]:
+        return set(ns.secrets[name].data)
+
+    def spares_(*serials: int) -> set[str]:
+        return {f"spare.{builders.spare_pod_name(job, 'a', k)}" for k in serials}
+
+    assert spare_names(ns) == sorted(builders.spare_pod_name(job, "a", k) for k in (0, 1))
+    assert items() == {"a-0", "a-1"} | spares_(0, 1, 2, 3)
+    assert set(ns.secrets) == {name}  # nothing else of the job's in the pods' namespace here
+    for pod in ns.pods.values():
+        assert b"tok" not in ns.item(pod).split(b"\n")  # never the key itself
+    ns.fail(builders.learner_pod_name(job, "a", 0))
+    job, _ = run(job, ns, T0 + timedelta(seconds=10))
+    assert spare_names(ns) == sorted(builders.spare_pod_name(job, "a", k) for k in (1, 2))
+    assert items() == {"a-0", "a-1"} | spares_(0, 1, 2, 3, 4)
+    job = job.model_copy(
+        update={"spec": job.spec.model_copy(update={"failure_policy": FailurePolicy(hot_spares=0)})}
+    )
+    job, _ = run(job, ns, T0 + timedelta(seconds=20))
+    assert spare_names(ns) == []
+    assert items() == {"a-0", "a-1"} | spares_(0)  # spare 0 holds slot a-0 now
+
+
 def test_without_a_ready_spare_the_slot_gets_a_new_pod() -> None:
     job = make_job()
     ns = Namespace()
@@ -307,13 +380,14 @@ def test_a_promotion_whose_precondition_fails_changes_nothing() -> None:
     job, _ = run(job, ns, T0)
     (spare,) = spare_names(ns)
     ns.fail(builders.learner_pod_name(job, "a", 0))
-    obs_pods = ns.views()
+    seen = ns.view("tok")
+    obs_pods = seen.pods
     ns.pods[spare]["metadata"]["uid"] = "someone-else"  # replaced between observe and patch
     plan = reconcile(
         job,
         Observed(
             now=T0 + timedelta(seconds=10),
-            clusters={home(job): ClusterView(pods=obs_pods, token="tok")},
+            clusters={home(job): seen},
             statefulset={"status": {"availableReplicas": 1}},
             service=True,
             shards_service=True,
@@ -326,7 +400,7 @@ def test_a_promotion_whose_precondition_fails_changes_nothing() -> None:
         job,
         Observed(
             now=T0 + timedelta(seconds=11),
-            clusters={home(job): ClusterView(pods=obs_pods[1:], token="tok")},
+            clusters={home(job): dataclasses.replace(seen, pods=obs_pods[1:])},
             statefulset={"status": {"availableReplicas": 1}},
             service=True,
             shards_service=True,

@@ -8,6 +8,7 @@ Pure: jobs and observations built by hand, as in test_operator_reconcile.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from datetime import UTC, datetime, timedelta
@@ -15,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from ddiloco.operator import api, builders, names, slots, sync_workload
+from ddiloco.operator import api, builders, names, slots, sync_workload, tokens
 from ddiloco.operator import conditions as c
 from ddiloco.operator.api import DecoupledDiLoCoJob, JobStatus, SecretKeyRef
-from ddiloco.operator.plan import ClusterView, Observed, Plan, PodView, Target, home
+from ddiloco.operator.plan import ClusterView, Observed, Plan, PodView, SecretView, Target, home
 from ddiloco.operator.reconcile import reconcile
 from ddiloco.operator.slots import Slot
 
@@ -59,9 +60,16 @@ def observe(
 ) -> Observed:
     sts = sync_workload.build_synchronizer_statefulset(job)
     sts["status"] = {"availableReplicas": 1}
+    view = ClusterView(pods=pods, token="tok")
+    creds = {  # each group's learner credentials, as an earlier pass wrote them
+        builders.learner_tokens_secret_name(job, g.name): SecretView(
+            data=tokens.credentials(job, g, view, ["tok"]), job_uid=job.uid
+        )
+        for g in job.spec.learner_groups
+    }
     return Observed(
         now=now,
-        clusters={home(job): ClusterView(pods=pods, token="tok")},
+        clusters={home(job): dataclasses.replace(view, secrets=creds)},
         statefulset=sts,
         service=service,
         shards_service=True,

@@ -37,6 +37,7 @@ from ddiloco.operator.plan import (
 )
 from ddiloco.operator.reconcile import reconcile
 from ddiloco.operator.syncstatus import StatusReader
+from ddiloco.synchronizer import auth
 from ddiloco.synchronizer import tls as x
 
 # The issuing functions (synchronizer/tls.py) date certificates by the wall clock; the
@@ -152,11 +153,16 @@ class World:
         return x.KeyPair.from_pem(s.data["tls.crt"], s.data["tls.key"])
 
 
+def creds(job: api.DecoupledDiLoCoJob, group: str) -> str:
+    """The name of a group's learner credentials Secret."""
+    return builders.learner_tokens_secret_name(job, group)
+
+
 def tls_actions(plan: Plan) -> list[tuple[str, str, str]]:
     return [
         (a.verb, a.name, a.target.label)
         for a in plan.actions
-        if a.kind in ("Secret", "Certificate") and a.name != "tj-token"
+        if a.kind in ("Secret", "Certificate") and a.name != "tj-token" and "-tokens-" not in a.name
     ]
 
 
@@ -325,6 +331,13 @@ def test_learners_mount_the_trust_and_their_own_client_certificate(mutual: bool)
         e, m = env(pod), mounts(pod)
         assert "DDILOCO_TOKEN" not in e
         assert e["DDILOCO_TOKEN_FILE"] == "/var/run/ddiloco/token/token"
+        # its own credential, one item of its group's Secret: never the job key
+        token = next(v for v in pod["spec"]["volumes"] if v["name"] == "token")
+        assert (
+            token["secret"]["secretName"] == creds(job, group.name) == m["/var/run/ddiloco/token"]
+        )
+        assert token["secret"]["items"] == [{"key": f"{group.name}-0", "path": "token"}]
+        assert "tj-token" not in m.values()
         assert e["DDILOCO_CA_FILE"] == "/var/run/ddiloco/trust/ca.crt"
         assert m["/var/run/ddiloco/trust"] == "tj-trust"
         assert e["DDILOCO_SYNC_URL"].startswith("https://")
@@ -344,7 +357,7 @@ def test_an_insecure_group_gets_no_tls_files() -> None:
         learnerGroups=[remote_group("http://sync.example.com:8470", insecure=True)],
     )
     pod = builders.build_learner_pod(job, job.spec.learner_groups[0], 0)
-    assert mounts(pod) == {"/var/run/ddiloco/token": "tj-token"}
+    assert mounts(pod) == {"/var/run/ddiloco/token": creds(job, "ra")}
     assert env(pod)["DDILOCO_SYNC_URL"] == "http://sync.example.com:8470"
 
 
@@ -392,7 +405,7 @@ def test_the_first_pass_issues_everything_and_the_second_changes_nothing() -> No
     assert w.home_secret("tj-tls").data["ca.crt"] == ca.cert_pem
     # the regions get the CA certificates and their own clients' keys, never the CA's key
     remote = w.secrets[REMOTE]
-    assert set(remote) == {"tj-trust", lid["ra", 0], "tj-token"}
+    assert set(remote) == {"tj-trust", lid["ra", 0], creds(w.job, "ra")}  # and not the key
     assert set(remote["tj-trust"].data) == {"ca.crt", "client-ca.crt"}
     assert remote["tj-trust"].data["ca.crt"] == ca.cert_pem
     client = w.pair(REMOTE, lid["ra", 0])
@@ -494,6 +507,36 @@ def test_a_short_certificate_put_there_by_hand_is_renewed() -> None:
     assert w.pair(h, "tj-tls").not_after - T0 > timedelta(days=89)
 
 
+def test_a_certificate_of_another_ca_with_the_same_name_is_not_issued_by_it() -> None:
+    # Same subject, so the issuer names match and only the signature tells them apart.
+    ours, theirs = x.issue_ca("ddiloco ns/tj CA"), x.issue_ca("ddiloco ns/tj CA")
+    leaf = x.issue_server(theirs, ["tj-synchronizer"])
+    assert not certs.issued_by(leaf.certificate, ours.certificate)
+    assert certs.issued_by(leaf.certificate, theirs.certificate)
+    other_name = x.issue_server(x.issue_ca("someone else"), ["tj-synchronizer"])
+    assert not certs.issued_by(other_name.certificate, ours.certificate)
+
+
+def test_a_server_certificate_of_a_recreated_ca_is_reissued() -> None:
+    """The CA Secret replaced by one with the same name (deleted live, or renewed): the server
+    and client certificates it did not sign are reissued, and reconcile keeps going."""
+    w = World(make_job(tls={"mutual": True}))
+    w.step()
+    h = home(w.job)
+    old_ca = w.pair(h, "tj-ca")
+    new_ca = x.issue_ca(old_ca.common_name)
+    w.secrets[h]["tj-ca"] = SecretView(
+        data={"tls.crt": new_ca.cert_pem, "tls.key": new_ca.key_pem, "ca.crt": new_ca.cert_pem},
+        job_uid="uid-1",
+    )
+    acts = tls_actions(w.step())
+    assert ("replace", "tj-tls", "local") in acts
+    lid = builders.client_secret_name(w.job, "ra", 0)
+    assert ("replace", lid, "region-a-kubeconfig") in acts
+    assert certs.issued_by(w.pair(h, "tj-tls").certificate, new_ca.certificate)
+    assert certs.issued_by(w.pair(REMOTE, lid).certificate, new_ca.certificate)
+
+
 def test_new_external_names_reissue_the_server_certificate() -> None:
     w = World(make_job())
     w.step()
@@ -528,7 +571,8 @@ def test_turning_mutual_tls_off_prunes_the_client_certificates() -> None:
     assert set(w.secrets[REMOTE]["tj-trust"].data) == {"ca.crt"}  # no client-ca.crt
     w.job = make_job(tls={"enabled": False}).model_copy(update={"status": w.job.status})
     w.step()
-    assert set(w.secrets[home(w.job)]) == {"tj-token"} and set(w.secrets[REMOTE]) == {"tj-token"}
+    assert set(w.secrets[home(w.job)]) == {"tj-token", creds(w.job, "home")}
+    assert set(w.secrets[REMOTE]) == {creds(w.job, "ra")}
 
 
 # --------------------------------------------------------------------------- cert-manager
@@ -613,17 +657,40 @@ def rotate(w: World, value: str) -> None:
 
 
 def token_of(w: World, tgt: Target) -> str:
+    """The job key, as the home Secret holds it."""
     return w.secrets[tgt]["tj-token"].data["token"].decode()
+
+
+def cred_of(w: World, tgt: Target, group: str, item: str) -> str:
+    """One item of a group's learner credentials Secret (what one pod's token file holds)."""
+    return w.secrets[tgt][creds(w.job, group)].data[item].decode()
+
+
+def learners(*keys: str) -> dict[str, str]:
+    """What each learner's file holds under `keys`, by learner id (make_job: home-0, home-1
+    at home, ra-0 in the region)."""
+    return {lid: auth.derived_lines(keys, "learner", lid) for lid in ("home-0", "home-1", "ra-0")}
+
+
+def creds_of(w: World) -> dict[str, str]:
+    return {
+        lid: cred_of(w, home(w.job) if lid.startswith("home") else REMOTE, lid[:-2], lid)
+        for lid in ("home-0", "home-1", "ra-0")
+    }
 
 
 def test_a_token_rotation_keeps_the_old_token_for_the_grace_period() -> None:
     w = World(make_job(synchronizer={"tokenRotationGraceSeconds": 60}))
     w.step(fresh="old")
-    assert token_of(w, home(w.job)) == token_of(w, REMOTE) == "old"
+    assert token_of(w, home(w.job)) == "old" and "tj-token" not in w.secrets[REMOTE]
+    assert creds_of(w) == learners("old")
     rotate(w, "2026-12-01")
     plan = w.step(fresh="new")
     assert [e.reason for e in plan.events] == ["TokenRotating"]
-    assert token_of(w, home(w.job)) == token_of(w, REMOTE) == "new\nold"
+    # the key, and every credential derived from it, in the same pass
+    assert token_of(w, home(w.job)) == "new\nold"
+    assert creds_of(w) == learners("new", "old")
+    assert creds_of(w)["ra-0"].splitlines()[0] == auth.learner_token("new", "ra-0")
     # nothing restarts: no pod deleted, the synchronizer's StatefulSet left as it is
     assert not [a for a in plan.actions if a.kind == "StatefulSet" or a.verb == "delete"]
     notes = w.home_secret("tj-token").annotations
@@ -634,7 +701,8 @@ def test_a_token_rotation_keeps_the_old_token_for_the_grace_period() -> None:
     w.now = T0 + timedelta(seconds=61)
     plan = w.step(fresh="newer")
     assert [e.reason for e in plan.events] == ["TokenRotated"]
-    assert token_of(w, home(w.job)) == token_of(w, REMOTE) == "new"
+    assert token_of(w, home(w.job)) == "new"
+    assert creds_of(w) == learners("new")
     assert tokens.current("new\nold") == "new"
 
 
@@ -643,7 +711,7 @@ def test_the_old_token_stays_while_a_region_has_not_caught_up() -> None:
     w.step(fresh="old")
     rotate(w, "1")
     plan = reconcile(w.job, w.observe(), fresh_token="new")
-    # the region's copy was not written (say the region did not answer)
+    # the region's credentials were not written (say the region did not answer)
     plan.actions = [a for a in plan.actions if a.target != REMOTE]
     w.apply(plan)
     w.now = T0 + timedelta(seconds=5)
@@ -652,10 +720,13 @@ def test_the_old_token_stays_while_a_region_has_not_caught_up() -> None:
     clusters[REMOTE] = ClusterView(problem=(c.CLUSTER_UNREACHABLE, "down"))
     stuck = reconcile(w.job, Observed(now=w.now, clusters=clusters), fresh_token="x")
     assert not [a for a in stuck.actions if a.name == "tj-token"]
-    w.step()  # the region is back: its copy gets both lines first
-    assert token_of(w, REMOTE) == "new\nold"
+    plan = w.step()  # the region is back: its credentials get both lines first
+    assert not [a for a in plan.actions if a.name == "tj-token"]
+    assert token_of(w, home(w.job)) == "new\nold"
+    assert creds_of(w) == learners("new", "old")
     w.step()
-    assert token_of(w, home(w.job)) == token_of(w, REMOTE) == "new"
+    assert token_of(w, home(w.job)) == "new"
+    assert creds_of(w) == learners("new")
 
 
 def test_a_rotation_asked_for_before_the_first_token_is_already_done() -> None:
