@@ -56,6 +56,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--model-entry", help="module:function returning a Task (your model and data)")
     ap.add_argument(
+        "--init-from",
+        help="start the job's model from this model directory's safetensors weights (a "
+        "`ddiloco export` or a Hugging Face snapshot) instead of its seeded init",
+    )
+    ap.add_argument(
         "--data", help="text file, folder, or uint16 .bin (default: Python stdlib sources)"
     )
     ap.add_argument(
@@ -146,8 +151,9 @@ def build_config(
 def check_inputs(cfg: LearnerConfig) -> None:
     """Refuse now, by name, what would otherwise fail inside the run with a traceback: a learner
     id the synchronizer refuses, a sync URL that is not http(s), a data path that does not
-    exist, a `--model-entry` that is not module:function, an unknown preset or a missing hf:
-    config (`ddiloco local` checks its flags with it too). The model check imports torch."""
+    exist, a `--model-entry` that is not module:function, an unknown preset, a missing hf:
+    config, weights that are not safetensors or an `--init-from` that is not the job's model
+    (`ddiloco local` checks its flags with it too). The model check imports torch."""
     from urllib.parse import urlsplit
 
     from ddiloco.synchronizer.protocol import JoinRequest
@@ -160,11 +166,14 @@ def check_inputs(cfg: LearnerConfig) -> None:
                 f"--sync-url {one!r}: give http://HOST:PORT or https://... (a sharded "
                 "synchronizer: its shards' URLs, comma-separated, in shard order)"
             )
-    check_model_and_data(cfg.model, cfg.model_entry, cfg.data)
+    check_model_and_data(cfg.model, cfg.model_entry, cfg.data, cfg.init_from)
 
 
-def check_model_and_data(model: str, model_entry: str | None, data: str | None) -> None:
-    """The model and data checks of `check_inputs` (ValueError, FileNotFoundError)."""
+def check_model_and_data(
+    model: str, model_entry: str | None, data: str | None, init_from: str | None = None
+) -> None:
+    """The model and data checks of `check_inputs` (ValueError, FileNotFoundError), then
+    the weights' (learner/weights.py `check`: a WeightsError, which is a ValueError)."""
     from pathlib import Path
 
     if data is not None and not Path(data).expanduser().exists():
@@ -173,16 +182,19 @@ def check_model_and_data(model: str, model_entry: str | None, data: str | None) 
         module, _, fn = model_entry.partition(":")
         if not module or not fn:
             raise ValueError(f"--model-entry {model_entry!r}: give module:function")
-        return
-    from ddiloco.learner import hf
+    else:
+        from ddiloco.learner import hf
 
-    if hf.is_hf(model):
-        hf.model_dir(model)  # a missing config is refused by name
-        return
-    from ddiloco.learner.model import PRESETS
+        if hf.is_hf(model):
+            hf.model_dir(model)  # a missing config is refused by name
+        else:
+            from ddiloco.learner.model import PRESETS
 
-    if model not in PRESETS:
-        raise ValueError(f"unknown model preset {model!r}; allowed: {', '.join(PRESETS)}")
+            if model not in PRESETS:
+                raise ValueError(f"unknown model preset {model!r}; allowed: {', '.join(PRESETS)}")
+    from ddiloco.learner import weights
+
+    weights.check(model, model_entry, init_from)
 
 
 def main(argv: list[str] | None = None) -> int:

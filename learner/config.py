@@ -138,7 +138,8 @@ class LearnerConfig(BaseSettings):
 
     # --- model and data ---
     model: str = "tiny"
-    """Model preset (learner/model.py PRESETS)."""
+    """Model preset (learner/model.py PRESETS) or `hf:PATH`, a local Hugging Face config or
+    model directory (its safetensors weights, if any, are the initial model: learner/hf.py)."""
     model_entry: str | None = None
     """`module:function` returning a Task: bring your own model and data."""
     data: str | None = None
@@ -152,6 +153,11 @@ class LearnerConfig(BaseSettings):
     """Sequences per inner step."""
     seed: Int = 0
     """Seed of the initial model (identical on every learner) and of this learner's batches."""
+    init_from: str | None = None
+    """A model directory the job's model starts from instead of its seeded init: a previous
+    job's `ddiloco export` or a Hugging Face snapshot (safetensors only; learner/weights.py).
+    Every learner loads it; the first to join uploads it as the job's initial model. Refused
+    at startup, with the first mismatch named, when it is not the job's model."""
 
     # --- inner optimizer (AdamW) ---
     inner_lr: float = Field(3e-3, gt=0.0)

@@ -1,14 +1,21 @@
 """Hugging Face models for the learners: ``--model hf:PATH``, built from a local config only.
 
     model = build_model("hf:llama-tiny", seed=0)      # the shipped config (learner/configs/)
-    model = build_model("hf:/models/my-llama")         # a directory holding config.json
+    model = build_model("hf:/models/my-llama")         # config.json, and its weights if any
+    model = build_model("hf:llama-tiny", init_from="runs/x/export")   # another's weights
     tok = load_tokenizer("hf:llama-tiny")              # that directory's tokenizer, or None
     names = embedding_param_names(model)               # from the model itself, tied ones once
     loss = causal_lm_loss(model, x, y)                 # y is x shifted by one token
 
-``PATH`` is a directory with a ``config.json`` (a model directory, weights ignored: training
-starts from a seeded random init) or a config ``.json`` file; ``SHIPPED`` maps short names to
-the configs in this package. Nothing is downloaded: configs and tokenizers load with
+``PATH`` is a directory with a ``config.json`` or a config ``.json`` file; ``SHIPPED`` maps
+short names to the configs in this package. A directory that holds weights
+(``model.safetensors``, or shards with ``model.safetensors.index.json``: a
+``save_pretrained`` or ``ddiloco export`` directory, a Hugging Face snapshot) starts training
+from them, so a job can fine-tune; one without weights, a config file and the shipped
+configs start from a seeded random init. ``init_from`` (``--init-from DIR``) takes another
+directory's weights instead. Which it was is one INFO line. Weights are safetensors only,
+checked against the config's model tensor by tensor (learner/weights.py): pickle weights are
+refused by name, never opened. Nothing is downloaded: configs and tokenizers load with
 ``local_files_only`` and the hub is switched off for this process (``HF_HUB_OFFLINE``), and
 no remote code runs (``trust_remote_code`` is never set). Parameters are float32 whatever the
 config's ``dtype`` says (bf16 autocast on CUDA is the training loop's business).
@@ -33,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
@@ -44,6 +52,8 @@ from ddiloco.synchronizer.protocol import ModelSpec
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
 
 # No hub: every config and tokenizer is a local file (set before transformers is imported).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -100,6 +110,14 @@ def model_dir(model: str) -> Path:
     return path
 
 
+def weights_dir(model: str) -> Path | None:
+    """The directory whose weights ``model`` starts from: ``hf:DIR``'s DIR (a shipped name's
+    too), None for ``hf:FILE.json`` (a config alone, never the files beside it)."""
+    name = model[len(PREFIX) :]
+    path = SHIPPED.get(name) or Path(name).expanduser()
+    return None if path.is_file() else model_dir(model)
+
+
 def _config_file(model: str) -> Path:
     name = model[len(PREFIX) :]
     path = SHIPPED.get(name) or Path(name).expanduser()
@@ -119,15 +137,35 @@ def load_config(model: str) -> PretrainedConfig:
     return AutoConfig.for_model(raw.pop("model_type"), **raw)
 
 
-def build_model(model: str, seed: int | None = None) -> PreTrainedModel:
-    """A freshly initialised ``AutoModelForCausalLM`` of ``model``'s config, float32 params.
+def build_model(
+    model: str, seed: int | None = None, init_from: str | os.PathLike[str] | None = None
+) -> PreTrainedModel:
+    """The ``AutoModelForCausalLM`` of ``model``'s config, float32 params, holding the
+    weights of ``init_from`` if given, else those of ``model``'s directory if it has any,
+    else freshly initialised (see the module docstring; one INFO line says which).
 
     With ``seed``, torch's generator is seeded first, so every learner builds the same model
-    (otherwise seed it yourself, as for ``model.build_model``)."""
+    (otherwise seed it yourself, as for ``model.build_model``). Weights that are not this
+    config's model, or are not safetensors, raise ``weights.WeightsError`` (one line)."""
+    from ddiloco.learner import weights
+
     config = load_config(model)
     if seed is not None:
         torch.manual_seed(seed)
-    return from_config(config)
+    if init_from is not None:
+        found = weights.init_weights(init_from)
+        weights.check_hf_config(config, init_from)
+        net = weights.load_hf(config, found)
+        log.info("loaded pretrained weights from %s (--init-from)", found.shown)
+        return net
+    own = weights_dir(model)
+    found = weights.find(own) if own is not None else None
+    if found is None:
+        log.info("no weights in %s: random init", own or _config_file(model))
+        return from_config(config)
+    net = weights.load_hf(config, found)
+    log.info("loaded pretrained weights from %s", found.shown)
+    return net
 
 
 def from_config(config: PretrainedConfig) -> PreTrainedModel:

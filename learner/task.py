@@ -4,6 +4,7 @@ The training loop knows nothing about GPTs or corpora; it asks ``build_task`` fo
 
     task = build_task(preset="tiny", learner_index=1, num_learners=3, seed=0)
     task = build_task(preset="hf:llama-tiny", data="docs.jsonl", rank=1, world=2)
+    task = build_task(preset="tiny", init_from="runs/x/export")    # a previous job's model
     x, y = next(task.batches)
     loss = task.loss_fn(task.model, x, y)
     loss.backward()
@@ -17,9 +18,11 @@ tail for eval and cut the rest into one contiguous shard per learner; documents 
 Parquet, and text under a model's tokenizer: ``corpus.load_corpus``) hold out every 20th
 document and deal the others round-robin. The tokenizer is ``tokenizer`` (a local path),
 else an ``hf:`` model directory's own, else bytes. The model is initialised right after
-``torch.manual_seed(seed)``, so every learner starts from the same weights; its stream of
-windows is drawn with ``(seed, learner_index)`` and taken by the ranks of a group
-(``rank`` of ``world``) in turn, so that the position does not depend on the group size.
+``torch.manual_seed(seed)``, so every learner starts from the same weights, unless it starts
+from a file's: an ``hf:`` directory's own weights, or ``init_from``'s (any model, a model
+entry's too: learner/weights.py), the same file on every learner. Its stream of windows is
+drawn with ``(seed, learner_index)`` and taken by the ranks of a group (``rank`` of
+``world``) in turn, so that the position does not depend on the group size.
 
 Bring your own (``--model-entry module:function``): the function is imported and called as
 
@@ -50,7 +53,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ddiloco.learner import corpus, documents, hf
+from ddiloco.learner import corpus, documents, hf, weights
 from ddiloco.learner.data import BatchIterator, eval_loss, load_tokens, shard, split_eval
 from ddiloco.learner.model import build_model, is_embedding_param
 
@@ -111,10 +114,13 @@ def build_task(
     world: int = 1,
     eval_only: bool = False,
     cache_dir: str | None = None,
+    init_from: str | None = None,
 ) -> Task:
     """The ``Task`` of rank ``rank`` of ``world`` of learner ``learner_index`` of
     ``num_learners`` (see the module docstring). ``eval_only``: for an evaluator, which
-    never trains; only the eval set is read, and the batches are its windows."""
+    never trains; only the eval set is read, and the batches are its windows.
+    ``init_from``: a model directory whose safetensors weights the model starts from
+    (``weights.WeightsError`` when they are not this model's)."""
     if num_learners < 1:
         raise ValueError(f"num_learners must be >= 1, got {num_learners}")
     if not 0 <= learner_index < num_learners:
@@ -122,12 +128,15 @@ def build_task(
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"rank must be in [0, world), got rank {rank} of world {world}")
     if model_entry is not None:
-        return _task_from_entry(model_entry, learner_index, num_learners, seed, device, rank, world)
+        task = _task_from_entry(model_entry, learner_index, num_learners, seed, device, rank, world)
+        if init_from is not None:
+            weights.load_entry(task.model, model_entry, init_from)
+        return task
 
     torch.manual_seed(seed)
     loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
     if hf.is_hf(preset):
-        model: nn.Module = hf.build_model(preset).to(device)
+        model: nn.Module = hf.build_model(preset, init_from=init_from).to(device)
         block_size = hf.block_size(model.config)
         vocab_size = int(model.get_input_embeddings().num_embeddings)
         loss_fn = hf.causal_lm_loss
@@ -135,7 +144,10 @@ def build_task(
         own = hf.model_dir(preset)
         tokenizer = tokenizer or (str(own) if hf.tokenizer_dir(own) else None)
     else:
-        model = build_model(preset).to(device)
+        model = build_model(preset)
+        if init_from is not None:
+            weights.load_gpt(model, preset, init_from)
+        model = model.to(device)
         block_size, vocab_size = model.config.block_size, model.config.vocab_size
         loss_fn = gpt_loss
         embedding = {name for name, _ in model.named_parameters() if is_embedding_param(name)}

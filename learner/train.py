@@ -116,6 +116,7 @@ def make_task(cfg: LearnerConfig, group: Group) -> Task:
         world=group.world,
         tokenizer=cfg.tokenizer,
         data_field=cfg.data_field,
+        init_from=cfg.init_from,
     )
 
 

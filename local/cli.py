@@ -32,7 +32,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from ddiloco.cli.errors import usage_errors
+from ddiloco.cli.errors import UsageError, fail, usage_errors
 from ddiloco.local.chaos import KINDS
 from ddiloco.local.launcher import LocalConfig, LocalRun
 
@@ -95,6 +95,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "config or model directory (hf:llama-tiny: the small Llama shipped with ddiloco)",
     )
     ap.add_argument("--model-entry", help="module:function returning a Task (your model and data)")
+    ap.add_argument(
+        "--init-from",
+        help="start the model from this model directory's safetensors weights (a `ddiloco "
+        "export` or a Hugging Face snapshot) instead of its seeded init",
+    )
     ap.add_argument(
         "--data",
         help="text, JSONL or Parquet files or a folder, or a uint16 .bin "
@@ -306,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             merge_scale=args.merge_scale,
             model=args.model,
             model_entry=args.model_entry,
+            init_from=args.init_from,
             data=args.data,
             tokenizer=args.tokenizer,
             data_field=args.data_field,
@@ -334,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         from ddiloco.learner.cli import check_model_and_data
 
-        check_model_and_data(cfg.model, cfg.model_entry, cfg.data)  # before any process starts
+        # before any process starts
+        check_model_and_data(cfg.model, cfg.model_entry, cfg.data, cfg.init_from)
     tls_on = "mtls" if cfg.mtls else "on" if cfg.tls else "off"
     console.print(
         f"ddiloco local: {cfg.learners} learners, K={cfg.quorum}, chaos={cfg.chaos}, "
@@ -357,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
                     console.print(live_table(run, status))
 
             report = LocalRun(cfg, on_tick=tick).run()
+    except UsageError as e:  # inputs only a model's load could refuse (learner/weights.py)
+        fail(PROG, e)
     except RuntimeError as e:  # the run could not go on: a learner that never started, ...
         lines = str(e).splitlines() or [type(e).__name__]
         sys.stderr.write(f"{PROG}: error: {lines[0]}\n" + "".join(f"  {x}\n" for x in lines[1:]))

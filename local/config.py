@@ -33,6 +33,9 @@ class LocalConfig:
     model: str = "tiny"
     """A preset (tiny, small, base, gpt2) or hf:PATH (a local Hugging Face config)."""
     model_entry: str | None = None
+    init_from: str | None = None
+    """A model directory the job starts from (a `ddiloco export`, a Hugging Face snapshot;
+    learner/weights.py): every learner's `--init-from`, and the evaluator's initial model."""
     data: str | None = None
     """Text, JSONL or Parquet files or a folder, or a uint16 .bin (None: stdlib sources)."""
     tokenizer: str | None = None

@@ -43,6 +43,7 @@ class GlobalEvaluator:
         every_s: float = 5.0,
         tokenizer: str | None = None,
         data_field: str = "text",
+        init_from: str | None = None,
     ) -> None:
         torch.set_num_threads(1)
         # the learners' batch size, so that task.tokens_per_batch is a learner step's tokens
@@ -55,6 +56,7 @@ class GlobalEvaluator:
             tokenizer=tokenizer,
             data_field=data_field,
             eval_only=True,
+            init_from=init_from,
         )
         self.params = dict(self.task.model.named_parameters())
         # a sharded synchronizer (a comma list): each fragment from its owner, status merged
@@ -66,7 +68,8 @@ class GlobalEvaluator:
         )
         self.every_s = every_s
         self.history: list[tuple[float, float, int]] = []
-        # Every learner starts from this same seeded model (version 0 of every fragment).
+        # Every learner starts from this same model (version 0 of every fragment): seeded, or
+        # the weights of the hf: directory or of init_from.
         self.initial_loss = float(self.task.eval_loss(self.task.model))
         self.lock = threading.Lock()
         self.stop_event = threading.Event()

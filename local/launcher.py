@@ -225,6 +225,8 @@ class LocalRun(Supervisor):
             argv += ["--data", c.data, "--data-field", c.data_field]
         if c.tokenizer:
             argv += ["--tokenizer", c.tokenizer]
+        if c.init_from:
+            argv += ["--init-from", c.init_from]
         if c.nproc_per_node > 1:
             argv += ["--nproc-per-node", str(c.nproc_per_node)]
         if c.tls:  # flags, not env: a warm spare takes the slot's argv (local/spare.py)
@@ -399,6 +401,7 @@ class LocalRun(Supervisor):
                 every_s=c.eval_every,
                 tokenizer=c.tokenizer,
                 data_field=c.data_field,
+                init_from=c.init_from,
             )
             self.evaluator.start()
             self.wait_first_step(
