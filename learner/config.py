@@ -280,9 +280,13 @@ class LearnerConfig(BaseSettings):
 
     def token_source(self) -> Tokens:
         """What the learner authenticates with: `token` when set, else `token_file` (re-read
-        as it changes). ValueError when there is neither, or the file holds no token."""
-        from ddiloco.synchronizer.auth import StaticTokens, TokenFile
+        as it changes); with both, `token` until it is refused, then the file's (a promoted
+        hot spare: the credential its assignment handed it, then the one the operator keeps
+        in its file). ValueError when there is neither, or the file holds no token."""
+        from ddiloco.synchronizer.auth import GrantedTokens, StaticTokens, TokenFile
 
+        if self.token and self.token_file:
+            return GrantedTokens(self.token, self.token_file)
         if self.token:
             return StaticTokens(self.token)
         if self.token_file:

@@ -142,9 +142,9 @@ def wait_for_slot(args: Any, environ: MutableMapping[str, str] | None = None) ->
     found = poll(cfg, pod)
     for key, var in IDENTITY.items():
         env[var] = str(found[key])
-    # the slot's credential from now on: the spare's own file speaks for no learner
+    # the slot's credential from now on; should it be refused (a key rotation ended since),
+    # the pod's own file, which the operator rewrites to the slot's credential on promotion
     env["DDILOCO_TOKEN"] = found["token"]
-    env.pop("DDILOCO_TOKEN_FILE", None)
     log.info(
         "Spare %s takes over slot %s (data shard %s of %s) after %.1fs standing by",
         pod,

@@ -228,4 +228,31 @@ class TokenFile:
             return self._reload(force=True)
 
 
-Tokens = StaticTokens | TokenFile
+class GrantedTokens:
+    """A credential handed over at run time (`token`), then the file's once it is refused.
+
+    A promoted hot spare speaks with the slot's credential its assignment handed it; the
+    operator rewrites the spare's own credential file to the slot's credential (one line per
+    key). Should a key rotation end after the grant, the grant is refused (401): from then on
+    the file's first line is sent, re-read as it changes."""
+
+    def __init__(self, token: str, path: str | os.PathLike[str]) -> None:
+        self._granted = StaticTokens(token)
+        self._file = TokenFile(path)
+        self._switched = False
+
+    def accepted(self) -> list[str]:
+        return [self.current()]
+
+    def current(self) -> str:
+        return self._file.current() if self._switched else self._granted.current()
+
+    def refresh(self) -> bool:
+        """Called on a 401: move to the file (re-read now). True when the token changed."""
+        if not self._switched:
+            self._switched = True
+            return self._file.refresh() or self._file.current() != self._granted.current()
+        return self._file.refresh()
+
+
+Tokens = StaticTokens | TokenFile | GrantedTokens

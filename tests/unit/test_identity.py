@@ -198,3 +198,18 @@ def test_ddiloco_credential_mints_what_the_synchronizer_accepts(
     with pytest.raises(SystemExit) as e:
         main(["credential", "l0"])
     assert e.value.code == 2 and "no job key" in capsys.readouterr().err
+
+
+def test_a_granted_credential_gives_way_to_the_file_once_refused(tmp_path: Path) -> None:
+    from ddiloco.learner.config import LearnerConfig
+
+    path = tmp_path / "token"
+    path.write_text(spare_token("k", POD) + "\n")
+    source = LearnerConfig(token=learner_token("k", "a-1"), token_file=str(path)).token_source()
+    assert source.current() == learner_token("k", "a-1")  # the grant, while it is accepted
+    path.write_text(learner_token("new", "a-1") + "\n" + learner_token("k", "a-1") + "\n")
+    assert source.refresh()  # a 401: the file from now on, re-read as it changes
+    assert source.current() == learner_token("new", "a-1")
+    path.write_text(learner_token("new", "a-1") + "\n")  # the rotation's end
+    source.refresh()
+    assert source.current() == learner_token("new", "a-1")
