@@ -75,6 +75,7 @@ from ddiloco.synchronizer.protocol import (
     FragmentSpec,
     Heartbeat,
     JoinRequest,
+    JoinResponse,
     Layout,
     TensorSpec,
     UpdateMeta,
@@ -172,7 +173,7 @@ def client_loop(
     per second) each post starts on a schedule of that many bytes per second, as a learner
     that finishes its H steps on time would send (a late post is not made up for twice)."""
     cs = [SyncClient(url, TOKEN, http2=transport == "h2", timeout=120) for url in urls]
-    joins = [c.join(JoinRequest(learner_id=lid, layout_digest=None)) for c in cs]
+    joins = [join(c, lid) for c in cs]
     ups = cs  # h1 and h2: updates go to the main port, as control calls do
     if transport == "up":  # the upload port each shard named at join (synchronizer/bulk.py)
         ports = [j.upload_port for j in joins]
@@ -297,6 +298,14 @@ def memcpy_gbps(nbytes: int, repeat: int = 7) -> float:
     return len(src) / best / 1e9
 
 
+def join(client: SyncClient, lid: str) -> JoinResponse:
+    """Join as `lid`, sending only the fields set (a server of an older commit, side by side
+    in `--servers`, refuses fields it does not know)."""
+    body = JoinRequest(learner_id=lid).model_dump_json(exclude_defaults=True).encode()
+    _, _, answer = client.request("POST", "/v1/join", body)
+    return JoinResponse.model_validate_json(answer)
+
+
 @dataclass(frozen=True)
 class Arm:
     transport: str
@@ -370,7 +379,7 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
         body = codec.encode(init, {LAYOUT_KEY: lay.model_dump_json()})
         del init
         for boss in bosses:  # each shard keeps its own fragments of the one init upload
-            boss.join(JoinRequest(learner_id="init"))
+            join(boss, "init")
             boss.init(body)
         del body
         payloads = [
