@@ -1,4 +1,4 @@
-"""Update encodings study (issue 15): eval loss at equal tokens and bytes on the wire per token
+"""Update encodings study: eval loss at equal tokens and bytes on the wire per token
 for bfloat16, int8 and int4 updates, paired by seed, next to data-parallel's; and the block
 size of the quantized encodings, measured on real deltas.
 

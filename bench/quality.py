@@ -1,5 +1,6 @@
-"""Quality harness (issue 16): the global model's eval loss, arms at equal tokens by
-construction, paired by seed, as a mean with a 95% interval of the paired differences.
+"""Quality harness, so the method's quality claim can be believed: the global model's eval loss,
+arms at equal tokens by construction, paired by seed, as a mean with a 95% interval of the paired
+differences.
 
     .venv/bin/python bench/quality.py --arms sync_diloco,decoupled_grace --seeds 3 \\
         --learners 4 --steps 360 --out runs/q-tiny     # one small part: 6 runs, ~6 min, 2 cores

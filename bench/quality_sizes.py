@@ -1,4 +1,4 @@
-"""The gap to data-parallel against model size (issue 16), from quality.py out dirs.
+"""The gap to data-parallel against model size, from quality.py out dirs.
 
     .venv/bin/python bench/quality.py --arms decoupled_grace_live,dp --seeds 5 --steps 180 \\
         --out runs/size-tiny                       # and --model small / hf:PATH, other --out

@@ -1,4 +1,4 @@
-"""The numbers of bench/quality.py (issue 16): Student's t interval of paired differences,
+"""The numbers of bench/quality.py: Student's t interval of paired differences,
 written here (no scipy), and the final model's loss per held-out window.
 
     paired_interval([2.01, 1.98, 2.03], [1.99, 1.97, 2.00])           # Interval(mean=0.02, ...)

@@ -188,8 +188,9 @@ class LearnerConfig(BaseSettings):
     fragment's next hand-over (the anchor moves by what was sent). The synchronizer must
     accept it (DDILOCO_UPDATE_ENCODINGS): the learner checks at join and stops if not."""
     update_block: Int = Field(128, ge=2, le=1 << 16, multiple_of=2)
-    """Values per scale of the int8 / int4 encodings (even). 128 (bench/RESULTS.md, issue 15):
-    a float32 scale per 128 values costs 3% of int8's bytes and 6% of int4's."""
+    """Values per scale of the int8 / int4 encodings (even). 128: halving it buys a smaller
+    quantization error for more bytes, doubling it the reverse, and error feedback sends
+    what one hand-over drops with the next (bench/RESULTS.md, "Block size")."""
     upload_http2: bool = False
     """Send fragment uploads over HTTP/2 (h2c) to the main port instead of HTTP/1.1 to the
     upload port (`upload_url`). Control
@@ -234,8 +235,8 @@ class LearnerConfig(BaseSettings):
     log_every: Int = Field(50, ge=0)
     """Print a step line every this many steps."""
     metrics_port: Int | None = Field(None, ge=1, le=65535)
-    """Serve Prometheus metrics (learner/metrics.py, README "Metrics") on this port at
-    /metrics; None: off. In a group only rank 0 serves. Pods: 9400, port name "metrics"."""
+    """Serve Prometheus metrics (learner/metrics.py, docs/operations.md "Metrics") on this
+    port at /metrics; None: off. In a group only rank 0 serves. Pods: 9400, port name "metrics"."""
     metrics_host: str = "0.0.0.0"
     """Address the metrics port binds (`ddiloco local` binds 127.0.0.1)."""
 

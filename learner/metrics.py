@@ -36,7 +36,8 @@ already had it), refused (4xx: its work is lost), or error (no definitive answer
 
 
 class LearnerMetrics:
-    """The learner's instruments (README "Metrics" lists them); no-ops when not `enabled`."""
+    """The learner's instruments (docs/operations.md "Metrics" lists them); no-ops when not
+    `enabled`."""
 
     def __init__(self, learner_id: str, *, enabled: bool = True) -> None:
         self.enabled = enabled

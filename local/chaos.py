@@ -206,8 +206,8 @@ def make_schedule(
     ids = learner_ids(learners)
     sched = Schedule(kind=kind, seed=seed)
     for part in parts:
-        # One stream per part, named as before combinations existed: "kill" alone keeps the
-        # exact schedule it always had.
+        # One stream per part, seeded by the part's name: a part's events are the same alone
+        # and combined with others, so "kill" stays comparable across studies.
         rng = random.Random(f"{part}:{seed}")
         if part in defaults:
             period = every.get(part) if isinstance(every, dict) else every

@@ -17,18 +17,18 @@ alone. A learner pod mounts one item of its group's credentials Secret
 hot spare mounts its own spare credential (`spare_token_key`), which reads only its own
 assignment.
 
-The synchronizer's own workload is built in sync_workload.py. It (issue 15) is a StatefulSet `<job>-synchronizer` of `synchronizer.shards`
+The synchronizer's own workload is built in sync_workload.py. It is a StatefulSet `<job>-synchronizer` of `synchronizer.shards`
 (S) pods, `<job>-synchronizer-<i>` for shard i (DDILOCO_SHARD from the pod-index label), each
 with its own state claim `state-<job>-synchronizer-<i>` (volumeClaimTemplates, deleted with
 the StatefulSet). The headless Service `<job>-synchronizer-shards` gives each shard its DNS
 name, which learners of a job with S > 1 get, comma-separated in shard order, as
 DDILOCO_SYNC_URL. The ClusterIP Service `<job>-synchronizer` stays: with S = 1 it is the
-learners' URL (as before), with S > 1 it reaches shard 0 only (status, port-forward, spares).
+learners' URL, with S > 1 it reaches shard 0 only (status, port-forward, spares).
 A job made by an operator before the StatefulSet keeps its claim `<job>-synchronizer-state`,
 mounted by a StatefulSet without claim templates (`legacy_claim`; reconcile.py replaces the
 old Deployment): its state survives the upgrade.
 
-TLS (issue 12 §4; operator/certs.py issues and renews): Secret `<job>-tls` holds the
+TLS (operator/certs.py issues and renews): Secret `<job>-tls` holds the
 synchronizer's server certificate (tls.crt, tls.key, ca.crt), `<job>-trust` the CA bundle a
 learner verifies it against (ca.crt; with mutual TLS also client-ca.crt, what the synchronizer
 verifies learners against), in the home namespace and in every remote one, and with mutual

@@ -1,4 +1,4 @@
-"""TLS material of a job: who issues what, where it goes, and when it is renewed (issue 12 §4).
+"""TLS material of a job: who issues what, where it goes, and when it is renewed.
 
     tls = tls_plan(job, observed, plan)    # appends Secret / Certificate actions to plan
     tls.revision                           # digest of what the synchronizer serves and trusts

@@ -1,10 +1,10 @@
 """Reusable buffers for the update path: no page faults per update.
 
-A fresh 64 MB tensor costs more than the work done in it: glibc maps every allocation that
-large with mmap and unmaps it on free, so each update's float32 copy, each merge's new
-parameters and momentum, first touch every page again (bench/RESULTS.md, issue 15: 36 ms to
-allocate and fill 16M floats, 7 ms to fill them in a buffer already touched). `POOL` keeps
-the buffers the update path gives back and hands them out again, by shape.
+A fresh 64 MB tensor costs more than the work done in it: glibc maps every allocation that large
+with mmap and unmaps it on free, so each update's float32 copy, each merge's new parameters and
+momentum, first touch every page again: allocating and filling a fresh one costs several times
+filling one already touched (bench/RESULTS.md, "Figures behind the code"). `POOL` keeps the buffers
+the update path gives back and hands them out again, by shape.
 
     t = POOL.take((4096, 4096))        # float32, contents undefined (the caller overwrites)
     ...
@@ -15,12 +15,12 @@ Giving back is explicit and optional: a tensor never given back is freed as any 
 hand it whatever it is done with. The pool keeps at most `max_bytes` idle.
 
 `BODIES` does the same for the upload port's request bodies (synchronizer/bulk.py): a fresh
-`bytearray(32 MB)` is zero-filled under the GIL, page by page, before `recv_into` writes it
-again (10% of the synchronizer's samples at 16 clients, bench/RESULTS.md); a body of a size
-seen before lands in a buffer already touched. Capacities are whole MiB, so bodies whose
-headers differ by a few bytes share them. The buffers are page-aligned, with room for the
-pending log's record header in front of the body: the log writes it to the disk from there
-(`frame`, `O_DIRECT`), with no copy into the page cache.
+`bytearray(32 MB)` is zero-filled under the GIL, page by page, before `recv_into` writes it again (a
+tenth of the synchronizer's CPU at saturation, bench/RESULTS.md, "Figures behind the code"); a body
+of a size seen before lands in a buffer already touched. Capacities are whole MiB, so bodies whose
+headers differ by a few bytes share them. The buffers are page-aligned, with room for the pending
+log's record header in front of the body: the log writes it to the disk from there (`frame`,
+`O_DIRECT`), with no copy into the page cache.
 
     body = BODIES.take(size)           # a memoryview of exactly `size` bytes
     ...                                # read into it, submit it (nothing may keep it)
@@ -243,8 +243,8 @@ class BytePool:
         to drop outside the lock). A buffer given back is about to be wanted again; one
         idle since priming may never be (bodies of every accepted encoding are primed, and
         a job sends one): dropping the newest instead unmapped every int4 body as its merge
-        let go of it (40 ms of a merge's finish here) and mapped a fresh one for the next
-        upload (bench/RESULTS.md)."""
+        let go of it (most of a merge's finish) and mapped a fresh one for the next
+        upload (bench/RESULTS.md, "Figures behind the code")."""
         del self.ours[id(buf)]
         if len(buf) < self.grain or len(buf) > self.max_bytes:
             return [buf]

@@ -5,18 +5,17 @@
     ...
     server.close()                                     # stops accepting, lets uploads finish
 
-Why a second listener (bench/RESULTS.md "the upload port"): with 16 clients posting 32 MB
-bodies over HTTP/1.1, uvicorn spends 2.2 CPU s per GB handing the body to the app in 64-256
-KiB chunks through the event loop (zttp; h11 3.6), more than the synchronizer's own work on
-it; a thread per connection that calls `recv_into` on the body's own buffer spends 0.26,
-with the GIL released while the kernel copies. This port serves one route,
-`POST /v1/fragments/{p}/updates`, over HTTP/1.1 (TLS and mutual TLS with the main port's
-certificate and client CA), with the main port's contract: the same credentials (auth.py:
-401 without one, 403 for a spare's, and `Synchronizer.submit` checks that the update's
-learner is the credential's), the same refusals before a byte of the body is read (401, 403,
-421, 413 on a declared Content-Length over the fragment's limit), the same `{"error",
-"detail"}` bodies. Everything else (join, heartbeats, downloads, HTTP/2) stays on the main
-port; a request for another route here gets 404 or 405 saying so.
+Why a second listener (bench/RESULTS.md, "Figures behind the code"): uvicorn hands a large HTTP/1.1
+body to the app in 64-256 KiB chunks through the event loop, which costs more CPU than the
+synchronizer's own work on it; a thread per connection that calls `recv_into` on the body's own
+buffer costs a tenth of that, with the GIL released while the kernel copies. This port serves one
+route, `POST /v1/fragments/{p}/updates`, over HTTP/1.1 (TLS and mutual TLS with the main port's
+certificate and client CA), with the main port's contract: the same credentials (auth.py: 401
+without one, 403 for a spare's, and `Synchronizer.submit` checks that the update's learner is the
+credential's), the same refusals before a byte of the body is read (401, 403, 421, 413 on a declared
+Content-Length over the fragment's limit), the same `{"error", "detail"}` bodies. Everything else
+(join, heartbeats, downloads, HTTP/2) stays on the main port; a request for another route here gets
+404 or 405 saying so.
 
 Parsing. A request head is parsed by h11 (the parser of uvicorn's h11 mode, already in the
 image), never by hand: a malformed request line, header field, Content-Length (signs, hex,

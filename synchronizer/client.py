@@ -62,10 +62,10 @@ tensor's own memory), sent one after the other with no joined copy (`Parts`)."""
 class Parts:
     """A body of several buffers, as libcurl's read and seek callbacks.
 
-    A joined 32 MB payload is a fresh allocation whose every page faults on first touch:
-    posting `[header, data]` instead cost the sender 0.30 CPU s per GB against 0.97 for
-    `header + data` per post (bench/RESULTS.md, issue 15). libcurl copies each chunk it asks
-    for into its upload buffer; the chunk handed over is a copy too (pycurl takes bytes)."""
+    A joined 32 MB payload is a fresh allocation whose every page faults on first touch: posting
+    `[header, data]` instead costs the sender about a third of the CPU of `header + data` per post
+    (bench/RESULTS.md, "Figures behind the code"). libcurl copies each chunk it asks for into its
+    upload buffer; the chunk handed over is a copy too (pycurl takes bytes)."""
 
     def __init__(self, parts: Sequence[bytes | memoryview]) -> None:
         self.views = [memoryview(p).cast("B") for p in parts]
@@ -169,9 +169,9 @@ class SyncClient:
         self.curl = pycurl.Curl()
         self.sendmsg = sendmsg and not http2
         """A body of parts (a POST) goes from its own memory over HTTP/1.1 (sender.py): for
-        the upload port (bulk.py), where it saves the sender a fifth of two cores at 1 GB/s;
-        not for uvicorn's main port, which took the same bodies 16% slower that way than
-        through libcurl (bench/RESULTS.md, issue 15)."""
+        the upload port (bulk.py), where it saves the sender CPU; not for uvicorn's main
+        port, which took the same bodies slower that way than through libcurl
+        (bench/RESULTS.md, "Figures behind the code")."""
         self.sender: PartsSender | None = None
         self.bytes_up = 0
         self.bytes_down = 0

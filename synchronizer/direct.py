@@ -25,10 +25,9 @@ __all__ = ["STAGE", "write_direct"]
 STAGE = 32 << 20
 """The direct-I/O staging buffer of a file write (`write_direct`). Each `os.write` of it is
 one request in the disk's queue beside the pending log's 32 MB records, and the queue
-serves them by bytes in flight: with 8 MB a 128 MB file took 0.57 s at p50 under a saturated
-ingest, the background writer fell `snapshot_lag` behind and 10 merges wrote their own file
-(merge p99 2.24 of tau x step); with 32 MB, 0.35 s, none did (0.31), and ingest rose
-0.94 -> 1.06 GB/s side by side (bench/RESULTS.md, issue 15)."""
+serves them by bytes in flight: with smaller requests the background writer fell
+`snapshot_lag` behind under a saturated ingest and merges wrote their own files
+(bench/RESULTS.md, "Figures behind the code")."""
 _stages: list[mmap.mmap] = []
 _stages_lock = threading.Lock()
 
@@ -43,11 +42,10 @@ def _copy(dst: memoryview, src: memoryview) -> None:
 
 
 def write_direct(path: Path, parts: list[memoryview | bytes]) -> bool:
-    """Write `parts` into a new file with `O_DIRECT` through a page-aligned staging buffer
-    (not yet fsynced): one memory copy instead of the page cache's allocation, copy and
-    writeback (a 128 MB fragment file cost the synchronizer ~36 ms of CPU through the page
-    cache, bench/RESULTS.md). False, with nothing written, where the file system refuses
-    `O_DIRECT` (the caller writes through the page cache)."""
+    """Write `parts` into a new file with `O_DIRECT` through a page-aligned staging buffer (not yet
+    fsynced): one memory copy instead of the page cache's allocation, copy and writeback
+    (bench/RESULTS.md, "Figures behind the code"). False, with nothing written, where the file
+    system refuses `O_DIRECT` (the caller writes through the page cache)."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
     except (OSError, AttributeError):

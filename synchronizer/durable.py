@@ -25,8 +25,7 @@ from ddiloco.synchronizer.merge import MergeOutcome
 from ddiloco.synchronizer.pending import PendingLog
 from ddiloco.synchronizer.state import FragmentState
 
-log = logging.getLogger("ddiloco.synchronizer.service")
-"""Its lines log as the synchronizer's, as before the split."""
+log = logging.getLogger(__name__)
 
 __all__ = ["DURABLES", "Durable", "give_back"]
 
@@ -67,7 +66,7 @@ class Durable:
 
         The record is written as soon as its digest is computed, beside the inputs' fsync:
         both wait for the disk's cache flush, and one after the other they waited for two
-        (the record's fdatasync took up to 181 ms after the inputs', bench/RESULTS.md). A
+        (bench/RESULTS.md, "Figures behind the code"). A
         crash between the two can leave the record durable and some of its inputs not:
         that merge was never served (it is served once both are durable), and replay drops
         the last record of a fragment whose inputs are short of its count (`inputs`,

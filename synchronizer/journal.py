@@ -1,18 +1,16 @@
 """The merge journal: a merge made durable by a record of its inputs, before it is served.
 
-A merge used to be durable once its fragment file (64 MB of Theta and 64 MB of momentum
-for a 16M-parameter fragment) was written and fsynced, and that write was half of the
-merge's time (bench/RESULTS.md, issue 15). The merge's inputs are on disk already: every
-update it took is a record in the fragment's pending log, written before the update joined
-its round (its uploader's fsync comes after, so the merge syncs those segments too: mostly
-at once). So a merge now appends one small record here and fsyncs it (`MergeRecord`: the
-fragment's version before, which learners' updates up to which order it took, in the
-round's order and how many, the live token mass, the merge policy, and a digest of the
-result), beside its segments' fsync, and its version is served once both are done; the
-fragment file is written after, by `Snapshots` (snapshots.py) in the background, and only
-then are the journal's records and the log's segments it covers let go. A crash between
-the two fsyncs can leave the last record without some of its updates: replay drops it
-(`MergeRecord.inputs`).
+Writing and fsyncing the fragment file (64 MB of Theta and 64 MB of momentum for a 16M-parameter
+fragment) before serving would be half of a merge's time (bench/RESULTS.md, "Figures behind the
+code"). The merge's inputs are on disk already: every update it took is a record in the fragment's
+pending log, written before the update joined its round (its uploader's fsync comes after, so the
+merge syncs those segments too: mostly at once). So a merge appends one small record here and fsyncs
+it (`MergeRecord`: the fragment's version before, which learners' updates up to which order it took,
+in the round's order and how many, the live token mass, the merge policy, and a digest of the
+result), beside its segments' fsync, and its version is served once both are done; the fragment file
+is written after, by `Snapshots` (snapshots.py) in the background, and only then are the journal's
+records and the log's segments it covers let go. A crash between the two fsyncs can leave the last
+record without some of its updates: replay drops it (`MergeRecord.inputs`).
 
 A restart (and `ddiloco export`) rebuilds what the fragment file lacks with `replay`: from
 the file's state, each journaled merge in order, its contributions rebuilt from the log's
@@ -31,7 +29,7 @@ Fallbacks to the old, synchronous write: a merge whose round holds a contributio
 by a refused merge (its sum was formed in another order than the log's), one that changed
 no version (nothing weighed), and any merge that would leave the file more than
 `SyncSettings.snapshot_lag` merges behind (0: every merge writes its file before it is
-served, as before).
+served, and the journal holds nothing).
 """
 
 from __future__ import annotations

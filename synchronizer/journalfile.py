@@ -9,22 +9,21 @@ before it, so a merge's record is durable with one `fdatasync` and no file-syste
     tmp = f.prepare(keep)      # a file of `keep` and zeros beside it (no lock needed)
     f.replace(tmp, since)      # ... with the records appended since, renamed over it
 
-Why (bench/RESULTS.md, issue 15): an append to a file that grows changes its size and
-its blocks, so its `fsync` commits the file system's journal, and on ext4 (data=ordered)
-that commit waits for the data of every file with blocks allocated in it: the pending
-log's updates and the fragment files the background writer was writing. The merge's
-durable part then took 150-670 ms at p99 where its own bytes are one 8 KiB record. Written
-in place over blocks that hold zeros on disk already, the record changes no metadata that
-`fdatasync` must write: it writes the record's blocks and flushes the disk's cache.
+Why (bench/RESULTS.md, "Figures behind the code"): an append to a file that grows changes its size
+and its blocks, so its `fsync` commits the file system's journal, and on ext4 (data=ordered) that
+commit waits for the data of every file with blocks allocated in it: the pending log's updates and
+the fragment files the background writer was writing. The merge's durable part then took 150-670 ms
+at p99 where its own bytes are one 8 KiB record. Written in place over blocks that hold zeros on
+disk already, the record changes no metadata that `fdatasync` must write: it writes the record's
+blocks and flushes the disk's cache.
 
-The format is the pending log's (`PendingLog`, aligned records: a 4 KiB block holding the
-header, then the payload padded to whole blocks); a header of zeros ends the records
-(`records_in`). A file written by an older synchronizer (no zeros after its records) is
-read as before and given its zeros before the first append. A torn record (a crash in the
-middle of `append`, or of `clear`, which zeroes in place) ends the records; `read` zeroes
-everything after them, so no stale record can follow a later one. What a torn `clear`
-leaves is a prefix of records the fragment file holds already: replay skips those
-(journal.py `replay`: a record below the file's version).
+The format is the pending log's (`PendingLog`, aligned records: a 4 KiB block holding the header,
+then the payload padded to whole blocks); a header of zeros ends the records (`records_in`). A file
+with no zeros after its records (the format of older synchronizers) is read the same way and given
+its zeros before the first append. A torn record (a crash in the middle of `append`, or of `clear`,
+which zeroes in place) ends the records; `read` zeroes everything after them, so no stale record can
+follow a later one. What a torn `clear` leaves is a prefix of records the fragment file holds
+already: replay skips those (journal.py `replay`: a record below the file's version).
 """
 
 from __future__ import annotations

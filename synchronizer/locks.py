@@ -7,12 +7,11 @@ that holds the upload port's body reads while a merge computes.
     with lock.first():      # a merge taking its round, or installing its version
         ...
 
-Each upload of a fragment holds its lock while it writes its record to the pending log (the
-log's order is the round's: journal.py), 20-50 ms for a 32 MB record. A plain
-`threading.Lock` is not fair: a merge waiting to install its version waited behind one
-upload after another, 0.23 s at p99 (`ddiloco_merge_phase_seconds{phase="install"}`,
-bench/RESULTS.md, issue 15). Here a merge waits for the holder only: plain acquirers wait
-while anyone waits in `first`.
+Each upload of a fragment holds its lock while it writes its record to the pending log (the log's
+order is the round's: journal.py), 20-50 ms for a 32 MB record. A plain `threading.Lock` is not
+fair: a merge waiting to install its version waited behind one upload after another
+(`ddiloco_merge_phase_seconds{phase="install"}`, bench/RESULTS.md, "Figures behind the code"). Here
+a merge waits for the holder only: plain acquirers wait while anyone waits in `first`.
 
     gate = MergeGate()
     with gate:              # a merge computing (merging.py `_merged`)

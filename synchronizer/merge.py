@@ -17,15 +17,15 @@ which, per contribution m with progress delta_m, computes
 into new tensors (the inputs stay as they were), and refuses (raises `NonFiniteMerge`) a
 result that is not finite everywhere.
 
-Speed (issue 15): one pass per operation over each tensor, in place where the inputs allow,
-the average summed with weights relative to the first contribution's (so it can be summed
-as contributions arrive: stream.py) and the outer gradient's sign, `merge_scale` and the
-weights' normalization applied by the one final multiplication (no negated or scaled copy
-of anything), an outer step of three `torch.add`s, the results written into
-buffers of `buffers.POOL` (no page faults per merge), and finiteness read from one
-reduction over Theta' (`torch.aminmax`: NaN and Inf survive it; b' reaches Theta' when
-lr > 0) instead of a boolean tensor the size of the fragment; the final multiplication and
-the step of a large tensor in pieces on threads of their own (split.py, the same bits).
+Speed (the synchronizer's bound is memory traffic, not arithmetic): one pass per operation over each
+tensor, in place where the inputs allow, the average summed with weights relative to the first
+contribution's (so it can be summed as contributions arrive: stream.py) and the outer gradient's
+sign, `merge_scale` and the weights' normalization applied by the one final multiplication (no
+negated or scaled copy of anything), an outer step of three `torch.add`s, the results written into
+buffers of `buffers.POOL` (no page faults per merge), and finiteness read from one reduction over
+Theta' (`torch.aminmax`: NaN and Inf survive it; b' reaches Theta' when lr > 0) instead of a boolean
+tensor the size of the fragment; the final multiplication and the step of a large tensor in pieces
+on threads of their own (split.py, the same bits).
 """
 
 from __future__ import annotations

@@ -30,8 +30,7 @@ from ddiloco.synchronizer.protocol import FragmentSpec
 from ddiloco.synchronizer.state import FragmentState
 from ddiloco.synchronizer.stream import RoundSum
 
-log = logging.getLogger("ddiloco.synchronizer.service")
-"""The merge's lines log as the synchronizer's, as before the split."""
+log = logging.getLogger(__name__)
 
 __all__ = ["Merging"]
 

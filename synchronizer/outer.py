@@ -5,10 +5,10 @@ gradient it steps with).
     opt = OuterNesterov(lr=0.7, momentum=0.9)
     params2, momentum2, ok = opt.step_checked(params, momentum, delta, ways=2)
 
-Speed (issue 15): into buffers of `buffers.POOL` (the inputs are only read), three
-`torch.add`s per tensor and no temporaries, each large tensor in `ways` pieces on threads
-of their own (split.py: the same bits), each piece checked for non-finite values while it
-is in the cache (one `torch.aminmax`: NaN and Inf survive it).
+Speed (memory traffic is the bound): into buffers of `buffers.POOL` (the inputs are only read),
+three `torch.add`s per tensor and no temporaries, each large tensor in `ways` pieces on threads of
+their own (split.py: the same bits), each piece checked for non-finite values while it is in the
+cache (one `torch.aminmax`: NaN and Inf survive it).
 """
 
 from __future__ import annotations

@@ -7,30 +7,28 @@ float32, a quantized one once, at admission, and not kept.
     d = dense(q, pause)                      # q: quant.Quantized (views of an int8/int4
     axpy(direction, q, w / n)                # body): float32 of POOL; or read in chunks
 
-A quantized update (`quant.Quantized`) stays codes while it waits for its merge: 1/8 of
-its float32 for int4. Admission dequantizes it once (`dense`, in place, a chunk at a
-time), measures its norm and queues its round-sum term from that float32, which then goes
-back to the pool (stream.py); dequantizing into the cache for the norm and again for the
-term cost more than writing and reading the float32 once (bench/RESULTS.md). A merge or a
-replay that reads its codes again dequantizes them into the thread's `CHUNK`-value
-scratch, whole blocks at a time: the same float32 values as `quant.dequantize`, so the
-same bits as the float32 admission read.
+A quantized update (`quant.Quantized`) stays codes while it waits for its merge: 1/8 of its float32
+for int4. Admission dequantizes it once (`dense`, in place, a chunk at a time), measures its norm
+and queues its round-sum term from that float32, which then goes back to the pool (stream.py);
+dequantizing into the cache for the norm and again for the term cost more than writing and reading
+the float32 once (bench/RESULTS.md, "Figures behind the code"). A merge or a replay that reads its
+codes again dequantizes them into the thread's `CHUNK`-value scratch, whole blocks at a time: the
+same float32 values as `quant.dequantize`, so the same bits as the float32 admission read.
 
-An accepted bf16 update used to be converted at admission into a float32 buffer (32 MB read,
-64 MB written for 16M parameters), read again for its norm (64 MB), and read again by the
-merge (64 MB, plus the accumulator read and written): four full-size passes, two of them
-over twice the update's bytes, on a machine whose memory bandwidth is the synchronizer's
-bound (bench/RESULTS.md, issue 15). Now the update stays where the upload port read it
+Converting an accepted bf16 update at admission into a float32 buffer, reading that again
+for its norm and again in the merge would be four full-size passes, two of them over twice
+the update's bytes, on a machine whose memory bandwidth is the synchronizer's bound
+(bench/RESULTS.md, "Figures behind the code"). So the update stays where the upload port read it
 (buffers.BODIES, pinned until its merge), its norm reads it once, and the merge reads it
 once more, converting `CHUNK` values at a time into a float32 scratch buffer that stays in
 cache.
 
-The norm of a large bf16 tensor: torch's `bmm` over blocks of `BLOCK` values accumulates
-each block's sum of squares in float32 (oneDNN's bf16 dot product) and rounds it to bf16;
-the blocks are summed in float64 (`BMM_MIN` says how exact); 2 ms for 16M values, where
-`vector_norm(bf16, dtype=float32)` took 40-70 ms and a float32 copy and its norm 11.
-NaN and Inf reach the result as before (the guard refuses them, admission.py). float32
-tensors take the same torch calls as before (their results are bit-identical).
+The norm of a large bf16 tensor: torch's `bmm` over blocks of `BLOCK` values accumulates each
+block's sum of squares in float32 (oneDNN's bf16 dot product) and rounds it to bf16; the blocks are
+summed in float64 (`BMM_MIN` says how exact): several times faster than `vector_norm(bf16,
+dtype=float32)` or a float32 copy and its norm (bench/RESULTS.md, "Figures behind the code"). NaN
+and Inf reach the result (the guard refuses them, admission.py). A float32 tensor's norm is one
+`torch.linalg.vector_norm` call.
 """
 
 from __future__ import annotations

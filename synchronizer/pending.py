@@ -82,24 +82,22 @@ class PendingLog:
     first block, flagged `_ALIGNED`, then the payload, zero padded), so a body the upload
     port read into a `BODIES` buffer goes from that buffer to the disk with `O_DIRECT`:
     no copy into the page cache, whose page allocation and writeback cost the synchronizer
-    9 ms of CPU per 32 MB record against 0.6 (bench/RESULTS.md, issue 15). Any other
+    more CPU than the copy itself (bench/RESULTS.md, "Figures behind the code"). Any other
     payload, or a file system that refuses `O_DIRECT`, is written through the page cache
     in the same format. Either way `sync` fsyncs.
 
-    Order under the lock, bytes outside it: `reserve` (under the fragment's lock, in the
-    order the round takes its updates) allocates the record's place at the end of the file
-    (`posix_fallocate`: a full disk refuses the update there, before it is held), and `fill`
-    writes it there (`pwrite`, outside the lock: a 32 MB direct write took 57 ms at 1 GB/s,
-    and the fragment's other uploads queued behind it for 68 ms more; bench/RESULTS.md,
-    issue 15). `write` is both. Group commit: `sync` waits until every record reserved
-    before its own is filled, then makes them durable with one fsync, so the ones filled
-    while an fsync runs share the next, and a record is acknowledged only once every record
-    before it is durable: a crash leaves, after the acknowledged ones, at most records whose
-    place is zeros or torn, cut off on reading. A failed fill (the disk's error after its
-    place was allocated) fails every `sync` from then on: the caller stops the process.
-    `clear` (after the merge that consumed every record is durable) truncates in place; a
-    `sync` of a record written before it returns at once: that record is in the durable
-    fragment file."""
+    Order under the lock, bytes outside it: `reserve` (under the fragment's lock, in the order the
+    round takes its updates) allocates the record's place at the end of the file (`posix_fallocate`:
+    a full disk refuses the update there, before it is held), and `fill` writes it there (`pwrite`,
+    outside the lock: under it, the fragment's other uploads queued behind each 32 MB write;
+    bench/RESULTS.md, "Figures behind the code"). `write` is both. Group commit: `sync` waits until
+    every record reserved before its own is filled, then makes them durable with one fsync, so the
+    ones filled while an fsync runs share the next, and a record is acknowledged only once every
+    record before it is durable: a crash leaves, after the acknowledged ones, at most records whose
+    place is zeros or torn, cut off on reading. A failed fill (the disk's error after its place was
+    allocated) fails every `sync` from then on: the caller stops the process. `clear` (after the
+    merge that consumed every record is durable) truncates in place; a `sync` of a record written
+    before it returns at once: that record is in the durable fragment file."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -326,10 +324,10 @@ class PendingLog:
             self._close_fds()
 
     def remove(self) -> None:
-        """Delete the file (its records are merged and durable elsewhere); a `sync` of a
-        record in it returns at once. Not fsynced: a deletion a crash undoes replays records
-        the fragment file's high-water marks skip. The unlink is outside the lock: freeing
-        a segment's blocks took 135-322 ms at 1 GB/s (bench/RESULTS.md), and a merge
+        """Delete the file (its records are merged and durable elsewhere); a `sync` of a record in
+        it returns at once. Not fsynced: a deletion a crash undoes replays records the fragment
+        file's high-water marks skip. The unlink is outside the lock: freeing a segment's blocks
+        takes a long time under load (bench/RESULTS.md, "Figures behind the code"), and a merge
         syncing its inputs waited for each segment the writer was deleting."""
         with self.sync_lock:
             self._close_fds()

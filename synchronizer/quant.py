@@ -13,7 +13,7 @@ block's largest value is exact and every other one is off by at most scale / 2. 
 are offset to 0..14 and packed two to a byte, low nibble first. Scales are float32: a
 float16 scale would overflow for a block whose absmax exceeds 65504 * 7.
 
-On the wire since issue 15 (synchronizer/wire.py): the synchronizer keeps a received
+On the wire (synchronizer/wire.py) the synchronizer keeps a received
 update's codes as they arrived (a `Quantized` of views of its body, checked by
 `check_codes`) and dequantizes them a chunk of blocks at a time (`dequantize_blocks`,
 passes.py): once at admission, into float32 it gives back after its norm and round-sum
@@ -147,12 +147,11 @@ def check_codes(q: Quantized) -> None:
 
 
 def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """Two codes per byte (low nibble first, offset by qmax) as signed int8 values in order:
-    each byte widened to int16 whose two bytes, in memory order, are then its (low, high)
-    nibble, range-checked and offset as bytes. 0.3 ms per Mi codes here, where unpacking
-    into the two strided columns of an (n, 2) uint8 tensor took 0.8 and converting and
-    offsetting in float32 another 0.2 (bench/RESULTS.md, issue 15). The values are exact
-    either way, so code x scale is the same float32 bits."""
+    """Two codes per byte (low nibble first, offset by qmax) as signed int8 values in order: each
+    byte widened to int16 whose two bytes, in memory order, are then its (low, high) nibble,
+    range-checked and offset as bytes: faster than unpacking into the two strided columns of an (n,
+    2) uint8 tensor and offsetting in float32 (bench/RESULTS.md, "Figures behind the code"). The
+    values are exact either way, so code x scale is the same float32 bits."""
     wide, high = _pair_buffers(packed.numel())
     wide.copy_(packed)
     torch.bitwise_right_shift(wide, 4, out=high)  # the high nibble

@@ -246,7 +246,7 @@ async def healthz() -> dict[str, str]:
 
 @public.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
 async def prometheus(sync: SyncDep) -> Response:
-    """Prometheus text exposition (README "Metrics"); 404 with DDILOCO_METRICS=0."""
+    """Prometheus text exposition (docs/operations.md "Metrics"); 404 with DDILOCO_METRICS=0."""
     if not sync.metrics.enabled:
         raise HTTPException(404, "metrics are off on this synchronizer (DDILOCO_METRICS=0)")
     body = await asyncio.to_thread(sync.metrics.render)

@@ -23,7 +23,8 @@ Ticket = tuple[PendingLog, tuple[int, int]]
 
 class FragmentLog:
     """One fragment's pending log as a series of `PendingLog` segments, so a merge can be
-    persisted while the next round's updates are logged (bench/RESULTS.md, issue 15):
+    persisted while the next round's updates are logged (the merge holds no lock that
+    uploads of its fragment wait for):
 
         ticket = log.reserve(len(payload))       # under the fragment's lock
         log.fill(ticket, payload, header)        # outside it

@@ -3,14 +3,14 @@
     sender = PartsSender("http://127.0.0.1:8471", timeout=60.0, tls=ClientTLS())
     status, headers, payload = sender.post(path, parts, content_type, token)
 
-Why not libcurl for this one request (bench/RESULTS.md, issue 15): pycurl hands a body of
-several buffers (`codec.pieces`: the safetensors header, then each tensor's own memory) to
-libcurl through a Python read callback that returns bytes, so every chunk is copied twice
-in user space (the slice into bytes, then into libcurl's upload buffer) before the kernel's
-copy into the socket; at 1 GB/s that was a fifth of the machine's two cores, beside the
-synchronizer it shares them with. Here the head and the parts go to `socket.sendmsg`, the
-kernel reading each part where it lies (over TLS the ssl module encrypts each piece from its
-own memory). Everything else a learner does stays on libcurl (client.py).
+Why not libcurl for this one request (bench/RESULTS.md, "Figures behind the code"): pycurl hands a
+body of several buffers (`codec.pieces`: the safetensors header, then each tensor's own memory) to
+libcurl through a Python read callback that returns bytes, so every chunk is copied twice in user
+space (the slice into bytes, then into libcurl's upload buffer) before the kernel's copy into the
+socket; at 1 GB/s that was a fifth of the machine's two cores, beside the synchronizer it shares
+them with. Here the head and the parts go to `socket.sendmsg`, the kernel reading each part where it
+lies (over TLS the ssl module encrypts each piece from its own memory). Everything else a learner
+does stays on libcurl (client.py).
 
 The contract is libcurl's, as `SyncClient` relies on it: one kept-alive connection, made
 again (and the request sent once more) when the kept-alive one is found closed before any

@@ -8,10 +8,10 @@ into buffers that are reused once no download holds them.
 
 A merge used to encode its fragment with `v.to(bfloat16)` and then `b"".join`: two fresh
 allocations of the payload's size (32 MB for 16M parameters) whose every page faults on
-first touch, 44 ms a merge on the bench machine, more than the outer step's arithmetic.
+first touch, which cost a merge more than the outer step's arithmetic.
 Here the header is laid out first and each tensor converted straight into its place in the
 payload (one pass, torch's copy, the GIL released), in the buffer of a superseded version
-when one is idle: 3.4 ms (bench/RESULTS.md, issue 15).
+when one is idle (bench/RESULTS.md, "Figures behind the code").
 
 A retired buffer is idle when nothing but this object refers to it: a download that took
 the view (`Synchronizer.fragment`) keeps a reference until its response is sent, and every

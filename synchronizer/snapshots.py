@@ -8,8 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 
-log = logging.getLogger("ddiloco.synchronizer.journal")
-"""Its lines log as the journal's, as before the split."""
+log = logging.getLogger(__name__)
 
 __all__ = ["Snapshots"]
 
@@ -32,7 +31,7 @@ class Snapshots:
         """Fragments whose file is behind, in the order asked. The writer takes the one
         that trails most, the first asked among equals: taking the lowest-numbered starved
         the others at saturation, whose merges then hit `snapshot_lag` and wrote their
-        128 MB files themselves (the merge's p99, bench/RESULTS.md)."""
+        128 MB files themselves (bench/RESULTS.md, "Figures behind the code")."""
         self._cv = threading.Condition()
         self._stop = False
         self._busy = False

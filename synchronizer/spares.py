@@ -17,7 +17,7 @@ survive a restart. A second PUT with another identity for a pod that already fet
 refused (409): a spare becomes one slot, once.
 
 These routes are part of the operator's control plane, not of the learners' training API:
-they are left out of /openapi.json (README "API" lists them).
+they are left out of /openapi.json (docs/protocol.md lists them).
 """
 
 from __future__ import annotations

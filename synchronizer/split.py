@@ -4,14 +4,12 @@
     split.scale_(t, 0.5, ways=2)                           # t *= 0.5, in pieces
 
 The merge's elementwise passes (the rule's final scaling, the outer step's three adds, the
-finiteness check, the served copy's conversion) are one torch call per tensor on one
-thread (`torch_threads`: threads inside one call waited on each other, RESULTS.md). On a
-machine whose cores are shared with uploads and clients, that thread got one share of
-them: the slowest merges spent most of their compute runnable and waiting for a core
-(`ran` / `queued` in the merge's log line: 70-150 ms on a core, 100-290 ms waiting;
-bench/RESULTS.md, issue 15). In `ways` pieces, each a runnable thread of its own, a merge
-gets that many shares under load and that many cores when they are free (16M values,
-one step on 2 cores: 58 -> 34 ms idle, 161 -> 100 ms beside four busy processes).
+finiteness check, the served copy's conversion) are one torch call per tensor on one thread
+(`torch_threads`: threads inside one call waited on each other). On a machine whose cores are shared
+with uploads and clients, that thread got one share of them: the slowest merges spent most of their
+compute runnable and waiting for a core (`ran` / `queued` in the merge's log line; bench/RESULTS.md,
+"Figures behind the code"). In `ways` pieces, each a runnable thread of its own, a merge gets that
+many shares under load and that many cores when they are free.
 
 The pieces start at multiples of `STRIDE` values, so each piece's vector loop has the
 same alignment and its scalar tail falls where the whole tensor's does: the same bits as

@@ -1,15 +1,14 @@
 """A round's merge direction, summed as its contributions arrive, not when the round closes.
 
-A merge's cost grew with its round: RDA's direction (and the mean's sum) is one pass over
-each contribution, 4.5 ms per 16M-value bf16 delta here, 75 of the 100 ms that a merge of
-16 contributions computed (bench/RESULTS.md, issue 15); under load each pass also queues
-for the cores behind the uploads. The sum does not need the round to be over: with each
-weight taken relative to the first one (`merge.relative`), a term is known when its
-contribution is admitted (its counters give its weight, admission measured its norms), and
-the scale of the sum cancels in RDA's u / ||u|| (the mean multiplies by w_ref / sum w at
-the end). So each admitted update queues its term here, and the upload thread that queued
-it adds it in (outside the fragment's lock; whichever thread holds the sum adds every
-term queued), and the merge only adds what is still queued:
+A merge's cost grew with its round: RDA's direction (and the mean's sum) is one pass over each
+contribution, most of what a merge of many contributions computed (bench/RESULTS.md, "Figures behind
+the code"); under load each pass also queues for the cores behind the uploads. The sum does not need
+the round to be over: with each weight taken relative to the first one (`merge.relative`), a term is
+known when its contribution is admitted (its counters give its weight, admission measured its
+norms), and the scale of the sum cancels in RDA's u / ||u|| (the mean multiplies by w_ref / sum w at
+the end). So each admitted update queues its term here, and the upload thread that queued it adds it
+in (outside the fragment's lock; whichever thread holds the sum adds every term queued), and the
+merge only adds what is still queued:
 
     rs = RoundSum(policy)                         # a fragment's open round
     rs.offer(contribution)                        # as it is admitted (fragment's lock held)
@@ -28,7 +27,7 @@ under the fragment's lock): a journal replay sums the log's records through a `R
 the same way when the merge's record says it was streamed (journal.replay), and serves the
 same bits. `claim` returns the sum only if its terms are exactly the merged contributions',
 in order (a contribution put back by a refused merge, or a weightless one absorbing another
-update: the merge sums from the contributions, as before). A queued bf16 term keeps its
+update: the merge sums from the contributions, with the same bits). A queued bf16 term keeps its
 body pinned until added.
 """
 

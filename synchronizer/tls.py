@@ -1,4 +1,5 @@
-"""Certificates for TLS between learners and the synchronizer (issue 12 §4).
+"""Certificates for TLS between learners and the synchronizer: encrypted wherever a link leaves
+the cluster.
 
 A job gets its own small CA; the synchronizer gets a server certificate signed by it
 and, for mutual TLS, each learner a client certificate (CN = learner id). The operator

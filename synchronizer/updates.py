@@ -34,8 +34,7 @@ from ddiloco.synchronizer.quant import Quantized
 from ddiloco.synchronizer.segments import FragmentLog, Ticket
 from ddiloco.synchronizer.state import FragmentState, Order
 
-log = logging.getLogger("ddiloco.synchronizer.service")
-"""The update path's lines log as the synchronizer's, as before the split."""
+log = logging.getLogger(__name__)
 
 HEADER_SLACK = 1 << 20
 """Bytes a safetensors header with metadata may add to a fragment's tensors."""

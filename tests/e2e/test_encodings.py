@@ -1,4 +1,4 @@
-"""Update encodings end to end (issue 15): real synchronizer and learner processes on loopback.
+"""Update encodings end to end: real synchronizer and learner processes on loopback.
 
     .venv/bin/pytest -q tests/e2e/test_encodings.py -m e2e
 

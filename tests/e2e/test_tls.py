@@ -1,4 +1,4 @@
-"""TLS between learners and the synchronizer, with real processes on loopback (issue 12 §4).
+"""TLS between learners and the synchronizer, with real processes on loopback.
 
     .venv/bin/python -m pytest -q tests/e2e/test_tls.py -m e2e -p no:cacheprovider
 

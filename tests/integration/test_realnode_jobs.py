@@ -681,7 +681,7 @@ SHARDED = "tiny-shards"
 
 
 def test_a_sharded_job_trains_on_two_synchronizer_pods(run: Run) -> None:
-    """synchronizer.shards 2 (issue 15): a StatefulSet of two real synchronizer pods, one
+    """synchronizer.shards 2: a StatefulSet of two real synchronizer pods, one
     claim each; the learner reaches both through the headless Service's names (TLS verified
     under each), the job's status and `ddiloco status --job` merge both shards, and deleting
     the job deletes both claims."""

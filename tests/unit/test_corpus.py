@@ -164,7 +164,7 @@ def test_what_is_read_as_documents(tmp_path: Path) -> None:
     (tmp_path / "t.bin").write_bytes(b"\0\0")
     write_jsonl(tmp_path / "d.jsonl", ["x"])
     assert documents.is_documents(tmp_path / "d.jsonl", byte_level=True)
-    assert not documents.is_documents(tmp_path / "t.txt", byte_level=True)  # raw bytes, as before
+    assert not documents.is_documents(tmp_path / "t.txt", byte_level=True)  # raw bytes
     assert documents.is_documents(tmp_path / "t.txt", byte_level=False)
     assert not documents.is_documents(tmp_path / "t.bin", byte_level=False)
     assert not documents.is_documents(None, byte_level=True)  # the stdlib corpus as bytes

@@ -344,7 +344,7 @@ def test_the_synchronizer_reads_what_the_operator_meant(
         "outer_momentum": sync.outer_momentum,
         "max_staleness": sync.max_staleness,
         "tau": t.overlap_steps,
-        "counter_cap_steps": 4 * t.inner_steps,  # README: "counters capped at 4H"
+        "counter_cap_steps": 4 * t.inner_steps,  # docs/design.md: "counters capped at 4H"
         "shard": 0,
         "shards": sync.shards,
         "update_encodings": [job.spec.update_encoding],  # only the job's encoding

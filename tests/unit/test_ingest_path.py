@@ -1,4 +1,4 @@
-"""The fast update path (issue 15): decode into pooled float32, merge into pooled buffers.
+"""The fast update path: decode into pooled float32, merge into pooled buffers.
 
     pytest tests/unit/test_ingest_path.py
 

@@ -639,7 +639,7 @@ def test_each_merge_logs_its_parts_and_where_its_compute_waited(
     schedstat), which together are at most the compute."""
     sync = make(tmp_path, Clock())
     start(sync)
-    with caplog.at_level(logging.INFO, logger="ddiloco.synchronizer.service"):
+    with caplog.at_level(logging.INFO, logger="ddiloco.synchronizer.merging"):
         assert sync.submit(update("a", 10, 0, 1)).status == "accepted"
         assert sync.merge(0) == 1
     line = next(r.getMessage() for r in caplog.records if "Merged fragment=0" in r.getMessage())
@@ -651,13 +651,13 @@ def test_each_merge_logs_its_parts_and_where_its_compute_waited(
         assert ms["ran"] >= 0 and ms["queued"] >= 0
     assert " sum=streamed " in line  # the round's sum, formed as its update came
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="ddiloco.synchronizer.service"):
+    with caplog.at_level(logging.INFO, logger="ddiloco.synchronizer.merging"):
         for step in (20, 30):  # the same learner twice in one round: its term replaced
             assert sync.submit(update("a", step, 1, step)).status == "accepted"
         assert sync.merge(0) == 2
     assert any(" sum=streamed " in r.getMessage() for r in caplog.records)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="ddiloco.synchronizer.service"):
+    with caplog.at_level(logging.INFO, logger="ddiloco.synchronizer.merging"):
         assert sync.submit(update("b", 40, 2, 40)).status == "accepted"
         sync.sums[0].spoil()  # as a refused merge's put back does: summed by the merge
         assert sync.merge(0) == 3

@@ -1,4 +1,4 @@
-"""`merge_scale = live` (issue 16's hypothesis): a merge's progress is averaged over the whole
+"""`merge_scale = live`: a merge's progress is averaged over the whole
 live set's tokens per period, not only over the contributors present in it, so that K = 1
 moves Theta like averaging instead of by the sum of the learners' deltas.
 

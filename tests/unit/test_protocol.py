@@ -1,4 +1,5 @@
-"""The wire protocol over a real h2c socket: round trips, and every refusal of issue 2.
+"""The wire protocol over a real h2c socket: round trips, and every refusal
+the protocol defines (synchronizer/errors.py).
 
     pytest tests/unit/test_protocol.py
 
