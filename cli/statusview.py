@@ -6,7 +6,8 @@
 
 What it shows, all read from the one status answer:
 
-* a summary line: goodput, merged-work ratio (tokens merged / tokens the learner slots report
+* a summary line: the token budget's progress and the time left (a job with a budget),
+  goodput, merged-work ratio (tokens merged / tokens the learner slots report
   having computed, the synchronizer's own figure), global version and merges, mean
   contributors and staleness, refusals by reason,
   bytes up and down;
@@ -180,9 +181,35 @@ def summary_line(status: Status) -> str:
         f"refusals {refusals}",
         f"bytes up {_bytes(status.bytes_up)} down {_bytes(status.bytes_down)}",
     ]
+    if budget := budget_text(status):
+        parts.insert(0, budget)
     if not status.initialized:
         parts.insert(0, "not initialized yet")
     return "  ".join(parts)
+
+
+def budget_text(status: Status) -> str:
+    """The job's token budget: progress and the time left ("" without a budget)."""
+    total = getattr(status, "total_tokens", 0) or 0
+    if total <= 0:
+        return ""
+    if getattr(status, "finished", False):
+        return f"budget reached: {status.tokens_merged:,} of {total:,} tokens merged (finished)"
+    progress = getattr(status, "progress", None) or 0.0
+    left = getattr(status, "estimated_remaining_seconds", None)
+    return f"budget {progress:.1%} of {total:,} tokens, {_duration(left)} left"
+
+
+def _duration(seconds: float | None) -> str:
+    """`~1h02m`, `~3m05s`, `~12s`, or `?` before a rate is known."""
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    s = round(seconds)
+    if s >= 3600:
+        return f"~{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"~{s // 60}m{s % 60:02d}s"
+    return f"~{s}s"
 
 
 def fragments_table(status: Status) -> Table:

@@ -15,11 +15,12 @@ The wrapper hooks the optimizer (`register_step_post_hook`): after every `opt.st
 accounts the step (its time is measured from the end of the previous hook), hands due (or
 requested) fragments to the uploader and folds in every merged fragment that has arrived.
 The loop calls nothing else per step; it stops when `should_stop` says so: after the step at
-which a budget of `cfg` (max_steps, max_tokens, max_seconds) ran out, or after the step in
-which `request_stop()` was called (SIGTERM, a preemption notice). A preempted learner hands
-over every fragment with steps behind it at once, due or not, and `__exit__` waits up to
-`cfg.drain_s` for the uploads. `stats()` is what the loop reports; `ledger()` the per-fragment
-token account for its stop record. With `cfg.metrics_port` set, rank 0 serves Prometheus
+which a budget of `cfg` (max_steps, max_tokens, max_seconds) ran out, after the step in
+which `request_stop()` was called (SIGTERM, a preemption notice), or once the synchronizer
+says the job's token budget is merged (`finished`, synchronizer/budget.py). A preempted or
+finished learner hands over every fragment with steps behind it at once, due or not, and
+`__exit__` waits up to `cfg.drain_s` for the uploads. `stats()` is what the loop reports;
+`ledger()` the per-fragment token account for its stop record. With `cfg.metrics_port` set, rank 0 serves Prometheus
 metrics of the same events (learner/metrics.py) while in the `with` block.
 
 State: the layout and schedule; for each fragment its anchor (the parameters the next
@@ -127,6 +128,9 @@ class DecoupledDiLoCo:
         self.loss: float | None = None
         self.resume_position = 0
         """The synchronizer's data position for this slot at join (every rank knows it)."""
+        self.resume_step = 0
+        """The slot's LR-schedule step at join (`JoinResponse.slot_steps`, every rank knows
+        it): the loop's schedule runs at `resume_step + step` (`slot_step`)."""
         self.should_stop = False
         self.stop_reason = ""
         self.started = time.monotonic()
@@ -182,7 +186,14 @@ class DecoupledDiLoCo:
             "parallel": self.group.wrapped,
             "loss": self.loss,
             "stop_reason": self.stop_reason,
+            "slot_step": self.slot_step,
         }
+
+    @property
+    def slot_step(self) -> int:
+        """The slot's position in its inner LR schedule: where it resumed plus this
+        incarnation's steps (a replacement does not warm up again)."""
+        return self.resume_step + self.step
 
     def ledger(self) -> dict[int, dict[str, int]]:
         """Per fragment, since join: computed_* = handed_over_* + not_handed_over_* (c_steps,
@@ -207,19 +218,25 @@ class DecoupledDiLoCo:
             values = {k: g.full(v).float() for k, v in self.params.items()}
             self._initial_values = values if g.root else None
         got: dict[int, tuple[int, Tensors]] = {}
-        position = 0
+        position = slot_steps = finished = 0
         if self.streamer is not None and self.cfg.metrics_port is not None:
             self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_host)
             self.metrics.queue(self.streamer.outbox.depth)
         if self.streamer is not None:
             got = {p: (v, t) for p, v, t in self.streamer.fetch_all()}
             position = self.streamer.resume_position
+            slot_steps, finished = self.streamer.slot_steps, int(self.streamer.finished)
         self._initial_values = None
-        header = torch.tensor([position] + [got[p][0] if p in got else 0 for p in range(n)])
+        head = [position, slot_steps, finished]
+        header = torch.tensor(head + [got[p][0] if p in got else 0 for p in range(n)])
         header = g.broadcast(header).tolist()
-        self.resume_position = int(header[0])
+        self.resume_position, self.resume_step = int(header[0]), int(header[1])
+        if header[2]:  # joined a finished job: nothing to train
+            self.should_stop, self.stop_reason = True, "finished"
+            if g.root:
+                log.info("The job is finished (its token budget is merged): stopping")
         for p in range(n):
-            self._fold_in(p, int(header[1 + p]), [got[p]] if p in got else [], join=True)
+            self._fold_in(p, int(header[3 + p]), [got[p]] if p in got else [], join=True)
         if self.streamer is not None:
             self.streamer.start()
             log.info(
@@ -270,7 +287,17 @@ class DecoupledDiLoCo:
         if self.streamer is not None:
             self._report()
         loss = None if self.loss is None else round(self.loss, 4)
-        self._write({"t": time.time(), "step": self.step, "dt": round(dt, 6), "loss": loss})
+        lr = self.optimizer.param_groups[0].get("lr") if self.optimizer.param_groups else None
+        self._write(
+            {
+                "t": time.time(),
+                "step": self.step,
+                "dt": round(dt, 6),
+                "loss": loss,
+                "lr": None if lr is None else float(lr),
+                "slot_step": self.slot_step,
+            }
+        )
         if plan.stop:
             self.should_stop, self.stop_reason = True, plan.stop
         self._mark = time.perf_counter()
@@ -291,7 +318,13 @@ class DecoupledDiLoCo:
                 self.in_flight.discard(p)
                 self.counts["refused"] += 1
         stop = self._stop_reason()
-        if stop == "preempted":  # hand everything over before leaving
+        if stop == "finished":
+            log.info(
+                "The job is finished (its token budget is merged): handing over pending work "
+                "and stopping at step %d",
+                self.step,
+            )
+        if stop in ("preempted", "finished"):  # hand everything over before leaving
             due = set(range(n))
         else:
             due = {p for p, at in enumerate(self.next_due) if self.step >= at}
@@ -325,6 +358,8 @@ class DecoupledDiLoCo:
         cfg = self.cfg
         if self._preempted:
             return "preempted"
+        if self.streamer is not None and self.streamer.finished:
+            return "finished"
         if cfg.max_steps and self.step >= cfg.max_steps:
             return "max_steps"
         if cfg.max_tokens and self.tokens_total >= cfg.max_tokens:
@@ -444,6 +479,7 @@ class DecoupledDiLoCo:
                 uptime_seconds=time.monotonic() - self.started,
                 tokens_total=self.tokens_total,
                 loss=self.loss,
+                slot_step=self.slot_step,
                 **extra,
             )
         )

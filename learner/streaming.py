@@ -139,6 +139,12 @@ class Streamer:
         self.resume_position = 0
         """The synchronizer's data position for this learner id at the last join (windows of
         its slot's stream counted so far; 0 from a synchronizer that keeps none)."""
+        self.slot_steps = 0
+        """Where the slot's inner LR schedule resumes: the highest `slot_steps` any shard
+        answered at join (0 from a synchronizer that keeps none)."""
+        self.finished = False
+        """A shard said the job's token budget is merged (at join or in a heartbeat's
+        answer): the learner hands over what it holds and stops (synchronizer/budget.py)."""
         self.threads: list[threading.Thread] = []
         # one token source for both threads: a rotated token file is re-read once for both
         self.tokens = cfg.token_source()
@@ -197,6 +203,9 @@ class Streamer:
         self.issued[shard] = resp.incarnation
         position = int(getattr(resp, "data_position", 0) or 0)
         self.resume_position = max(self.resume_position, position)  # the module docstring
+        self.slot_steps = max(self.slot_steps, int(getattr(resp, "slot_steps", 0) or 0))
+        if getattr(resp, "finished", False):
+            self.finished = True
         if not resp.initialized:
             meta = {LAYOUT_KEY: self.layout.model_dump_json()}
             try:  # what the job trains, for `ddiloco export` (learner/hf.py model_spec)
@@ -331,6 +340,8 @@ class Streamer:
                     )
                     resp = client.heartbeat(hb)
                     self.shard_requested[shard] = set(resp.requested)
+                    if resp.finished:  # any shard's word ends the job (synchronizer/budget.py)
+                        self.finished = True
                     self.requested = set().union(*self.shard_requested)
                     for p, v in enumerate(resp.versions):
                         if p in mine and v > have[p]:
@@ -445,7 +456,7 @@ class Streamer:
     def _upload_loop(self, shard: int = 0) -> None:
         client, backoff = self._upload_client(shard, None), Backoff()
         # each shard's thread takes the oldest update of that shard's fragments: one shard
-        # away holds back only its own (one shard: every fragment, strict FIFO as before)
+        # away holds back only its own (one shard: every fragment, strict FIFO)
         mine = frozenset(self.owned(shard)) if len(self.urls) > 1 else None
         while not self.stop_event.is_set():
             entry = self.outbox.take(timeout=0.1, fragments=mine)

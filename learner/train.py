@@ -65,7 +65,9 @@ def pick_device(name: str) -> torch.device:
 
 
 def lr_at(step: int, cfg: LearnerConfig) -> float:
-    """Linear warm-up then constant: learners may run for an unknown time (no cosine end)."""
+    """Linear warm-up then constant: learners may run for an unknown time (no cosine end).
+    `step` is the slot's (`DecoupledDiLoCo.slot_step`): a replacement resumes the schedule
+    where its slot was, and does not warm up again."""
     if step < cfg.warmup_steps:
         return cfg.inner_lr * (step + 1) / cfg.warmup_steps
     return cfg.inner_lr
@@ -162,11 +164,13 @@ def train(cfg: LearnerConfig, *, digests: bool = False) -> dict[str, Any]:
         if at is not None and diloco.resume_position > at:  # a replacement: go on from there
             log.info("Resuming the slot's data stream at position %d", diloco.resume_position)
             batches.seek(diloco.resume_position)  # type: ignore[attr-defined]
+        if diloco.resume_step and group.root:  # a replacement: no second warm-up
+            log.info("Resuming the LR schedule at step %d", diloco.resume_step)
         model.train()
         step = 0
         while not diloco.should_stop:
             for g in opt.param_groups:
-                g["lr"] = lr_at(step, cfg)
+                g["lr"] = lr_at(diloco.resume_step + step, cfg)
             x, y = next(batches)
             with autocast:
                 loss = task.loss_fn(model, x, y)

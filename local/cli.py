@@ -123,6 +123,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--max-steps", type=int, default=0, help="inner steps per learner slot")
     ap.add_argument(
+        "--total-tokens",
+        type=int,
+        default=0,
+        help="the job's budget in merged tokens: the run ends once they are merged and every "
+        "learner stopped (default 0: none; --max-seconds still caps it when given)",
+    )
+    ap.add_argument(
         "--chaos",
         choices=KINDS,
         default="none",
@@ -276,6 +283,15 @@ def summary(report: dict[str, Any]) -> Table:
         ("wall seconds", f"{report['wall_seconds']:.1f}"),
         ("TLS", _tls_row(report.get("tls") or {})),
     ]
+    budget = report.get("budget")
+    if budget:
+        state = "reached" if budget["reached"] else "not reached"
+        rows.append(
+            (
+                "token budget",
+                f"{state}: {budget['tokens_merged']:,} / {budget['total_tokens']:,} merged",
+            )
+        )
     for k, v in rows:
         t.add_row(k, v)
     return t
@@ -318,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             nproc_per_node=args.nproc_per_node,
             max_seconds=args.max_seconds,
             max_steps=args.max_steps,
+            total_tokens=args.total_tokens,
             chaos=args.chaos,
             chaos_unit=args.chaos_unit,
             seed=args.seed,

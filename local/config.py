@@ -48,6 +48,9 @@ class LocalConfig:
     """Training wall-clock budget (0: none; 60 s when no step budget either)."""
     max_steps: int = 0
     """Inner steps per learner slot (0: none)."""
+    total_tokens: int = 0
+    """The job's token budget in merged tokens (the synchronizer's `total_tokens`; 0: none):
+    the run ends once every learner exited 0 on hearing it was merged."""
     chaos: str = "none"
     chaos_unit: str = "seconds"
     """`steps`: the schedule's events fire at inner steps of their learner (needs
@@ -59,9 +62,9 @@ class LocalConfig:
     batch_size: int = 8
     inner_lr: float = 3e-3
     outer_lr: float = 1.0
-    """eta. In minute-long runs (a few dozen outer rounds per fragment) outer momentum hurts:
-    the kill + pause bench measured eval loss 1.34x data-parallel's at equal tokens with the
-    lineage's eta 0.7, mu 0.9, 1.12x with mu 0.5, 1.05x with eta 1, mu 0 (bench/RESULTS.md)."""
+    """eta. In minute-long runs (a few dozen outer rounds per fragment) outer momentum
+    overshoots: eta 1, mu 0 gave the lowest eval loss at equal tokens of the settings tried
+    (bench/RESULTS.md, "Quality: what closed most of the gap")."""
     outer_momentum: float = 0.0
     """mu; the synchronizer's own default (0.9) is the lineage's, for large-batch jobs."""
     eval_every: float = 5.0
@@ -109,7 +112,9 @@ class LocalConfig:
             raise ValueError(
                 f"sync_shards must be in 1..fragments ({self.fragments}), got {self.sync_shards}"
             )
-        if self.max_seconds <= 0 and self.max_steps <= 0:
+        if self.total_tokens < 0:
+            raise ValueError(f"total_tokens must be >= 0, got {self.total_tokens}")
+        if self.max_seconds <= 0 and self.max_steps <= 0 and self.total_tokens <= 0:
             self.max_seconds = 60.0
         if self.chaos_unit not in ("seconds", "steps"):
             raise ValueError(f"chaos_unit must be seconds or steps, got {self.chaos_unit!r}")

@@ -103,6 +103,8 @@ class LocalRun(Supervisor):
         self.learners = [
             self._learner_child(i, lid) for i, lid in enumerate(learner_ids(cfg.learners))
         ]
+        self.budget_reached = False
+        """A learner exited 0 on hearing the job's token budget was merged (`total_tokens`)."""
         self.evaluator: Any = None
         self.status: Any = None
         self.sampler: Any = None
@@ -159,6 +161,8 @@ class LocalRun(Supervisor):
             argv.append("--no-grace")
         if c.sync_shards > 1:
             argv += ["--shard", str(shard), "--shards", str(c.sync_shards)]
+        if c.total_tokens:
+            argv += ["--total-tokens", str(c.total_tokens)]
         if c.tls:
             argv += ["--tls-cert", str(self.tls_dir / "server.crt")]
             argv += ["--tls-key", str(self.tls_dir / "server.key")]
@@ -349,13 +353,28 @@ class LocalRun(Supervisor):
                 and self.steps_done(child.name) >= self.cfg.max_steps
             ):
                 child.finished = True
+            elif code == 0 and self.cfg.total_tokens and self._stop_reason(child) == "finished":
+                child.finished = self.budget_reached = True
+                log.info("Learner %s stopped: the job's token budget is merged", child.name)
             else:
                 log.warning("Learner %s exited with %s; restarting it", child.name, code)
                 child.restart_at = now + 1.0
 
+    def _stop_reason(self, child: Child) -> str:
+        """The stop reason in the last "stop" record of the slot's step log ("" if none)."""
+        from ddiloco.local.report import read_jsonl
+
+        stops = [r for r in read_jsonl(self.learner_log(child.name)) if r.get("event") == "stop"]
+        return str(stops[-1].get("stop_reason", "")) if stops else ""
+
     def done(self, now: float) -> bool:
         if self.cfg.max_seconds and now >= self.cfg.max_seconds:
             return True
+        if self.budget_reached:  # the job is done: a slot waiting for its restart needs none
+            for c in self.learners:
+                if not c.finished and c.restart_at is not None and not c.alive():
+                    c.finished, c.restart_at = True, None
+            return all(c.finished or c.proc is None for c in self.learners)
         return all(c.finished for c in self.learners)
 
     def run(self) -> dict[str, Any]:

@@ -190,6 +190,18 @@ def build_report(run: LocalRun) -> dict[str, Any]:
             idle={c.name: c.pauses for c in run.learners},
         ),
         "chaos_applied": run.applied,
+        # the job's token budget (synchronizer/budget.py): reached when the synchronizer says
+        # its merged tokens got there; the slots that stopped on hearing it
+        "budget": {
+            "total_tokens": cfg.total_tokens,
+            "tokens_merged": status.tokens_merged,
+            "reached": bool(getattr(status, "finished", False)),
+            "learners_finished": sorted(
+                c.name for c in run.learners if c.finished and getattr(run, "budget_reached", False)
+            ),
+        }
+        if cfg.total_tokens
+        else None,
         "tls": {
             "enabled": cfg.tls,
             "mutual": cfg.mtls,
@@ -220,6 +232,7 @@ def build_report(run: LocalRun) -> dict[str, Any]:
             "seed": cfg.seed,
             "max_seconds": cfg.max_seconds,
             "max_steps": cfg.max_steps,
+            "total_tokens": cfg.total_tokens,
             "warm_spares": cfg.warm_spares,
             "spare_takeover": cfg.spare_takeover,
             "batch_size": cfg.batch_size,

@@ -2,10 +2,11 @@
 
     DDILOCO_TOKEN=s3cret DDILOCO_STATE_DIR=/var/lib/ddiloco DDILOCO_QUORUM=1 ddiloco synchronizer
 
-TLS (issue 12 §4): DDILOCO_TLS_CERT_FILE and DDILOCO_TLS_KEY_FILE (both or neither) serve
-HTTPS, ALPN h2 and http/1.1 on the one port; DDILOCO_TLS_CLIENT_CA_FILE also requires a client
-certificate signed by that CA (mutual TLS). Tokens: DDILOCO_TOKEN, or DDILOCO_TOKEN_FILE whose
-every non-empty line is accepted and which is re-read when it changes (rotation, auth.py).
+TLS, so that traffic that leaves the cluster is encrypted: DDILOCO_TLS_CERT_FILE and
+DDILOCO_TLS_KEY_FILE (both or neither) serve HTTPS, ALPN h2 and http/1.1 on the one port;
+DDILOCO_TLS_CLIENT_CA_FILE also requires a client certificate signed by that CA (mutual TLS).
+Tokens: DDILOCO_TOKEN, or DDILOCO_TOKEN_FILE whose every non-empty line is accepted and which is
+re-read when it changes (rotation, auth.py).
 
 Every knob of the merge service lives here, with the paper's symbol where it has one
 (the paper's §3; README "How it fits together"). `get_settings()` is cached; tests build `SyncSettings(...)` directly.
@@ -64,22 +65,20 @@ class SyncSettings(BaseSettings):
     """Uploads that may run their passes over the bytes (decode, norm, checksum, adding
     their term to the round's sum) at once; 0: the cores this process may run on, less
     one (at least 1). The merge takes no slot, so under load it shares the cores with this
-    many uploads instead of with every connection: on 2 cores, merge p99 at 0.8 GB/s
-    0.24-0.32 of tau x step with one slot, 0.70-1.13 with a slot per connection
-    (bench/RESULTS.md, issue 15)."""
+    many uploads instead of with every connection, and its tail latency falls to a third
+    or less (bench/RESULTS.md, "Figures behind the code")."""
     merge_first: bool = True
     """While a merge computes, the upload port's body reads wait at their next chunk (at
     most 1 s; synchronizer/locks.py `MergeGate`): the merge gets the cores the socket copies
-    took. On 2 cores, merge compute p99 at 0.5 and 0.8 GB/s 0.65-0.78 s -> 0.23 s side by
-    side, ingest at saturation 2-10% lower (bench/RESULTS.md, issue 15). False
+    took: the merge's compute tail shrinks for a few percent of ingest at saturation
+    (bench/RESULTS.md, "Figures behind the code"). False
     (`DDILOCO_MERGE_FIRST=0`): reads go on beside the merge."""
     prime_buffers: bool = True
-    """When the layout is adopted (at init, before its answer; at a restart, before serving),
-    make and touch the buffers the fragments' first merges and uploads take, within the
-    pools' limits (synchronizer/prime.py; 0.5 s for 64M parameters): the first merge of
-    each fragment took 1.2-1.7 s on a cold process under load, every later one well under
-    0.5 s (bench/RESULTS.md, issue 15). False (`DDILOCO_PRIME_BUFFERS=0`): pools fill as
-    the work needs them."""
+    """When the layout is adopted (at init, before its answer; at a restart, before serving), make
+    and touch the buffers the fragments' first merges and uploads take, within the pools' limits
+    (synchronizer/prime.py): on a cold process under load, the first merge of each fragment
+    otherwise takes several times any later one (bench/RESULTS.md, "Figures behind the code"). False
+    (`DDILOCO_PRIME_BUFFERS=0`): pools fill as the work needs them."""
     snapshot_lag: int = Field(8, ge=0, le=64)
     """How many merges a fragment's file may trail the version it serves. A merge is durable
     once a small record of its inputs is in the merge journal (synchronizer/journal.py): the
@@ -87,9 +86,9 @@ class SyncSettings(BaseSettings):
     128 MB file of a 16M-parameter fragment is then written in the background, and that
     many merges' updates stay on disk until it is (the state volume holds up to this many
     rounds of updates per fragment beside the files), and a restart redoes up to that many
-    merges. 8 (was 4): the files are written half as often, and the disk's flushes that a
-    merge's durable part waits for hold half their bytes (its p99 at 0.8 GB/s and
-    saturated 413-420 -> 232-236 ms side by side, bench/RESULTS.md). 0: every merge writes
+    merges. 8: with `snapshot_every` at its default (half of this) the files are written
+    every 4th merge, and the disk's flushes that a merge's durable part waits for hold
+    fewer bytes (bench/RESULTS.md, "Figures behind the code"). 0: every merge writes
     its fragment file before its version is served (the old path, half of the merge's
     time)."""
     snapshot_every: int = Field(0, ge=0, le=64)
@@ -97,26 +96,24 @@ class SyncSettings(BaseSettings):
     before the background writer writes it again (the latest state; the merges in between
     are in the journal). 0: half of `snapshot_lag`, at least 1. Each file is 128 MB for a
     16M-parameter fragment (Theta and momentum): written after every merge, those writes
-    were most of the disk's bytes, and a merge's journal fsync waited behind them (with
-    every 2nd merge written, the durable part's p99 fell in three of four pairs side by
-    side, 320-475 -> 228-383 ms, and the files' bytes by half; bench/RESULTS.md). A restart
+    were most of the disk's bytes, and a merge's journal fsync waited behind them
+    (bench/RESULTS.md, "Figures behind the code"). A restart
     redoes at most `snapshot_lag` merges either way. At most `snapshot_lag`: the writer
     needs the merges in between to finish before a merge would write the file itself."""
     torch_threads: int = Field(0, ge=0, le=1024)
     """Threads one tensor operation may use (`torch.set_num_threads`, set by `ddiloco
-    synchronizer`). The synchronizer runs many operations at once (a thread per upload, a
-    merge per fragment), so threads inside each mostly wait on each other: with 1 on 2
-    cores, 16 clients, the merge's p99 at 0.1 GB/s was 0.49-0.75 of tau x step against
-    0.99 with torch's default of one per core, and CPU per GB 3.1-3.7 against 3.8-4.3
-    (bench/RESULTS.md). 0 (default): a quarter of the cores, at least 1 (1 here; 4 on 16
-    cores, where one fragment's merge alone gains from a few)."""
+    synchronizer`). The synchronizer runs many operations at once (a thread per upload, a merge per
+    fragment), so threads inside each mostly wait on each other: one thread per operation lowers
+    both the merge's tail and the CPU per GB against torch's default of one per core
+    (bench/RESULTS.md, "Figures behind the code"). 0 (default): a quarter of the cores, at least 1
+    (1 on 2 cores; 4 on 16, where one fragment's merge alone gains from a few)."""
     merge_threads: int = Field(0, ge=0, le=64)
-    """Pieces a merge splits its passes over a large tensor into, each on a thread of its
-    own (synchronizer/split.py; the same bits as one). On cores shared with uploads (and
-    here with the clients) a merge's one thread got one share of them, and the slowest
-    merges spent most of their compute waiting for a core (bench/RESULTS.md, issue 15).
-    0 (default): the cores this process may run on over `torch_threads` (2 here; 4 on 16
-    cores). 1: one thread, as before."""
+    """Pieces a merge splits its passes over a large tensor into, each on a thread of its own
+    (synchronizer/split.py; the same bits as one). On cores shared with uploads (and here with the
+    clients) a merge's one thread got one share of them, and the slowest merges spent most of their
+    compute waiting for a core (bench/RESULTS.md, "Figures behind the code"). 0 (default): the cores
+    this process may run on over `torch_threads` (2 on 2 cores; 4 on 16). 1: one thread, no
+    pieces."""
     max_init_bytes: int = Field(16 << 30, ge=1 << 10)
     """The largest initial-model upload accepted, before the layout is known (413 above).
     Update bodies are capped by their fragment's size in float32, from the layout."""
@@ -129,7 +126,7 @@ class SyncSettings(BaseSettings):
     shards: int = Field(1, ge=1)
     """S, the job's synchronizer shards (`DDILOCO_SHARDS`); 1: one synchronizer for all."""
     metrics: bool = True
-    """Serve Prometheus metrics on GET /metrics (README "Metrics"). False
+    """Serve Prometheus metrics on GET /metrics (docs/operations.md "Metrics"). False
     (`DDILOCO_METRICS=0`): every instrument is a no-op and /metrics answers 404."""
 
     # --- rounds (quorum and the adaptive grace window, the paper's Eq. 3) ---
@@ -169,6 +166,16 @@ class SyncSettings(BaseSettings):
     """The most tokens one inner step of a learner may claim (16 Mi: a 4,096-sequence
     batch of 4,096 tokens over the whole learner). A learner's updates are bounded by the
     tokens per step it declared at join, and by this; a join declaring more is refused."""
+
+    # --- the job's budget (synchronizer/budget.py) ---
+    total_tokens: int = Field(0, ge=0, le=(1 << 63) - 1)
+    """Train the job on this many tokens, counted as merged (`Status.tokens_merged`: the
+    tokens behind merged contributions, averaged over fragments); 0: no budget. Once they
+    are merged the job is finished: status says so, heartbeats answer `finished` and the
+    learners hand over what they hold and exit 0. Derived from the fragments' durable
+    counts, so a restarted synchronizer is finished too. Updates arriving after that are
+    still accepted and merged (real work, already computed). With shards, each shard
+    counts its own fragments and a learner stops when any shard says finished."""
 
     # --- merge (token weighting, radial-directional averaging, outer Nesterov) ---
     merge: MergeRule = "rda"

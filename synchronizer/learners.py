@@ -31,8 +31,7 @@ from ddiloco.synchronizer.protocol import (
     ModelSpec,
 )
 
-log = logging.getLogger("ddiloco.synchronizer.service")
-"""The learner calls' lines log as the synchronizer's, as before the split."""
+log = logging.getLogger(__name__)
 
 __all__ = ["Learners"]
 
@@ -160,6 +159,8 @@ class Learners:
             # before its first heartbeat can report it (learner/corpus.py)
             resume = rec.data_position
             rec.data_position = min(MAX_DATA_POSITION, resume + req.data_reserve)
+            slot_steps = rec.slot_steps  # where the slot's LR schedule resumes
+            finished = self.finished()
             self.dirty.add(req.learner_id)
         # durable before the answer: an incarnation (and a data position) is never handed
         # out twice
@@ -181,6 +182,8 @@ class Learners:
             shards=self.settings.shards,
             owned=list(self.owned),
             upload_port=self.upload_port,
+            slot_steps=slot_steps,
+            finished=finished,
         )
 
     def _check_lists(self, hb: Heartbeat) -> None:
@@ -207,6 +210,8 @@ class Learners:
             self.rounds.heard(hb.learner_id, hb.step_seconds)
             advanced = hb.data_position > rec.data_position
             rec.data_position = max(rec.data_position, hb.data_position)
+            # saved with the next ledger write (a data position's, at least every reservation)
+            rec.slot_steps = max(rec.slot_steps, hb.slot_step)
             self.dirty.add(hb.learner_id)
         if advanced:  # a new reservation is durable before it is answered (learner/corpus.py)
             self._save_ledger()
@@ -231,7 +236,9 @@ class Learners:
                 and p < len(steps)
                 and steps[p] > 0
             ]
-            return HeartbeatResponse(versions=self.versions(), requested=requested)
+            return HeartbeatResponse(
+                versions=self.versions(), requested=requested, finished=self.finished()
+            )
 
     @staticmethod
     def news(hb: Heartbeat, resp: HeartbeatResponse) -> bool:

@@ -55,13 +55,18 @@ class LearnerRecord:
     """The tokens per inner step the slot's current incarnation declared at join (0: none
     declared, the synchronizer's `max_tokens_per_step` bounds it); its updates claim at
     most this many per step (admission.check_tokens)."""
+    slot_steps: int = 0
+    """The highest LR-schedule step the slot reported (`Heartbeat.slot_step`), answered at
+    join: a replacement resumes its inner LR schedule there (no second warm-up)."""
     last_seen: float = field(default=-1e18, repr=False)
     steps: list[int] = field(default_factory=list, repr=False)
 
 
 VOLATILE = frozenset({"last_seen", "steps"})
 """Fields of a record that are not saved: liveness and the latest per-fragment counters."""
-COUNTS = frozenset({"incarnation", "step", "tokens_total", "data_position", "tokens_per_step"})
+COUNTS = frozenset(
+    {"incarnation", "step", "tokens_total", "data_position", "tokens_per_step", "slot_steps"}
+)
 """Fields that hold one client-sent count (at most `MAX_COUNT`)."""
 
 
@@ -143,6 +148,7 @@ def learner_statuses(
             loss=r.loss,
             data_position=r.data_position,
             tokens_computed=int(tokens_computed(r, fragments)),
+            slot_steps=r.slot_steps,
             last_seen_s=max(0.0, now - r.last_seen) if r.last_seen > -1e17 else -1.0,
         )
         for r in sorted(learners.values(), key=lambda r: r.learner_id)
@@ -193,6 +199,7 @@ def droppable(r: LearnerRecord) -> bool:
     count, which the synchronizer keeps as a job-wide floor instead (learners.py)."""
     return not (
         r.data_position
+        or r.slot_steps
         or r.contributions
         or r.fragment_tokens_merged
         or r.period_tokens

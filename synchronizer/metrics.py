@@ -12,7 +12,7 @@ contributors), and every merged contribution its staleness; every accepted updat
 and bytes by wire encoding; every fragment served its bytes. `StatusCollector` turns the
 `Status` snapshot into gauges and the durable counters (they survive a restart, as the
 ledger does). With metrics off the instruments are no-ops (nothing is counted) and
-`enabled` is False, which the route turns into a 404. README "Metrics" lists every name.
+`enabled` is False, which the route turns into a 404. docs/operations.md "Metrics" lists every name.
 """
 
 from __future__ import annotations
@@ -346,6 +346,18 @@ class StatusCollector(Collector):
                 "ddiloco_merged_work_ratio",
                 "Tokens merged / tokens computed by all learners (as they report them)",
                 value=s.merged_work_ratio,
+            )
+        if s.progress is not None:  # a token budget is set (budget.py)
+            yield GaugeMetricFamily(
+                "ddiloco_job_progress_ratio",
+                "Tokens merged / the job's token budget (1 once finished)",
+                value=s.progress,
+            )
+        if s.estimated_remaining_seconds is not None:
+            yield GaugeMetricFamily(
+                "ddiloco_job_remaining_seconds",
+                "Time until the token budget is merged, at the recent merged-token rate",
+                value=s.estimated_remaining_seconds,
             )
         live = GaugeMetricFamily("ddiloco_learners_live", "Learners heard from recently")
         live.add_metric([], sum(1 for learner in s.learners if learner.alive))

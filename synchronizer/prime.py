@@ -1,24 +1,22 @@
 """Touch, at start, the buffers a fragment's first merges and uploads will take.
 
-A synchronizer starts with empty pools (buffers.py, served.py), so its first round of
-uploads and merges allocates every buffer it uses, and each fresh page faults on first
-touch, all at once: every learner posts when it starts, every fragment's first round closes
-together, and 16 upload threads fault their 32 MB bodies while four merges fault their 64 MB
-tensors. On 2 cores at 0.5 GB/s the first merge of each fragment took 1.2-1.7 s (the outer
-step's 1.2 s of it, 20 ms afterwards; the served payload's encode 0.2-0.6 s), the only
-merges of a 60 s run over 0.25 of tau x step (bench/RESULTS.md, issue 15). So when the
-layout is adopted (init, before its answer; a restart, before the port opens: learners
-waiting to re-send come all at once then too) the synchronizer makes, per owned fragment,
-what its merges take (the round's sum, the new momentum and Theta: `PER_MERGE` float32
-tensors per tensor; `Served.KEEP` payload buffers), buffers for `BODIES_PER_FRAGMENT`
-uploads in each accepted encoding, and its merge journal's file, within each pool's limit
-(2 GB and 1 GB idle: a few seconds at most; 0.5 s for 64M parameters here), and moves its Theta
-and momentum into the pool's tensors (`adopt`). Loaded from a file or an init body they were
-tensors the pool did not make, so the first merge's install dropped them and each fragment's
-second merge faulted two fresh float32 tensors per tensor (each fragment's second merge took
-twice the CPU of later ones, bench/RESULTS.md); adopted, they come back to the pool when
-superseded, as a merged state's do. In a background thread it was no use: under the first
-uploads it took 5.7 s, after the first merges. `SyncSettings.prime_buffers` turns it off.
+A synchronizer starts with empty pools (buffers.py, served.py), so its first round of uploads and
+merges allocates every buffer it uses, and each fresh page faults on first touch, all at once: every
+learner posts when it starts, every fragment's first round closes together, and 16 upload threads
+fault their 32 MB bodies while four merges fault their 64 MB tensors. On a loaded machine the first
+merge of each fragment was the slowest of a run by far, most of it the outer step's page faults
+(bench/RESULTS.md, "Figures behind the code"). So when the layout is adopted (init, before its
+answer; a restart, before the port opens: learners waiting to re-send come all at once then too) the
+synchronizer makes, per owned fragment, what its merges take (the round's sum, the new momentum and
+Theta: `PER_MERGE` float32 tensors per tensor; `Served.KEEP` payload buffers), buffers for
+`BODIES_PER_FRAGMENT` uploads in each accepted encoding, and its merge journal's file, within each
+pool's limit (2 GB and 1 GB idle: a few seconds at most), and moves its Theta and momentum into the
+pool's tensors (`adopt`). Loaded from a file or an init body they were tensors the pool did not
+make, so the first merge's install dropped them and each fragment's second merge faulted two fresh
+float32 tensors per tensor (bench/RESULTS.md, "Figures behind the code"); adopted, they come back to
+the pool when superseded, as a merged state's do. Not in a background thread: under the first
+uploads it finished after the first merges it was meant for. `SyncSettings.prime_buffers` turns it
+off.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ Bulk payloads are safetensors bytes (never pickle). Control messages are JSON:
     GET  /v1/status                  -> Status
     GET  /healthz, GET /metrics
 
-Every /v1 call carries `Authorization: Bearer <job token>`.
+Every /v1 call carries `Authorization: Bearer <credential>`: the job key, or a learner's or
+spare's credential derived from it (auth.py; docs/protocol.md).
 """
 
 from __future__ import annotations
@@ -169,6 +170,12 @@ class JoinResponse(_Msg):
     upload_port: int | None = None
     """The port of this synchronizer's upload listener (`SyncSettings.upload_port`, bulk.py)
     on the host the learner reached it by; None: post updates to the main port."""
+    slot_steps: int = 0
+    """Where this slot's inner LR schedule resumes: the highest `Heartbeat.slot_step` any
+    incarnation of this learner id reported (durable in the ledger). A replacement starts
+    its warm-up and decay there, not at 0."""
+    finished: bool = False
+    """The job's token budget is merged (`Status.finished`): a joiner stops at once."""
 
 
 class InitResponse(_Msg):
@@ -253,12 +260,18 @@ class Heartbeat(_Msg):
     data_position: int = Field(0, ge=0, le=MAX_DATA_POSITION)
     """Windows of the slot's data stream consumed, plus those reserved ahead (learner/
     corpus.py). The synchronizer keeps the highest one durably and answers it at join."""
+    slot_step: Count = 0
+    """The slot's position in its inner LR schedule: the `slot_steps` answered at this
+    incarnation's join plus the steps it took since. The synchronizer keeps the highest."""
 
 
 class HeartbeatResponse(_Msg):
     versions: list[int]
     requested: list[int]
     """Fragments whose round is collecting: send them now if you have steps on them."""
+    finished: bool = False
+    """The job's token budget is merged (`Status.finished`): hand over what is pending,
+    let the uploads drain and exit 0. Updates still arriving are accepted and merged."""
 
 
 class LearnerStatus(_Msg):
@@ -278,6 +291,8 @@ class LearnerStatus(_Msg):
     tokens_computed: int = 0
     """Tokens the slot computed over all its incarnations, as reported (`tokens_total` is
     the current incarnation's alone)."""
+    slot_steps: int = 0
+    """The highest LR-schedule step the slot reported (`Heartbeat.slot_step`)."""
 
 
 FileName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
@@ -352,3 +367,13 @@ class Status(_Msg):
     counts are over those; `shards.merge_statuses` makes the job's view, `shard` 0 there)."""
     shards: int = 1
     """S, the job's synchronizer shards (1: one synchronizer owns every fragment)."""
+    total_tokens: int = 0
+    """The job's token budget in merged tokens (`SyncSettings.total_tokens`; 0: none)."""
+    progress: float | None = None
+    """`tokens_merged` / `total_tokens`, at most 1 (None without a budget)."""
+    estimated_remaining_seconds: float | None = None
+    """Time until the budget is merged at the recent merged-token rate (0 once finished;
+    None without a budget or before a rate is known, e.g. just after a restart)."""
+    finished: bool = False
+    """`tokens_merged` reached `total_tokens`: the job is done (derived from the durable
+    fragment counts, so it holds across restarts)."""

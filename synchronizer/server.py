@@ -14,17 +14,14 @@ HTTP/1.1 per connection from ALPN (h2, http/1.1). DDILOCO_TLS_CLIENT_CA_FILE (`-
 also requires a client certificate signed by that CA (mutual TLS). The bearer token is checked
 either way; DDILOCO_TOKEN_FILE is re-read when it changes (token rotation, auth.py).
 
-Why uvicorn (issue 15, bench/RESULTS.md "Synchronizer ingest after issue 15's work"): with 16
-pycurl clients posting 32 MB bodies to an app that only reads them, uvicorn (zttp or
-httptools) spends 2.4-2.5 CPU s per GB of HTTP/1.1, hypercorn 3.0, granian 1.0; the
-synchronizer's own work per GB is several times that, so the server is not what bounds
-ingest yet, and granian would need the TLS/mTLS path redone. HTTP/2 bulk uploads reach
-under half of HTTP/1.1 on every server measured (zttp's fixed 64 KiB window; granian's
-h2 0.3x even with 16 MiB windows), so learners upload over HTTP/1.1
-(`LearnerConfig.upload_http2` False) and keep HTTP/2 for heartbeats and downloads. Since
-2026-12-03 those uploads go to `--upload-port` (bulk.py), a thread per connection reading
-each body straight into its buffer: 0.26 CPU s per GB where uvicorn spends 2.2, which took
-bf16 ingest from 0.275 to 0.348 GB/s in the same run (bench/RESULTS.md).
+Why uvicorn (bench/RESULTS.md, "Figures behind the code"): with many clients posting large bodies to
+an app that only reads them, uvicorn costs less CPU per GB than hypercorn and more than granian, but
+the synchronizer's own work per GB is several times any of them, so the server is not what bounds
+ingest, and granian would need the TLS/mTLS path redone. HTTP/2 bulk uploads reach under half of
+HTTP/1.1 on every server measured (zttp's fixed 64 KiB window), so learners upload over HTTP/1.1
+(`LearnerConfig.upload_http2` False) and keep HTTP/2 for heartbeats and downloads. Those uploads go
+to `--upload-port` (bulk.py), a thread per connection reading each body straight into its buffer, at
+a fraction of uvicorn's CPU per GB.
 """
 
 from __future__ import annotations
@@ -44,6 +41,8 @@ from ddiloco.cli.errors import usage_errors
 from ddiloco.synchronizer import tls
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.shards import check_state_dir
+
+log = logging.getLogger(__name__)
 
 SWITCH_INTERVAL_S = 0.001
 """The synchronizer's `sys.setswitchinterval` (Python's default is 0.005; `main` says why)."""
@@ -94,6 +93,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="an update encoding to accept; repeat for several (env DDILOCO_UPDATE_ENCODINGS, "
         "a comma list; default float32 and bfloat16)",
     )
+    ap.add_argument(
+        "--total-tokens",
+        type=int,
+        help="the job's budget in merged tokens: finished once merged (env DDILOCO_TOTAL_TOKENS,"
+        " default 0: none)",
+    )
     ap.add_argument("--http1", action="store_true", help="serve HTTP/1.1 only (comparison runs)")
     ap.add_argument(
         "--tls-cert", help="PEM server certificate: serve HTTPS (DDILOCO_TLS_CERT_FILE)"
@@ -143,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             "shard": args.shard,
             "shards": args.shards,
             "update_encodings": args.update_encoding,
+            "total_tokens": args.total_tokens,
             "grace": False if args.no_grace else None,
             "tls_cert_file": args.tls_cert,
             "tls_key_file": args.tls_key,
@@ -162,9 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(settings.op_threads())
 
     shown = settings.model_dump(exclude={"token"})  # paths only: never a token or a key
-    logging.getLogger("ddiloco.synchronizer").info(
-        "Starting synchronizer config=%s op_threads=%d", shown, torch.get_num_threads()
-    )
+    log.info("Starting synchronizer config=%s op_threads=%d", shown, torch.get_num_threads())
     http: dict[str, Any] = {"http": "h11"} if args.http1 else {"http": "zttp", "http2": True}
     if settings.tls:
         http["ssl_context_factory"] = tls_factory(settings, http1_only=args.http1)
@@ -179,8 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     # Threads hand the GIL over every 1 ms rather than Python's 5: a merge's torch calls
     # each give the GIL up and queue to take it back behind 16 upload threads; at the
-    # default a merge of ten bf16 contributions spent most of its 1-2 s tail waiting
-    # (bench/RESULTS.md, issue 15).
+    # default a merge's tail was mostly that wait (bench/RESULTS.md, "Figures behind the code").
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     uvicorn.Server(config).run()
     return 0

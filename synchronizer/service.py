@@ -40,6 +40,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from ddiloco.synchronizer import codec, ledger, shards
+from ddiloco.synchronizer.budget import Budget
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.contribution import Contribution
 from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
@@ -161,6 +162,8 @@ class Synchronizer(Updates, Learners, Merging):
         """Called (from any thread) when versions or open rounds change: wakes long polls."""
         self.on_fatal: Callable[[], None] = lambda: os._exit(70)
         """Called when durability cannot be kept (a failed fsync): ends the process."""
+        self.budget = Budget(s.total_tokens)
+        """The job's token budget and the recent merged-token rate (budget.py)."""
         self.metrics = SyncMetrics(self.status, enabled=s.metrics)
         """Prometheus instruments, observed below as things happen (metrics.py)."""
         self.started = clock()
@@ -316,6 +319,18 @@ class Synchronizer(Updates, Learners, Merging):
         counted = self.totals["merges_scaled"]
         return self.totals["merge_scale_sum"] / counted if counted else 1.0
 
+    def tokens_merged(self) -> int:
+        """Tokens behind merged contributions, averaged over this shard's fragments (every
+        fragment sees every token); from the fragments' durable counts."""
+        owned = self.owned
+        return sum(self.fragments[p].tokens_merged for p in owned) // max(1, len(owned))
+
+    def finished(self) -> bool:
+        """The job's token budget is merged (budget.py); the caller holds the lock."""
+        tokens = self.tokens_merged()
+        self.budget.observe(tokens, self.clock())
+        return self.budget.finished(tokens)
+
     def status(self) -> Status:
         with self.lock:
             now, live = self.clock(), self.rounds.live()
@@ -323,9 +338,8 @@ class Synchronizer(Updates, Learners, Merging):
             contributions = sum(fs.contributions for fs in self.fragments)
             merged = self.totals["merged_contributors"]
             owned = self.owned  # a shard's status is over its fragments (shards.py)
-            tokens_merged = sum(self.fragments[p].tokens_merged for p in owned) // max(
-                1, len(owned)
-            )
+            tokens_merged = self.tokens_merged()
+            self.budget.observe(tokens_merged, now)
             frags = [
                 FragmentStatus(
                     index=i,
@@ -371,6 +385,10 @@ class Synchronizer(Updates, Learners, Merging):
                 },
                 shard=self.settings.shard,
                 shards=self.settings.shards,
+                total_tokens=self.budget.total,
+                progress=self.budget.progress(tokens_merged),
+                estimated_remaining_seconds=self.budget.remaining_seconds(tokens_merged, now),
+                finished=self.budget.finished(tokens_merged),
             )
 
     def close(self) -> None:

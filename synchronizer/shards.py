@@ -172,6 +172,7 @@ def merge_learners(rows: list[LearnerStatus]) -> LearnerStatus:
             "contributions": sum(r.contributions for r in rows),
             "data_position": max(r.data_position for r in rows),
             "tokens_computed": max(r.tokens_computed for r in rows),
+            "slot_steps": max(r.slot_steps for r in rows),
             "compute_seconds": max(r.compute_seconds for r in rows),
             "uptime_seconds": max(r.uptime_seconds for r in rows),
         }
@@ -193,7 +194,11 @@ def merge_statuses(statuses: Sequence[Status]) -> Status:
     synchronizer averages); learners merge by id (`merge_learners`); goodput is compute over
     uptime of the merged rows, and the merged-work ratio `tokens_merged` over the slots'
     tokens computed (ledger.py's definitions); mean staleness is weighted by contributions;
-    xi: step the slowest (max), quorum and sync the mean over shards."""
+    xi: step the slowest (max), quorum and sync the mean over shards. The token budget
+    (budget.py): the job is finished as soon as any shard is (each shard's count estimates
+    the job's, and learners stop on the first shard's `finished`), its progress is then 1,
+    else the merged fragments' tokens over the budget; the time left is the shortest any
+    shard estimates."""
     if not statuses:
         raise ValueError("merge_statuses needs at least one shard's status")
     if len(statuses) == 1:
@@ -221,6 +226,11 @@ def merge_statuses(statuses: Sequence[Status]) -> Status:
     uptime = sum(r.uptime_seconds for r in learners)
     computed = sum(r.tokens_computed for r in learners)
     staleness_w = sum(s.mean_staleness * s.contributions_merged for s in statuses)
+    total_tokens = max(s.total_tokens for s in statuses)
+    finished = any(s.finished for s in statuses)
+    estimates = [
+        s.estimated_remaining_seconds for s in statuses if s.estimated_remaining_seconds is not None
+    ]
     scale_w = sum(s.mean_merge_scale * s.merges for s in statuses)
     return Status(
         initialized=all(s.initialized for s in statuses),
@@ -247,6 +257,14 @@ def merge_statuses(statuses: Sequence[Status]) -> Status:
         },
         shard=0,
         shards=max(s.shards for s in statuses),
+        total_tokens=total_tokens,
+        progress=(1.0 if finished else min(1.0, tokens_merged / total_tokens))
+        if total_tokens
+        else None,
+        estimated_remaining_seconds=(0.0 if finished else min(estimates))
+        if total_tokens and (finished or estimates)
+        else None,
+        finished=finished,
     )
 
 
