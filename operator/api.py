@@ -16,6 +16,7 @@ operator sees it; `validate()` below repeats the same checks for bodies that ski
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
@@ -53,8 +54,30 @@ MAX_GRACE_S: Final = 3600
 # A byte quantity ("8Gi", "512M", "1e9"): the apiserver's Quantity grammar without a sign or
 # milli-units (resource.Quantity; a size of /dev/shm is whole bytes).
 BYTES_QUANTITY: Final = r"^([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[kMGTPE]|[eE][0-9]+)?$"
-# A DNS name (optionally a wildcard's "*." first label) or an IPv4/IPv6 address, for a SAN.
-EXTERNAL_NAME: Final = r"^(\*\.)?[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?$|^[0-9A-Fa-f:.]+$"
+# A DNS name (optionally a wildcard's "*." first label; labels of 1..63 letters, digits and
+# inner '-') or an IPv6 address (checked in full by `validate`), for a SAN. An IPv4 address
+# is a DNS-shaped name here and is told apart by `ipaddress` where the certificate is made.
+_DNS_PART: Final = r"[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?"
+EXTERNAL_NAME: Final = rf"^(\*\.)?({_DNS_PART}\.)*{_DNS_PART}$|^[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*$"
+# The model presets of learner/model.py (PRESETS; tests/unit/test_operator_hostile.py keeps
+# the two in step), or a Hugging Face config directory `hf:PATH`.
+MODEL_PRESETS: Final = ("tiny", "small", "base", "gpt2")
+MODEL: Final = "^(" + "|".join(MODEL_PRESETS) + ")$|^hf:[^\\s]+$"
+# A container image reference (the distribution grammar, simplified): an optional registry
+# host[:port]/, lower-case path components, then :tag and/or @digest.
+_IMAGE_PATH: Final = r"[a-z0-9]+([._]|__|-+)?[a-z0-9]*([._-]+[a-z0-9]+)*"
+IMAGE: Final = (
+    rf"^([A-Za-z0-9][-A-Za-z0-9.]*(:[0-9]+)?/)?{_IMAGE_PATH}(/{_IMAGE_PATH})*"
+    r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@[a-z0-9]+([+._-][a-z0-9]+)*:[a-zA-Z0-9=_-]{32,})?$"
+)
+# A Secret's name (a DNS subdomain) and a key in it.
+SECRET_NAME: Final = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SECRET_KEY: Final = r"^[-._a-zA-Z0-9]+$"
+# One URL of a syncUrl list: a scheme and a host, no space, no empty element.
+SYNC_URL: Final = r"^https?://[^\s,/]+[^\s,]*(,https?://[^\s,/]+[^\s,]*)*$"
+# spec.managedBy: a controller's domain-prefixed name, as Job's managedBy
+# (e.g. kueue.x-k8s.io/multikueue); within ddiloco.dev only this operator's.
+MANAGED_BY: Final = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-A-Za-z0-9_.]+$"
 
 # A Kubernetes resource quantity ("500m", "16Gi", 1): int or string, as the core API has it.
 Quantity = Annotated[int | str, WithJsonSchema({"x-kubernetes-int-or-string": True})]
@@ -135,8 +158,10 @@ class Training(_Model):
         }
     )
 
-    model: str | None = Field(None, max_length=64)
-    """Model preset name, e.g. "tiny" (the CPU debug preset). Exclusive with modelEntry."""
+    model: str | None = Field(None, max_length=1024, pattern=MODEL)
+    """Model preset name (tiny, the CPU debug preset; small, base, gpt2), or hf:PATH, a
+    Hugging Face config directory in the image or a mounted volume. Exclusive with
+    modelEntry."""
     model_entry: str | None = Field(None, max_length=256, pattern=r"^[\w.]+:[\w.]+$")
     """Model factory as "package.module:function". Exclusive with model."""
     data: str | None = Field(None, min_length=1, max_length=1024)
@@ -263,9 +288,9 @@ class Synchronizer(_Model):
 class SecretKeyRef(_Model):
     """A key of a Secret in the job's namespace."""
 
-    name: str = Field(min_length=1, max_length=253)
+    name: str = Field(min_length=1, max_length=253, pattern=SECRET_NAME)
     """Name of the Secret."""
-    key: str = Field("kubeconfig", min_length=1, max_length=253)
+    key: str = Field("kubeconfig", min_length=1, max_length=253, pattern=SECRET_KEY)
     """Key in the Secret that holds a kubeconfig file."""
 
 
@@ -351,7 +376,7 @@ class LearnerGroup(_Model):
     """Taints the learner pods tolerate."""
     priority_class_name: str | None = Field(None, max_length=253)
     """PriorityClass of the learner pods (preemptible fleets use a low one)."""
-    sync_url: str | None = Field(None, max_length=1024, pattern=r"^https?://")
+    sync_url: str | None = Field(None, max_length=1024, pattern=SYNC_URL)
     """Synchronizer URL for this group's pods; defaults to the in-cluster Service URL (with
     synchronizer.shards > 1, the shards' in-cluster URLs). With shards > 1 it is a comma list
     of one URL per shard, in shard order (e.g. each shard's load balancer)."""
@@ -389,6 +414,19 @@ SHARDS_IMMUTABLE_MESSAGE: Final = (
 ENCODING_IMMUTABLE_MESSAGE: Final = (
     "updateEncoding cannot change on an existing job: its synchronizer would refuse the "
     "updates of the learners still running with the old one; create a new job to change it"
+)
+SHARDS_FRAGMENTS_MESSAGE: Final = (
+    "synchronizer.shards must not exceed training.fragments: each shard owns at least one "
+    "fragment (more shards would stand idle, each with a pod and a volume)"
+)
+TLS_OFF_HTTPS_MESSAGE: Final = (
+    "a learner group in this cluster names an https:// syncUrl while "
+    "synchronizer.tls.enabled is false: the synchronizer then serves plain h2c, use http:// "
+    "(a group in another cluster may reach it through a proxy that terminates TLS)"
+)
+MANAGED_BY_MESSAGE: Final = (
+    f"managedBy within ddiloco.dev must be {MANAGED_BY_US}; another controller's name has "
+    "its own domain (e.g. kueue.x-k8s.io/multikueue)"
 )
 SYNC_URLS_MESSAGE: Final = (
     "a learner group's syncUrl must list one URL per synchronizer shard "
@@ -430,11 +468,28 @@ class JobSpec(_Model):
                     f"g.syncUrl.split(',').size() == {_SHARDS.format(x='self')})",
                     "message": SYNC_URLS_MESSAGE,
                 },
+                {
+                    "rule": f"{_SHARDS.format(x='self')} <= "
+                    "(has(self.training.fragments) ? self.training.fragments : 4)",
+                    "message": SHARDS_FRAGMENTS_MESSAGE,
+                },
+                {
+                    "rule": "!has(self.synchronizer) || !has(self.synchronizer.tls) || "
+                    "!has(self.synchronizer.tls.enabled) || self.synchronizer.tls.enabled || "
+                    "self.learnerGroups.all(g, has(g.cluster) || !has(g.syncUrl) || "
+                    "!g.syncUrl.contains('https://'))",
+                    "message": TLS_OFF_HTTPS_MESSAGE,
+                },
+                {
+                    "rule": "!has(self.managedBy) || !self.managedBy.startsWith('ddiloco.dev/') "
+                    f"|| self.managedBy == '{MANAGED_BY_US}'",
+                    "message": MANAGED_BY_MESSAGE,
+                },
             ]
         }
     )
 
-    image: str = Field(min_length=1, max_length=512)
+    image: str = Field(min_length=1, max_length=512, pattern=IMAGE)
     """Container image with the `ddiloco` command, for the synchronizer and the learners."""
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     """Pull policy of every container the job creates."""
@@ -456,8 +511,10 @@ class JobSpec(_Model):
     only this encoding. Downloads stay bfloat16. Fixed for the job's life."""
     suspend: bool = False
     """While true no learner pods run and the synchronizer is scaled to zero (Kueue sets it)."""
-    managed_by: str | None = Field(None, max_length=63)
-    """Controller that reconciles this job; unset or "ddiloco.dev/operator" means this one."""
+    managed_by: str | None = Field(None, min_length=3, max_length=63, pattern=MANAGED_BY)
+    """Controller that reconciles this job, a domain-prefixed name (Kueue's MultiKueue:
+    kueue.x-k8s.io/multikueue); unset or "ddiloco.dev/operator" means this one, and no other
+    name in ddiloco.dev is one."""
 
     def total_replicas(self) -> int:
         return sum(g.replicas for g in self.learner_groups)
@@ -731,4 +788,25 @@ def validate(spec: JobSpec) -> list[str]:
     names = [g.name for g in spec.learner_groups]
     if len(set(names)) != len(names):
         problems.append("learnerGroups names must be unique")
+    if spec.synchronizer.shards > spec.training.fragments:
+        problems.append(
+            f"{SHARDS_FRAGMENTS_MESSAGE} ({spec.synchronizer.shards} shards for "
+            f"{spec.training.fragments} fragments)"
+        )
+    if not tls.enabled and any(
+        g.cluster is None and g.sync_url is not None and "https://" in g.sync_url
+        for g in spec.learner_groups
+    ):
+        problems.append(TLS_OFF_HTTPS_MESSAGE)
+    managed = spec.managed_by
+    if managed is not None and managed.startswith("ddiloco.dev/") and managed != MANAGED_BY_US:
+        problems.append(MANAGED_BY_MESSAGE)
+    for name in spec.synchronizer.external_names:
+        if ":" in name:
+            try:
+                ipaddress.IPv6Address(name)
+            except ValueError:
+                problems.append(
+                    f"synchronizer.externalNames: {name!r} is neither a DNS name nor an IP address"
+                )
     return problems

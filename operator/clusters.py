@@ -8,8 +8,9 @@
 
 A learner group in another cluster or region names a Secret, in the job's namespace, holding a
 kubeconfig for it (key `kubeconfig` unless the group says otherwise). The client built from it
-is cached by the Secret's resourceVersion, so editing the Secret takes effect on the next
-reconcile. A Secret that is missing or unusable raises `ClusterProblem`, which reconcile turns
+is cached by the Secret's uid and resourceVersion, so editing the Secret takes effect on the
+next reconcile; so is a refusal, so that a broken or oversized Secret (at most
+MAX_KUBECONFIG_BYTES) is parsed once per version, not on every pass of every group using it. A Secret that is missing or unusable raises `ClusterProblem`, which reconcile turns
 into a Degraded condition naming the Secret. Kubeconfig contents never reach a log line or a
 status message: problems say which Secret and what kind of problem, nothing more. Only inline
 credentials are accepted (operator/kubeconfig.py): the operator never runs a Secret's exec
@@ -46,7 +47,12 @@ from kubernetes.config import ConfigException
 
 from ddiloco.operator import conditions as c
 from ddiloco.operator import redact
-from ddiloco.operator.kubeconfig import RETRIES, KubeconfigRefused, api_client_from_kubeconfig
+from ddiloco.operator.kubeconfig import (
+    RETRIES,
+    KubeconfigRefused,
+    NotKubernetesAPI,
+    api_client_from_kubeconfig,
+)
 from ddiloco.operator.plan import Target
 
 log = logging.getLogger(__name__)
@@ -123,6 +129,8 @@ class Clusters:
         self.timeout = request_timeout(timeout)
         self._cache: dict[tuple[str, str, str], _Cached] = {}
         self._down: dict[tuple[str, str, str], _Down] = {}
+        # Secrets whose kubeconfig was refused, by the version refused (uid/resourceVersion)
+        self._bad: dict[tuple[str, str, str], tuple[str, ClusterProblem]] = {}
         self._lock = threading.Lock()
         redact.register_client(home.configuration)
 
@@ -150,13 +158,23 @@ class Clusters:
                     c.KUBECONFIG_SECRET_MISSING, f"{where} was not found"
                 ) from None
             raise
-        version = secret.metadata.resource_version or ""
+        version = f"{secret.metadata.uid or ''}/{secret.metadata.resource_version or ''}"
         self._refuse_if_down(key, version)
         with self._lock:
             cached = self._cache.get(key)
             if cached is not None and cached.version == version:
                 return cached.client
-        client = _client_from_secret(secret.data or {}, ref.key, where)
+            bad = self._bad.get(key)
+            if bad is not None and bad[0] == version:  # parsed once, refused: until it changes
+                raise ClusterProblem(bad[1].reason, bad[1].message)
+        try:
+            client = _client_from_secret(secret.data or {}, ref.key, where)
+        except ClusterProblem as p:
+            with self._lock:
+                self._bad[key] = (version, p)
+            raise
+        with self._lock:
+            self._bad.pop(key, None)
         with self._lock:
             old = self._cache.pop(key, None)
             self._cache[key] = _Cached(version, client)
@@ -225,9 +243,21 @@ class Clusters:
         log.info("The cluster of Secret %s/%s answers again", key[0], key[1])
 
 
+MAX_KUBECONFIG_BYTES: Final = 64 << 10
+"""The largest kubeconfig the operator parses (a flattened one with a CA and a client
+certificate is a few KiB); a larger one is refused unparsed."""
+
+
 def _client_from_secret(data: dict[str, str], key: str, where: str) -> ApiClient:
     if key not in data:
         raise ClusterProblem(c.KUBECONFIG_SECRET_INVALID, f"{where} has no key {key!r}")
+    if len(data[key] or "") * 3 // 4 > MAX_KUBECONFIG_BYTES:  # base64: 4 characters, 3 bytes
+        raise ClusterProblem(
+            c.KUBECONFIG_SECRET_INVALID,
+            f"{where} key {key!r} is larger than {MAX_KUBECONFIG_BYTES // 1024} KiB, more "
+            "than any kubeconfig the operator needs (kubectl config view --raw --flatten "
+            "--minify)",
+        )
     try:
         config = yaml.safe_load(base64.b64decode(data[key]).decode())
     except (binascii.Error, UnicodeDecodeError, yaml.YAMLError):
@@ -260,6 +290,12 @@ def describe_failure(e: BaseException, target: Target, secret_namespace: str) ->
         if target.secret is None
         else f"the cluster of Secret {secret_namespace}/{target.secret.name}"
     )
+    if isinstance(e, NotKubernetesAPI):
+        return ClusterProblem(
+            c.KUBECONFIG_SECRET_INVALID,
+            f"{where} answered HTTP {e.status} but not as the Kubernetes API: is the "
+            "kubeconfig's server the cluster's apiserver?",
+        )
     if isinstance(e, ApiException) and e.status in (401, 403):
         return ClusterProblem(
             c.KUBECONFIG_SECRET_INVALID,
@@ -273,6 +309,8 @@ def describe_failure(e: BaseException, target: Target, secret_namespace: str) ->
 def api_reason(e: BaseException) -> str:
     """A short, secret-free description of a failed call for logs: the HTTP status, or the
     kind of connection failure (never the exception's text, which may quote a header)."""
+    if isinstance(e, NotKubernetesAPI):
+        return f"HTTP {e.status}, not the Kubernetes API"
     if isinstance(e, ApiException):
         return f"HTTP {e.status} {e.reason}" if e.status else "TLS or connection error"
     if isinstance(e, urllib3.exceptions.MaxRetryError) and e.reason is not None:

@@ -57,6 +57,7 @@ KUBECONFIG_SECRET_MISSING: Final = "KubeconfigSecretMissing"
 KUBECONFIG_SECRET_INVALID: Final = "KubeconfigSecretInvalid"
 CLUSTER_UNREACHABLE: Final = "ClusterUnreachable"
 NAME_CONFLICT: Final = "NameConflict"  # an object the job needs exists and is not the job's
+SYNCHRONIZER_STATUS_INVALID: Final = "SynchronizerStatusInvalid"  # fields of its answer dropped
 FAILED_CREATE: Final = "FailedCreate"  # the apiserver refused a child (quota, admission, ...)
 
 Status = Literal["True", "False", "Unknown"]

@@ -16,12 +16,19 @@ Anything else (exec, auth-provider, tokenFile, file paths, proxy-url, impersonat
 username/password) is refused with `KubeconfigRefused`, whose message names the field and
 never its value. The client is built directly from those values; the CA and client key go
 to private temporary files of ours, never to a path the user chose.
+
+The `server` may be any HTTP service the operator can reach, so the client accepts only
+answers of the Kubernetes API (a JSON object; for an error a `Status`): anything else raises
+`NotKubernetesAPI`, which carries the HTTP status alone, so the operator never relays an
+internal service's answer into a job's status, its events or the log.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import http
+import json
 import os
 import tempfile
 from typing import Any, Final
@@ -42,6 +49,57 @@ HARMLESS = {"extensions"}  # metadata the client ignores
 # One retry, of a connect that failed; none after a request went out (the client's default is
 # three of everything, so a frozen apiserver held a call for four read timeouts).
 RETRIES: Final = urllib3.Retry(total=1, connect=1, read=0, status=0, other=0, redirect=0)
+
+
+class NotKubernetesAPI(urllib3.exceptions.HTTPError):
+    """A remote server answered, but not as the Kubernetes API: not JSON, not an object, or
+    an error that is no `Status`. Its body, headers and reason phrase are never kept (a
+    kubeconfig's `server` may be any service the operator can reach; what it says must not
+    reach a status, an event or a log line), only the HTTP status code."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"answered HTTP {status}, not as the Kubernetes API")
+        self.status = status
+
+
+def kubernetes_answer(status: int, content_type: str, data: bytes) -> bool:
+    """Whether an HTTP answer is what the Kubernetes API sends: a JSON object with a JSON
+    content type, and, for a failure, a `Status` object."""
+    if content_type.split(";")[0].strip().lower() != "application/json":
+        return False
+    try:
+        body = json.loads(data)
+    except (TypeError, ValueError):
+        return False
+    if not isinstance(body, dict):
+        return False
+    if 200 <= status < 300:
+        return True
+    return body.get("kind") == "Status" and body.get("apiVersion") == "v1"
+
+
+def kubernetes_answers_only(client: ApiClient) -> ApiClient:
+    """Make `client` raise NotKubernetesAPI for every answer that is not the Kubernetes
+    API's (`kubernetes_answer`), before the client parses or quotes it; the reason phrase of
+    an error becomes the standard one for its code."""
+    rest = client.rest_client
+    request = rest.request
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        resp = request(*args, **kwargs)
+        data = resp.read()
+        content_type = str(resp.headers.get("content-type") or "")
+        if not kubernetes_answer(resp.status, content_type, data):
+            resp.data = b""
+            raise NotKubernetesAPI(int(resp.status or 0))
+        try:
+            resp.reason = http.HTTPStatus(resp.status).phrase
+        except ValueError:
+            resp.reason = ""
+        return resp
+
+    rest.request = checked
+    return client
 
 
 class KubeconfigRefused(ValueError):
@@ -147,4 +205,4 @@ def api_client_from_kubeconfig(config: dict[str, Any]) -> ApiClient:
             _b64(user["client-certificate-data"], "client-certificate-data")
         )
         cfg.key_file = _private_file(_b64(user["client-key-data"], "client-key-data"))
-    return ApiClient(cfg)
+    return kubernetes_answers_only(ApiClient(cfg))

@@ -203,6 +203,7 @@ class Assignment:
     pod: str
     uid: str
     body: Mapping[str, Any]  # learner_id, learner_index, num_learners, group, slot, attempt
+    young: bool = True  # promoted less than spares.RESEND_S ago: sent on every pass
 
 
 @dataclass(frozen=True)

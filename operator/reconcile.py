@@ -24,10 +24,11 @@ re-shard (slots.py) restarts the learners whose data shard changed.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
-from ddiloco.operator import builders, names, slots, spares, sync_workload, tokens
+from ddiloco.operator import builders, names, slots, spares, sync_workload, syncstatus, tokens
 from ddiloco.operator import conditions as c
 from ddiloco.operator.api import (
     DecoupledDiLoCoJob,
@@ -193,6 +194,16 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
         )
     degraded += [r for r in obs.refused if r not in degraded]  # what the apiservers refused
     _prune(job, obs, plan, groups)
+    sync_status, bad = syncstatus.checked(obs.sync_status)
+    if bad:
+        degraded.append(
+            (
+                c.SYNCHRONIZER_STATUS_INVALID,
+                "The synchronizer's status answer has fields of the wrong type or not finite "
+                f"numbers, left out of the job's status: {', '.join(bad)}",
+            )
+        )
+    obs = dataclasses.replace(obs, sync_status=sync_status)
 
     status = summarize(job, obs, groups, new_slots, degraded, not_ready, done, shard_count)
     if status != job.status:

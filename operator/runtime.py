@@ -100,6 +100,7 @@ class Runtime:
         self._warned: dict[str, float] = {}
         self._refused: dict[str, dict[str, tuple[str, str]]] = {}  # job uid -> key -> refusal
         self._delivered: dict[str, set[str]] = {}  # job uid -> promoted spares' pod uids
+        self._resends: dict[str, spares.Resends] = {}  # job uid -> when to send again
 
     # -- the kopf timer's work -------------------------------------------------------------
     def reconcile(
@@ -137,11 +138,21 @@ class Runtime:
             redact.register(fresh)
             obs = self.observe(job)
             plan = reconcile(job, obs, fresh_token=fresh)
+            written = True
             if plan.status is not None:
-                body = self._write_status(body, plan.status, logger)
+                try:
+                    body = self._write_status(body, plan.status, logger)
+                except ApiException as e:
+                    if not (e.status and 400 <= e.status < 500):
+                        raise
+                    # Refused as invalid: the status cannot say so, an event does; the
+                    # actions go on (they never depend on a status write that cannot happen).
+                    self._status_refused(job, e, logger, post)
+                    written = False
                 if body is None:
                     return  # changed meanwhile: the next tick sees the new version
-            self.metrics.after_pass(job, job.status, plan.status, obs)  # written: count it
+            if written:
+                self.metrics.after_pass(job, job.status, plan.status, obs)  # written: count it
             for event in plan.events:
                 post(event)
             refused: dict[str, tuple[str, str]] = {}
@@ -156,7 +167,7 @@ class Runtime:
                 if (refusal := self._apply(job, action, logger, post)) is not None:
                     refused[action.describe()] = refusal
             self._refused[job.uid] = refused  # what the next pass reports
-            self._assign(job, obs, plan.assignments, logger)
+            self._assign(job, obs, plan.assignments, logger, every=True)
             if not plan.actions:
                 return
 
@@ -397,11 +408,18 @@ class Runtime:
         obs: Observed,
         items: list[Assignment],
         logger: logging.Logger | logging.LoggerAdapter,
+        every: bool = False,
     ) -> None:
         """PUT promoted spares' assignments to the synchronizer, each until it says the spare
-        fetched it (spares.py); a failure is logged and the next pass sends it again."""
+        fetched it (spares.py), when `spares.Resends` says it is due; a failure is logged and
+        a later pass sends it again. `every`: `items` are all the pass's promoted pods that
+        are alive (the others' backoff is forgotten)."""
         delivered = self._delivered.setdefault(job.uid, set())
-        todo = [a for a in items if a.uid not in delivered]
+        resends = self._resends.setdefault(job.uid, spares.Resends())
+        if every:
+            resends.keep({a.uid for a in items})
+        clock = time.monotonic()
+        todo = [a for a in items if a.uid not in delivered and resends.due(a, clock)]
         if not todo:
             return
         view = obs.clusters.get(home(job), ClusterView())
@@ -416,12 +434,14 @@ class Runtime:
                     url, token, context, item, self.settings.http_timeout_seconds
                 )
             except (OSError, ValueError) as e:
+                resends.sent(item, clock, delivered=False)
                 logger.info(
                     "Could not send the assignment of spare %s to the synchronizer: %s",
                     item.pod,
                     type(e).__name__,
                 )
                 continue
+            resends.sent(item, clock, delivered=done)
             logger.debug("Sent the assignment of spare %s (delivered: %s)", item.pod, done)
             if done:
                 if len(delivered) > 100_000:
@@ -470,6 +490,30 @@ class Runtime:
                 return None
             raise
         return dict(out)
+
+    def _status_refused(
+        self,
+        job: ddapi.DecoupledDiLoCoJob,
+        error: ApiException,
+        logger: logging.Logger | logging.LoggerAdapter,
+        post: PostEvent,
+    ) -> None:
+        """Say, once a minute, that the apiserver refused the job's status."""
+        why = api_reason(error)
+        key = f"status|{job.uid}|{why}"
+        now = time.monotonic()
+        if now - self._warned.get(key, -1e9) < WARN_EVERY_S:
+            logger.debug("Status not written: %s", why)
+            return
+        self._warned[key] = now
+        logger.warning("The apiserver refused the job's status (%s); acting on the pass", why)
+        post(
+            Event(
+                "Warning",
+                "StatusNotWritten",
+                f"The apiserver refused the job's status ({why}); the operator goes on acting",
+            )
+        )
 
     def _write_invalid(
         self,
@@ -564,6 +608,7 @@ class Runtime:
         self.status_tls.forget(job.uid)
         self._refused.pop(job.uid, None)
         self._delivered.pop(job.uid, None)
+        self._resends.pop(job.uid, None)
         self.metrics.forget(job)
         logger.info("Deleted the objects of DecoupledDiLoCoJob %s in every cluster", job.name)
 

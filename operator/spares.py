@@ -28,11 +28,17 @@ The slot's books count the promoted pod as its replacement exactly as a new pod 
 label), and a SparePromoted event (posted once the patch is done) names both. Without a Ready spare the slot gets a new pod.
 
 Crash safety without history: the promotion is in the pod's labels, so each pass derives from
-what it observes which promoted pods still need their assignment: every promoted pod younger
-than RESEND_S is re-sent (PUT is idempotent) until the synchronizer says the spare fetched it
-(a restarted synchronizer, which forgot it, gets it again). The spare learns its slot from
-the synchronizer alone: one whose assignment was not delivered within RESEND_S (a
-synchronizer down for longer) keeps waiting.
+what it observes which promoted pods still need their assignment: every promoted pod that is
+alive is re-sent (PUT is idempotent) until the synchronizer says the spare fetched it (a
+restarted synchronizer, which forgot it, gets it again). The spare learns its slot from the
+synchronizer alone, so a synchronizer down for minutes only delays it: the runtime re-sends
+each pass while the promotion is younger than RESEND_S, then with a doubling backoff up to
+RESEND_MAX_S (`Resends`), for as long as the promoted pod lives.
+
+Its credential: the promoted pod keeps mounting its item `spare.<pod>` of the group's
+credentials Secret, which from the promotion on holds the slot's learner credential
+(tokens.credentials), so a learner that re-reads its token file after a 401 (a key rotation
+finished after the synchronizer handed it its credential) reads the right one.
 """
 
 from __future__ import annotations
@@ -50,7 +56,12 @@ from ddiloco.operator.plan import Action, Assignment, Event, Plan, PodView, Targ
 from ddiloco.operator.slots import Slot
 
 RESEND_S: Final = 60.0
-"""How long after its promotion a spare's assignment is re-sent until it is delivered."""
+"""How long after its promotion a spare's assignment is re-sent on every pass (then with a
+backoff) until it is delivered."""
+RESEND_FIRST_S: Final = 2.0
+"""The first wait between two sends of an assignment past RESEND_S; it doubles."""
+RESEND_MAX_S: Final = 60.0
+"""The longest wait between two sends of an undelivered assignment."""
 PROMOTED: Final = "SparePromoted"
 ASSIGNMENT_PATH: Final = "/v1/spares/{pod}"
 
@@ -169,6 +180,15 @@ def promote(
     )
 
 
+def wanted(job: DecoupledDiLoCoJob, group: LearnerGroup, finished: bool = False) -> int:
+    """How many spares the group keeps: hotSpares, but none while suspended, for a group of
+    0 replicas (no slot to take over: its spares would only hold nodes) or once every slot
+    of the group has finished."""
+    if job.spec.suspend or finished or group.replicas == 0:
+        return 0
+    return job.spec.failure_policy.hot_spares
+
+
 def refill(
     job: DecoupledDiLoCoJob,
     group: LearnerGroup,
@@ -180,7 +200,7 @@ def refill(
     """Create spares up to hotSpares (0 while suspended, and once every slot of the group has
     `finished`: no slot is left to take over), each with the lowest free serial; delete the
     surplus (not Ready ones first, then the highest serials)."""
-    want = 0 if job.spec.suspend or finished else job.spec.failure_policy.hot_spares
+    want = wanted(job, group, finished)
     for pod in spares.dead:  # a spare that ended (e.g. evicted while idle): replaced below
         plan.actions.append(Action("delete", tgt, "Pod", pod.name, uid=pod.uid, grace_seconds=0))
         why = pod.reason or pod.phase
@@ -221,7 +241,7 @@ def serials_wanted(
         if p.job_uid == job.uid and p.group == group.name and p.serial is not None
     }
     out, serial = set(used), 0
-    for _ in range(job.spec.failure_policy.hot_spares):
+    for _ in range(wanted(job, group)):
         while serial in used:
             serial += 1
         out.add(serial)
@@ -236,8 +256,9 @@ def resend(
     now: datetime,
     plan: Plan,
 ) -> None:
-    """The assignments of the group's promoted spares younger than RESEND_S, from their
-    labels (runtime.py sends each until the synchronizer says it was delivered)."""
+    """The assignments of the group's promoted spares that are alive, from their labels
+    (runtime.py sends each until the synchronizer says it was delivered, `Resends` says
+    when)."""
     for p in pods:
         if (
             p.job_uid != job.uid
@@ -254,10 +275,39 @@ def resend(
             at = datetime.strptime(p.promoted_at, "%Y-%m-%dT%H:%M:%SZ")
         except ValueError:
             continue
-        if now.replace(tzinfo=None) - at > timedelta(seconds=RESEND_S):
-            continue
         body = assignment(group.name, p.index, p.shard, p.attempt)
-        plan.assignments.append(Assignment(p.name, p.uid, body))
+        young = now.replace(tzinfo=None) - at <= timedelta(seconds=RESEND_S)
+        plan.assignments.append(Assignment(p.name, p.uid, body, young=young))
+
+
+class Resends:
+    """When to send each undelivered assignment again (runtime.py keeps one per job): every
+    pass while its promotion is young, then after RESEND_FIRST_S, doubling up to
+    RESEND_MAX_S, so a synchronizer down for long is asked at a bounded rate, and a spare
+    promoted while it was down gets its slot once it is back."""
+
+    def __init__(self) -> None:
+        self._next: dict[str, tuple[float, float]] = {}  # pod uid -> (send at, last wait)
+
+    def due(self, item: Assignment, now: float) -> bool:
+        if item.young:
+            return True
+        at, _ = self._next.get(item.uid, (now, 0.0))
+        return now >= at
+
+    def sent(self, item: Assignment, now: float, delivered: bool) -> None:
+        """Note a send (or a failed try): delivered ones are forgotten."""
+        if delivered:
+            self._next.pop(item.uid, None)
+            return
+        _, wait = self._next.get(item.uid, (now, 0.0))
+        wait = RESEND_FIRST_S if wait <= 0 else min(wait * 2, RESEND_MAX_S)
+        self._next[item.uid] = (now + wait, wait)
+
+    def keep(self, uids: set[str]) -> None:
+        """Forget the pods no longer promoted and alive."""
+        for uid in set(self._next) - uids:
+            del self._next[uid]
 
 
 # --------------------------------------------------------------------------- I/O (runtime.py)

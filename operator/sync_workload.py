@@ -153,6 +153,19 @@ COUNTER_CAP_H: Final = 4
 and merge"; `ddiloco local` sets the same). Its own default, 96, is 4H only for H = 24."""
 
 
+def max_learners(job: DecoupledDiLoCoJob) -> int:
+    """DDILOCO_MAX_LEARNERS, the most learner records the synchronizer keeps (a new learner id
+    beyond it is refused): twice the job's learner ids (its slots, or `training.dataShards`,
+    what it will scale to, if more, plus the hot spares) and a margin of 16, rounded up to a
+    power of two so that scaling within it does not roll the synchronizer. A replaced slot
+    reuses its id, so replacements need no room."""
+    spec = job.spec
+    slots = max(spec.total_replicas(), spec.training.data_shards or 0)
+    spares = spec.failure_policy.hot_spares * len(spec.learner_groups)
+    want = 2 * (slots + spares) + 16
+    return 1 << (want - 1).bit_length()
+
+
 def build_synchronizer_statefulset(
     job: DecoupledDiLoCoJob, tls_revision: str | None = None, legacy_claim: bool = False
 ) -> dict[str, Any]:
@@ -188,6 +201,9 @@ def build_synchronizer_statefulset(
                 "DDILOCO_COUNTER_CAP_STEPS": COUNTER_CAP_H * spec.training.inner_steps,
                 "DDILOCO_SHARDS": sync.shards,
                 "DDILOCO_UPDATE_ENCODINGS": spec.update_encoding,
+                # DDILOCO_MAX_TOKENS_PER_STEP keeps the synchronizer's default: the spec does
+                # not know a learner's batch size and sequence length (the preset does)
+                "DDILOCO_MAX_LEARNERS": max_learners(job),
             }
         ),
         {

@@ -13,15 +13,17 @@ fake pod in tests): the caller keeps the last numbers.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import math
 import ssl
 import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import Any, Final
 
 import pydantic
 
@@ -29,6 +31,15 @@ from ddiloco.operator import api as ddapi
 from ddiloco.operator.config import OperatorSettings
 
 log = logging.getLogger(__name__)
+
+
+MAX_STATUS_BYTES: Final = 4 << 20
+"""The most of a status answer the operator reads (a synchronizer at the CRD's limits answers
+well under 1 MiB); a longer one is refused unread past this, as no answer."""
+
+
+class StatusTooLarge(ValueError):
+    """A status answer longer than MAX_STATUS_BYTES."""
 
 
 class StatusReader:
@@ -106,7 +117,10 @@ class StatusReader:
         with urllib.request.urlopen(
             req, timeout=timeout, context=context if https else None
         ) as resp:
-            body = json.loads(resp.read())
+            data = resp.read(MAX_STATUS_BYTES + 1)
+        if len(data) > MAX_STATUS_BYTES:
+            raise StatusTooLarge(f"the status answer exceeds {MAX_STATUS_BYTES} bytes")
+        body = json.loads(data)
         if not isinstance(body, dict):
             raise ValueError("status is not a JSON object")
         return body
@@ -134,6 +148,52 @@ def combine(answers: list[dict[str, Any]]) -> dict[str, Any]:
     return dict(merge_statuses(statuses).model_dump(mode="json"))
 
 
+# Fields of a synchronizer's GET /v1/status that the job status carries (status.py), each
+# checked against the synchronizer's own model (protocol.Status: finite numbers only).
+# `learners` only feeds `derived`, which reads each record's numbers with care of its own.
+CHECKED_FIELDS: Final = ("global_version", "merges", "tokens_merged", "goodput")
+
+
+@functools.cache
+def _field_adapter(name: str) -> pydantic.TypeAdapter[Any]:
+    from ddiloco.synchronizer.protocol import Status
+
+    annotation = Status.model_fields[name].annotation
+    return pydantic.TypeAdapter(
+        annotation, config=pydantic.ConfigDict(strict=True, allow_inf_nan=False)
+    )
+
+
+def checked(answer: dict[str, Any] | None) -> tuple[dict[str, Any] | None, list[str]]:
+    """The parts of a synchronizer's status answer the job status uses, each as
+    `protocol.Status` types it (a non-negative integer, a finite number; `learners` a list
+    of objects), and the names of those that were not: dropped, for a condition that says
+    so (one NaN would make the apiserver refuse the whole status write). None stays None
+    (no answer)."""
+    if answer is None:
+        return None, []
+    out: dict[str, Any] = {}
+    bad: list[str] = []
+    for name in CHECKED_FIELDS:
+        if name not in answer or answer[name] is None:
+            continue
+        try:
+            value = _field_adapter(name).validate_python(answer[name])
+        except pydantic.ValidationError:
+            bad.append(name)
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            bad.append(name)
+            continue
+        out[name] = value
+    learners = answer.get("learners")
+    if isinstance(learners, list):
+        out["learners"] = [x for x in learners if isinstance(x, dict)]
+    elif learners is not None:
+        bad.append("learners")
+    return out, bad
+
+
 def derived(answer: dict[str, Any] | None) -> dict[str, Any]:
     """The job status's numbers that a /v1/status answer implies but does not carry:
     `merged_work_ratio` (tokens merged over the sum of the learners' tokens_total, at most
@@ -152,9 +212,16 @@ def derived(answer: dict[str, Any] | None) -> dict[str, Any]:
     trained = sum(
         x["tokens_total"]
         for x in learners
-        if isinstance(x.get("tokens_total"), int | float) and x["tokens_total"] > 0
+        if isinstance(x.get("tokens_total"), int | float)
+        and math.isfinite(x["tokens_total"])
+        and x["tokens_total"] > 0
     )
     merged = (answer or {}).get("tokens_merged")
-    if trained > 0 and isinstance(merged, int | float) and merged >= 0:
+    if (
+        0 < trained < math.inf
+        and isinstance(merged, int | float)
+        and math.isfinite(merged)
+        and merged >= 0
+    ):
         out["merged_work_ratio"] = round(min(1.0, merged / trained), 3)
     return out

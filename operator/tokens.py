@@ -147,16 +147,29 @@ def credentials(
     """A group's credentials Secret's data: an item per learner id of its slots (and of any
     pod of the group still there, e.g. a removed slot's pod draining), and one per spare pod,
     those there and the next ones `spares.refill` may create, so the Secret holds a pod's item
-    before the pod exists. Each item holds one line per key, newest first."""
+    before the pod exists; a promoted spare's item holds its slot's learner credential. Each
+    item holds one line per key, newest first."""
     pods = [p for p in view.pods if p.job_uid == job.uid and p.group == group.name]
     ids = {builders.learner_id(group.name, i) for i in range(group.replicas)}
     ids |= {builders.learner_id(p.group, p.index) for p in pods if not p.spare and p.index >= 0}
     spare_pods = {
         builders.spare_pod_name(job, group.name, s) for s in serials_wanted(job, group, view.pods)
     }
+    # A promoted spare keeps mounting its own item; once its labels name a slot, that item
+    # holds the slot's learner credential (what the learner falls back to after a 401).
+    promoted = {
+        p.name: builders.learner_id(p.group, p.index)
+        for p in pods
+        if not p.spare and p.serial is not None and p.index >= 0
+    }
     data = {lid: derived_lines(keys, "learner", lid).encode() for lid in ids}
-    for pod in spare_pods:
-        data[builders.spare_token_key(pod)] = derived_lines(keys, "spare", pod).encode()
+    for pod in spare_pods | set(promoted):
+        lid = promoted.get(pod)
+        data[builders.spare_token_key(pod)] = (
+            derived_lines(keys, "learner", lid)
+            if lid is not None
+            else derived_lines(keys, "spare", pod)
+        ).encode()
     return dict(sorted(data.items()))
 
 

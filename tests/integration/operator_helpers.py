@@ -81,6 +81,9 @@ class _StatusStub(BaseHTTPRequestHandler):
         if shard:
             answer = _shard_status(int(shard.group(1)))
         body = json.dumps(answer).encode()
+        override = next((b for p, b in STATUS_OVERRIDES.items() if self.path.startswith(p)), None)
+        if override is not None:
+            body = override
         self.send_response(200 if ok else 401)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body) if ok else 0))
@@ -114,6 +117,9 @@ def _shard_status(shard: int) -> dict[str, Any]:
     }
 
 
+# "/<namespace>/<job>/" -> the raw body the stub answers for that job instead (a hostile
+# or broken synchronizer)
+STATUS_OVERRIDES: dict[str, bytes] = {}
 _STUB: list[str] = []
 _STUB_LOCK = threading.Lock()
 
@@ -501,9 +507,13 @@ def check_own_credential(cl: Clusters, cluster: str, job: str, pod: Any) -> str:
     name, data = learner_credentials(cl, cluster, job, group)
     assert token.secret_name == name
     (item,) = token.items
-    if "ddiloco.dev/spare" in labels:  # born a spare: its own pod's credential, also promoted
-        kind, who = "spare", pod.metadata.name
-        assert item.key == f"spare.{who}"
+    if "ddiloco.dev/spare" in labels:  # born a spare: its own pod's item, also promoted
+        assert item.key == f"spare.{pod.metadata.name}"
+        # which holds its spare credential until the promotion, then its slot's
+        if labels.get("ddiloco.dev/role") == "spare":
+            kind, who = "spare", pod.metadata.name
+        else:
+            kind, who = "learner", labels["ddiloco.dev/learner-id"]
     else:
         kind, who = "learner", labels["ddiloco.dev/learner-id"]
         assert item.key == who

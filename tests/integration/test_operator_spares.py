@@ -226,11 +226,14 @@ def test_a_failed_slot_is_taken_over_by_its_groups_hot_spare(
         (home_pod, "home", "a-0", 0),
         (remote_pod, "region-a", "region-a-0", 2),
     ):
-        # the spare's own credential, as its token file holds it (promoted, it keeps it)
+        # promoted, the spare's own item of its group's credentials now holds its slot's
+        # learner credential (what the learner re-reads after a 401); the spare polls with
+        # the spare credential it read at its start
         group = pod.metadata.labels["ddiloco.dev/group"]
         item = h.check_own_credential(cl, cluster, job, pod)
-        mine = h.learner_credentials(cl, cluster, job, group)[1][item].splitlines()[0]
-        assert mine == auth.spare_token(sync.token, pod.metadata.name) != sync.token
+        now = h.learner_credentials(cl, cluster, job, group)[1][item].splitlines()[0]
+        assert now == auth.learner_token(sync.token, lid) != sync.token
+        mine = auth.spare_token(sync.token, pod.metadata.name)
         client = SyncClient(sync.url, mine, timeout=30)
         status, _, answer = client.request("GET", f"/v1/spares/{pod.metadata.name}?wait_s=10")
         got = json.loads(answer)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import json
+import math
 from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
@@ -690,3 +692,20 @@ def test_a_group_can_target_another_namespace_in_its_cluster() -> None:
     assert made == {("Pod", "training"), ("Secret", "training")}
     pod_action = next(a for a in plan.actions if a.kind == "Pod")
     assert pod_action.body is not None and pod_action.body["metadata"]["namespace"] == "training"
+
+
+def test_a_status_with_nan_is_flagged_and_the_job_status_stays_writable() -> None:
+    job = make_job()
+    home_pods, remote_pods = healthy_pods()
+    obs = observe(job, home_pods, remote_pods)
+    sync = {**SYNC_ANSWER, "global_version": math.nan, "goodput": "high", "merges": 5}
+    plan = reconcile(job, dataclasses.replace(obs, sync_status=sync), fresh_token="f")
+    assert plan.status is not None
+    dumped = plan.status.model_dump(by_alias=True, exclude_none=True, mode="json")
+    json.dumps(dumped, allow_nan=False)  # what the apiserver would accept
+    assert plan.status.merges == 5 and plan.status.global_version is None
+    (deg,) = [x for x in plan.status.conditions if x.type == c.DEGRADED]
+    assert (deg.status, deg.reason) == ("True", c.SYNCHRONIZER_STATUS_INVALID)
+    assert "global_version" in deg.message and "goodput" in deg.message
+    ready = next(x for x in plan.status.conditions if x.type == c.READY)
+    assert ready.status == "False"

@@ -336,3 +336,33 @@ def test_combine_passes_one_answer_and_falls_back_on_partial_ones() -> None:
     assert syncstatus.combine([{"global_version": 1}, {"global_version": 2}]) == {
         "global_version": 1
     }
+
+
+def test_the_synchronizer_keeps_room_for_the_jobs_learner_ids_and_no_more() -> None:
+    """DDILOCO_MAX_LEARNERS: twice the slots (or dataShards, if more) and hot spares, plus 16,
+    rounded up to a power of two (scaling within it keeps the synchronizer running); the
+    tokens-per-step bound keeps the synchronizer's default (the spec knows no batch size)."""
+
+    def env_of(job: api.DecoupledDiLoCoJob) -> dict[str, Any]:
+        (ctr,) = sync_workload.build_synchronizer_statefulset(job)["spec"]["template"]["spec"][
+            "containers"
+        ]
+        return env(ctr)
+
+    job = make_job(1)  # one group of two (make_job's), no spares: 2 * 2 + 16 = 20 -> 32
+    e = env_of(job)
+    assert e["DDILOCO_MAX_LEARNERS"] == "32" and "DDILOCO_MAX_TOKENS_PER_STEP" not in e
+    groups = [{"name": "a", "replicas": 300}, {"name": "b", "replicas": 100}]
+    big = make_job(1, learnerGroups=groups, failurePolicy={"hotSpares": 4})
+    assert env_of(big)["DDILOCO_MAX_LEARNERS"] == str(1024)  # 2 * (400 + 8) + 16 = 832
+    scaled = make_job(1, learnerGroups=[{"name": "a", "replicas": 301}, groups[1]])
+    assert env_of(scaled)["DDILOCO_MAX_LEARNERS"] == "1024"  # same: no rolling restart
+    shards = make_job(1, training={"model": "tiny", "dataShards": 600})
+    assert env_of(shards)["DDILOCO_MAX_LEARNERS"] == "2048"  # 2 * 600 + 16
+    most = make_job(
+        1,
+        learnerGroups=[{"name": f"g{i}", "replicas": 512} for i in range(16)],
+        failurePolicy={"hotSpares": 16},
+    )
+    cap = sync_workload.max_learners(most)
+    assert 2 * (16 * 512 + 16 * 16) < cap <= 1 << 20  # within the synchronizer's bound

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import copy
 import dataclasses
+import itertools
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,18 @@ import pydantic
 import pytest
 import yaml
 
-from ddiloco.operator import api, builders, names, spares
+from ddiloco.operator import api, builders, names, spares, tokens
 from ddiloco.operator.api import DecoupledDiLoCoJob, FailurePolicy
-from ddiloco.operator.plan import Action, ClusterView, Observed, Plan, PodView, SecretView, home
+from ddiloco.operator.plan import (
+    Action,
+    Assignment,
+    ClusterView,
+    Observed,
+    Plan,
+    PodView,
+    SecretView,
+    home,
+)
 from ddiloco.operator.reconcile import reconcile
 from ddiloco.synchronizer import auth
 
@@ -319,12 +329,68 @@ def test_a_failed_slot_is_handed_to_the_ready_spare_and_a_new_spare_follows() ->
     (g,) = job.status.groups
     assert (g.replaced, g.promoted, g.slot_replacements, g.spares) == (1, 1, [1, 0], 1)
     assert job.status.ready_learners == 2 and not job.status.slots
-    # while young, each pass re-derives the assignment from the promoted pod's labels
+    # each pass re-derives the assignment from the promoted pod's labels: every pass while
+    # young, then still, for as long as the pod lives (the runtime backs off and stops once
+    # the synchronizer says it was delivered)
     assert any(
-        a.pod == spare and a.body["learner_index"] == 0 for p in plans for a in p.assignments
+        a.pod == spare and a.body["learner_index"] == 0 and a.young
+        for p in plans
+        for a in p.assignments
     )
     _, plans = run(job, ns, T0 + timedelta(seconds=10 + spares.RESEND_S + 5), passes=1)
-    assert not plans[0].assignments
+    (late,) = plans[0].assignments
+    assert (late.pod, late.young, late.body["learner_id"]) == (spare, False, "a-0")
+    ns.pods[spare]["metadata"]["deletionTimestamp"] = "2026-12-01T12:05:00Z"
+    _, plans = run(job, ns, T0 + timedelta(seconds=300), passes=1)
+    assert not [a for a in plans[0].assignments if a.pod == spare]  # a spare that went: no
+
+
+def test_an_undelivered_assignment_is_resent_with_a_backoff_until_delivered() -> None:
+    """Past RESEND_S the runtime sends an undelivered assignment after 2, 4, 8 ... s, at most
+    every RESEND_MAX_S, for as long as the pod is promoted and alive; once delivered, never."""
+    r = spares.Resends()
+    young = Assignment("p", "uid-p", {}, young=True)
+    old = Assignment("p", "uid-p", {}, young=False)
+    assert r.due(young, 0.0) and r.due(old, 0.0)
+    r.sent(old, 0.0, delivered=False)
+    assert r.due(young, 0.5)  # young: every pass
+    assert not r.due(old, 1.9) and r.due(old, 2.0)
+    sends, t = [], 2.0
+    while t < 600:
+        if r.due(old, t):
+            sends.append(t)
+            r.sent(old, t, delivered=False)
+        t += 0.5
+    gaps = [b - a for a, b in itertools.pairwise(sends)]
+    assert gaps[:5] == [4.0, 8.0, 16.0, 32.0, 60.0] and max(gaps) == spares.RESEND_MAX_S
+    r.sent(old, t, delivered=True)
+    assert r.due(old, t)  # forgotten (the runtime's delivered set keeps it from being sent)
+    r.sent(old, t, delivered=False)
+    r.keep(set())  # the pod went
+    assert r.due(old, t + 0.1)
+
+
+def test_a_promoted_spares_item_holds_its_slots_learner_credential_through_rotations() -> None:
+    """A promoted spare still mounts its `spare.<pod>` item; from the promotion on the item
+    holds the slot's learner credential, one line per key during a rotation, so a learner
+    that re-reads its token file after a 401 sends its slot's credential."""
+    job = make_job()
+    ns = Namespace()
+    job, _ = run(job, ns, T0)
+    (spare,) = spare_names(ns)
+    name = builders.learner_tokens_secret_name(job, "a")
+    key = builders.spare_token_key(spare)
+    assert ns.secrets[name].data[key] == auth.spare_token("tok", spare).encode()
+    ns.fail(builders.learner_pod_name(job, "a", 0))
+    job, _ = run(job, ns, T0 + timedelta(seconds=10))
+    assert ns.pods[spare]["metadata"]["labels"][builders.LABEL_LEARNER_ID] == "a-0"
+    assert ns.item(ns.pods[spare]) == auth.learner_token("tok", "a-0").encode()
+    assert ns.secrets[name].data[key] == ns.secrets[name].data["a-0"]
+    # a rotation: two lines, the new key's first, in the promoted spare's item too
+    view = ns.view("new\ntok")
+    want = tokens.credentials(job, job.spec.learner_groups[0], view, ["new", "tok"])
+    assert want[key] == auth.derived_lines(["new", "tok"], "learner", "a-0").encode()
+    assert want[key].split(b"\n")[0] == auth.learner_token("new", "a-0").encode()
 
 
 def test_each_pod_holds_its_own_credential_and_the_secret_follows_the_spares() -> None:
