@@ -181,7 +181,12 @@ async def await_assignment(
     wait_s: Annotated[float, Query(ge=0.0, le=MAX_WAIT_S)] = DEFAULT_WAIT_S,
 ) -> SpareGrant | Response:
     """The spare: its assignment as soon as there is one, else 204 after `wait_s`."""
-    if who != Principal("spare", pod) and who.kind != "job":
+    entry = book.entries.get(pod)
+    # the slot's own credential may read the grant that names it: once promoted, the
+    # spare's credential file holds its slot's credential (the operator rewrites it)
+    granted = entry is not None and entry.assignment is not None
+    theirs = granted and who == Principal("learner", entry.assignment.learner_id)  # type: ignore[union-attr]
+    if who != Principal("spare", pod) and who.kind != "job" and not theirs:
         raise SyncError(Refusal.FORBIDDEN, f"{who} may read only its own assignment")
     if pod not in book.entries and len(book.entries) >= book.max_pods:
         raise SyncError(Refusal.CONFLICT, f"{book.max_pods} spares are waiting already")

@@ -135,7 +135,7 @@ def test_a_spare_reads_only_its_own_assignment(sync_server: Any) -> None:
     put(sync_server, SLOT)
     other = sync_server.client(token=spare_token(sync_server.token, "job-a-spare-1-fghij"))
     mine = sync_server.client(token=spare_token(sync_server.token, POD))
-    learner = sync_server.client(token=learner_token(sync_server.token, "a-1"))
+    learner = sync_server.client(token=learner_token(sync_server.token, "a-0"))
     try:
         for client in (other, learner):
             with pytest.raises(SyncRefused) as refused:
@@ -145,6 +145,10 @@ def test_a_spare_reads_only_its_own_assignment(sync_server: Any) -> None:
         assert put(sync_server, SLOT) is False
         status, _, body = mine.request("GET", f"/v1/spares/{POD}?wait_s=0")
         assert status == 200 and b'"learner_id":"a-1"' in body
+        # once promoted, its file holds the slot's credential: that reads this grant alone
+        slot = sync_server.client(token=learner_token(sync_server.token, "a-1"))
+        assert slot.request("GET", f"/v1/spares/{POD}?wait_s=0")[0] == 200
+        slot.close()
     finally:
         for client in (other, mine, learner):
             client.close()
