@@ -151,8 +151,11 @@ def decode_update(
 def _decode_float(
     payload: bytes, header: codec.Header, spec: FragmentSpec, named: str | None
 ) -> dict[str, passes.Term]:
-    """The float tensors' views: each of the dtype the update's encoding `named` (None: an
-    older sender's, any float dtype on the wire)."""
+    """The float tensors' views: each of the dtype the update's encoding `named`, or float32
+    (None: an older sender's, any float dtype on the wire). float32 is never narrower than
+    the encoding named: a learner's outbox sums updates queued behind an outage in float32
+    (learner/outbox.py), which keeps bits a job's bf16 would drop and claims no encoding the
+    synchronizer was not configured for; a narrower dtype than named is refused."""
     want = FLOAT_WIRE_DTYPES[named] if named is not None else None
     for name, t in header.tensors.items():
         if t.dtype not in codec.ST_DTYPES:
@@ -160,7 +163,7 @@ def _decode_float(
             raise PayloadError(
                 f"tensor {name!r} has dtype {t.dtype}; a float update allows {allowed}"
             )
-        if want is not None and t.dtype != want:
+        if want is not None and t.dtype not in (want, "F32"):
             raise PayloadError(
                 f"tensor {name!r} has dtype {t.dtype}, but the update's encoding is {named} "
                 f"({want}): an update's tensors are of the dtype its encoding names"
