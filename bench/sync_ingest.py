@@ -28,7 +28,11 @@ slowest merges of each arm with their parts (the synchronizer logs each merge's)
 synchronizer's peak resident memory. Arms are every combination of a transport (`--arms`: up,
 HTTP/1.1 into the synchronizer's upload port, which learners use (synchronizer/bulk.py); h1,
 HTTP/1.1 into the main port's ASGI server; h2, HTTP/2 cleartext by prior knowledge into the
-main port), an update encoding
+main port; rt-h2 and rt-up, the round trip: up, with each client also running a learner's control
+thread that long-polls heartbeats and downloads every new version of its fragments, over HTTP/2
+from the main port or from the bulk port (falling back to the main port on a server whose port
+takes uploads only), printed with egress GB/s, the share of merges x M downloaded, and the
+synchronizer's CPU per GB moved), an update encoding
 (`--encodings`: bfloat16, float32, int8, int4, built by `wire.encode_update` as a learner
 does; the synchronizer accepts all of them) and a shard count (`--shards`: S processes,
 `ddiloco synchronizer --shard i --shards S`, each fragment posted to its owner; the figures
@@ -74,6 +78,7 @@ from ddiloco.synchronizer.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
     Heartbeat,
+    HeartbeatResponse,
     JoinRequest,
     JoinResponse,
     Layout,
@@ -154,6 +159,119 @@ class Tally:
     refused: dict[str, int] = field(default_factory=dict)
     errors: int = 0
     latencies: list[float] = field(default_factory=list)
+    downloads: int = 0
+    down_bytes: int = 0
+    down_errors: int = 0
+    down_via_port: int = 0
+    """Downloads the bulk port served (the rest went to the main port)."""
+
+
+@dataclass
+class Learner:
+    """What a round-trip client's two threads share, as a learner's upload and control
+    threads do: the joins (the uploader's), the versions last heard, the step."""
+
+    joins: list[JoinResponse] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    step: int = 0
+    joined: threading.Event = field(default_factory=threading.Event)
+
+
+ROUND_TRIP = ("rt-h2", "rt-up")
+"""Transports whose clients also download every new version of their fragments, as learners
+do: over HTTP/2 to the main port (the learners' path before the bulk port served fragments),
+or from the bulk port (its GET, falling back to the main port where it answers 404: a
+synchronizer whose port takes uploads only). Uploads go to the upload port in both."""
+
+
+def heartbeat(client: SyncClient, hb: Heartbeat) -> HeartbeatResponse:
+    """A heartbeat with only the fields set (a server of an older commit refuses fields it
+    does not know)."""
+    body = hb.model_dump_json(exclude_defaults=True).encode()
+    _, _, answer = client.request("POST", "/v1/heartbeat", body)
+    return HeartbeatResponse.model_validate_json(answer)
+
+
+def fetch(client: SyncClient, p: int) -> tuple[int, int]:
+    """Download fragment p as the learner's client does, up to its bytes (version, size):
+    the tensors' decoding is the learner's cost, and the same either way."""
+    _, headers, body = client.request("GET", f"/v1/fragments/{p}")
+    return int(headers["x-ddiloco-version"]), len(body)
+
+
+def download_loop(
+    urls: list[str],
+    owner: list[int],
+    lid: str,
+    transport: str,
+    fragments: int,
+    shared: Learner,
+    stop: threading.Event,
+    t: Tally,
+) -> None:
+    """A learner's control thread: long-poll heartbeats (1 s) to each shard and download
+    every fragment whose version moved past the one held, from the shard's bulk port
+    (rt-up) or over HTTP/2 from its main port (rt-h2); the bodies are dropped."""
+    if not shared.joined.wait(60):
+        return
+    mains = [SyncClient(url, TOKEN, http2=True, timeout=120) for url in urls]
+    ports: list[SyncClient | None] = [None] * len(urls)
+    if transport == "rt-up":
+        ports = [
+            SyncClient(with_port(u, j.upload_port), TOKEN, http2=False, timeout=120, sendmsg=True)
+            if j.upload_port
+            else None
+            for u, j in zip(urls, shared.joins, strict=True)
+        ]
+    have = list(shared.versions)
+    try:
+        while not stop.is_set():
+            for s, c in enumerate(mains):
+                try:
+                    hb = heartbeat(
+                        c,
+                        Heartbeat(
+                            learner_id=lid, step=shared.step, steps=[0] * fragments,
+                            tokens=[0] * fragments, base_versions=list(shared.versions),
+                            tokens_total=shared.step * 1000, step_seconds=STEP_S,
+                            compute_seconds=float(shared.step),
+                            uptime_seconds=float(shared.step) + 1.0,
+                            known_versions=[v if owner[q] == s else 0 for q, v in enumerate(have)],
+                            wait_s=1.0 / len(urls),
+                        ),
+                    )  # fmt: skip
+                except (SyncUnavailable, SyncRefused):
+                    t.down_errors += 1
+                    time.sleep(0.2)
+                    continue
+                for q, v in enumerate(hb.versions):
+                    if owner[q] != s:
+                        continue
+                    shared.versions[q] = max(shared.versions[q], v)
+                    if v <= have[q] or stop.is_set():
+                        continue
+                    port = ports[s]
+                    try:
+                        if port is not None:
+                            try:
+                                version, size = fetch(port, q)
+                                t.down_via_port += 1
+                            except SyncRefused as e:
+                                if e.status not in (404, 405):
+                                    raise
+                                ports[s] = port = None  # a port that takes uploads only
+                        if port is None:
+                            version, size = fetch(c, q)
+                        t.down_bytes += size
+                    except (SyncUnavailable, SyncRefused):
+                        t.down_errors += 1
+                        continue
+                    t.downloads += 1
+                    have[q] = version
+    finally:
+        for x in [*mains, *ports]:
+            if x is not None:
+                x.close()
 
 
 def client_loop(
@@ -167,35 +285,43 @@ def client_loop(
     rate: float = 0.0,
     joined: bool = False,
     sendmsg: bool = True,
+    shared: Learner | None = None,
 ) -> None:
     """One learner: joins every shard, heartbeats to each once a second, posts fragment p
     to its owner `owner[p]` against the version that shard last said; with `rate` (bytes
     per second) each post starts on a schedule of that many bytes per second, as a learner
-    that finishes its H steps on time would send (a late post is not made up for twice)."""
+    that finishes its H steps on time would send (a late post is not made up for twice).
+    With `shared` (a round-trip arm) the heartbeats and versions are its `download_loop`'s."""
     cs = [SyncClient(url, TOKEN, http2=transport == "h2", timeout=120) for url in urls]
     joins = [join(c, lid) for c in cs]
     ups = cs  # h1 and h2: updates go to the main port, as control calls do
-    if transport == "up":  # the upload port each shard named at join (synchronizer/bulk.py)
+    if transport in ("up", *ROUND_TRIP):  # the upload port each shard named at join (bulk.py)
         ports = [j.upload_port for j in joins]
         assert all(ports), "a synchronizer without an upload port"
         ups = [SyncClient(with_port(u, q), TOKEN, http2=False, timeout=120, sendmsg=sendmsg)
                for u, q in zip(urls, ports, strict=True)]  # fmt: skip
     versions = [joins[owner[p]].versions[p] for p in range(len(payloads))]
+    if shared is not None:
+        shared.joins, shared.versions = joins, versions  # one list: the heartbeats update it
+        shared.joined.set()
     step, last_hb = 0, 0.0
     p = int(lid.rsplit("-", 1)[1]) % len(payloads)
     due = time.monotonic()
     try:
         while not stop.is_set():
             now = time.monotonic()
-            if now - last_hb > 1.0:
+            if shared is not None:
+                shared.step = step
+            elif now - last_hb > 1.0:
                 for s, c in enumerate(cs):
-                    hb = c.heartbeat(
+                    hb = heartbeat(
+                        c,
                         Heartbeat(
                             learner_id=lid, step=step, steps=[0] * len(payloads),
                             tokens=[0] * len(payloads), base_versions=versions,
                             tokens_total=step * 1000, step_seconds=STEP_S,
                             compute_seconds=float(step), uptime_seconds=float(step) + 1.0,
-                        )
+                        ),
                     )  # fmt: skip
                     for q, v in enumerate(hb.versions):
                         if owner[q] == s:
@@ -388,6 +514,7 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
         ]
         stop = threading.Event()
         tallies = [Tally() for _ in range(args.learners)]
+        shared = [Learner() if arm.transport in ROUND_TRIP else None for _ in tallies]
         threads = [
             threading.Thread(
                 target=client_loop,
@@ -396,10 +523,21 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
                     "rate": arm.offered * 1e9 / args.learners,
                     "joined": arm.bodies == "joined",
                     "sendmsg": arm.bodies != "curl",
+                    "shared": shared[i],
                 },
                 daemon=True,
             )
             for i in range(args.learners)
+        ]
+        threads += [
+            threading.Thread(
+                target=download_loop,
+                args=(urls, owner, f"l-{i}", arm.transport, len(lay.fragments), x, stop),
+                kwargs={"t": tallies[i]},
+                daemon=True,
+            )
+            for i, x in enumerate(shared)
+            if x is not None
         ]
         s0 = [b.status() for b in bosses]
         pids = [proc.pid for proc, _, _ in shards]
@@ -436,6 +574,8 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
         logged = slow_merges(root, settled_at)
         shutil.rmtree(root, ignore_errors=True)
     acc_bytes = sum(t.accepted_bytes for t in tallies)
+    down_bytes = sum(t.down_bytes for t in tallies)
+    downloads = sum(t.downloads for t in tallies)
     accepted = sum(t.accepted for t in tallies)
     merges = sum(b.merges - a.merges for a, b in zip(s0, s1, strict=True))
     refused: dict[str, int] = {}
@@ -472,7 +612,18 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
         "offered_gbps": arm.offered,
         "snapshot_lag": arm.lag,
         "state_on": args.state_on,
+        "server": arm.server,
         "accepted_gbps": acc_bytes / wall / 1e9,
+        "egress_gbps": down_bytes / wall / 1e9,
+        "downloads": downloads,
+        "downloads_via_port": sum(t.down_via_port for t in tallies),
+        "download_errors": sum(t.down_errors for t in tallies),
+        "download_cover": downloads / (merges * args.learners) if merges else None,
+        "cpu_s_per_gb_moved": cpu / ((acc_bytes + down_bytes) / 1e9) if acc_bytes else None,
+        "server_cpu_s": cpu,
+        "accepted_gb": acc_bytes / 1e9,
+        "down_gb": down_bytes / 1e9,
+        "load": os.getloadavg()[0],
         "per_shard_gbps": acc_bytes / wall / 1e9 / arm.shards,
         "updates_per_s": accepted / wall,
         "merges_per_s": merges / wall,
@@ -643,6 +794,37 @@ def h2_ratios(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def round_trip_table(rows: list[dict[str, Any]]) -> str:
+    """Ingress and egress, merges/s, the share of (merges x M) downloaded, the synchronizer's
+    CPU per GB moved both ways, and per GB downloaded: its CPU less what the same server's
+    upload-only arm spent per GB accepted times this arm's accepted GB (an estimate: what the
+    uploads cost alone)."""
+    by = {(r["transport"], r["encoding"], r["shards"], r["server"]): r for r in rows}
+    head = (
+        f"{'arm':<30} {'in GB/s':>7} {'out GB/s':>8} {'merge/s':>7} {'cover':>6} "
+        f"{'CPU s/GB moved':>14} {'CPU s/GB in':>11} {'CPU s/GB out (est)':>18} {'load':>5}"
+    )
+    lines = [head]
+    for (transport, enc, shards, server), r in by.items():
+        base = by.get(("up", enc, shards, server))
+        out = None
+        if transport in ROUND_TRIP and base and base["cpu_s_per_gb"] and r["down_gb"]:
+            uploads = base["cpu_s_per_gb"] * r["accepted_gb"]
+            out = (r["server_cpu_s"] - uploads) / r["down_gb"]
+        lines.append(
+            f"{r['arm']:<30} {r['accepted_gbps']:7.3f} {r['egress_gbps']:8.3f} "
+            f"{r['merges_per_s']:7.2f} {fmt(r['download_cover'], '6.2f')} "
+            f"{fmt(r['cpu_s_per_gb_moved'], '14.2f')} {fmt(r['cpu_s_per_gb'], '11.2f')} "
+            f"{fmt(out, '18.2f')} {r['load']:5.1f}"
+        )
+        if r["downloads"]:
+            lines.append(
+                f"{'':<30} {r['downloads']} downloads, {r['downloads_via_port']} from the bulk "
+                f"port, {r['download_errors']} errors"
+            )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", type=float, default=64e6)
@@ -658,7 +840,12 @@ def main(argv: list[str] | None = None) -> int:
         " (each arm starts a fresh synchronizer: its first rounds are every fragment's at once,"
         " on a cold process); the merges within the mark are printed for the whole arm too",
     )
-    ap.add_argument("--arms", default="up,h1,h2", help="transports, comma-separated: up, h1, h2")
+    ap.add_argument(
+        "--arms",
+        default="up,h1,h2",
+        help="transports, comma-separated: up, h1, h2; rt-h2, rt-up: up with every client also"
+        " downloading every new version (over HTTP/2 to the main port, or from the bulk port)",
+    )
     ap.add_argument(
         "--encodings", default="bfloat16", help="update encodings, comma-separated (wire.py)"
     )
@@ -717,13 +904,16 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for a in arms:
         if (
-            a.transport not in ("up", "h1", "h2")
+            a.transport not in ("up", "h1", "h2", *ROUND_TRIP)
             or a.encoding not in wire.ALL
             or a.shards < 1
             or a.offered < 0
             or a.bodies not in ("parts", "joined", "curl")
         ):
-            ap.error(f"unknown arm {a.name!r}: transports up/h1/h2, encodings {sorted(wire.ALL)}")
+            ap.error(
+                f"unknown arm {a.name!r}: transports up/h1/h2/rt-h2/rt-up, encodings "
+                f"{sorted(wire.ALL)}"
+            )
     lay = layout(int(args.params), args.fragments)
     n = lay.fragments[0].numel()
     print(
@@ -779,6 +969,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {r['arm']:<30} " + "; ".join(cells))
     for line in h2_ratios(rows):
         print(line)
+    if any(r["transport"] in ROUND_TRIP for r in rows):
+        print("\nthe round trip (every client downloads every new version of its fragments):")
+        print(round_trip_table(rows))
     print(json.dumps({"memcpy_gbps": mem, "rows": rows}))
     return 0
 

@@ -28,6 +28,12 @@ shard hears every learner's heartbeats. The data position resumes at the highest
 answers: each holds a position this slot reached or reserved (durably, before answering),
 so the highest is one no window below was ever handed out past, while a shard that was away
 may only lag. The incarnation is the highest any shard answered, and never goes down.
+
+Fragments come from the shard's bulk port (the upload port, synchronizer/bulk.py) when it named
+one, each body read into a buffer of its own that the adopted tensors view (sender.py), by the
+uploads' rules (learner/uploads.py): while the port is unreachable, from the main URL; a fetch
+the port turns away (503, a reset) or fails otherwise goes to the main URL at once; a port that
+does not serve fragments (404 or 405: an older synchronizer) is not asked again.
 """
 
 from __future__ import annotations
@@ -122,6 +128,8 @@ class Streamer:
         """Per shard: the main URL's client for updates its upload port turned away."""
         self.turned_away_said = [-UPLOAD_FALLBACK_S] * len(self.urls)
         """Per shard: when a turned-away update was last logged as a warning."""
+        self.no_downloads = [False] * len(self.urls)
+        """Per shard: its upload port does not serve fragments (404/405): fetch from main."""
         self.versions: list[int] = [0] * len(layout.fragments)
         self.outbox = Outbox(len(layout.fragments))
         self.left: dict[int, dict[str, int]] = {}
@@ -232,6 +240,7 @@ class Streamer:
         """Block until the synchronizer answers (every shard); return every global fragment,
         each from its owner. Startup only."""
         clients = [self._client(shard=i) for i in range(len(self.urls))]
+        ports: dict[int, SyncClient] = {}
         joined: set[int] = set()
         backoff = Backoff(cap=1.0)
         while not self.stop_event.is_set():
@@ -245,11 +254,14 @@ class Streamer:
                         self.join(client, i)
                 out = []
                 for spec in self.layout.fragments:
-                    version, tensors = clients[self.owners[spec.index]].fragment(spec.index)
+                    shard = self.owners[spec.index]
+                    version, tensors = self._fetch(shard, clients[shard], spec.index, ports)
                     out.append((spec.index, version, tensors))
                 self.versions = [v for _, v, _ in out]
                 for client in clients:
                     self._count(client)
+                for port in ports.values():  # the control threads keep their own
+                    port.close()
                 return out
             except SyncUnavailable as e:
                 wait = backoff.fail()
@@ -325,6 +337,7 @@ class Streamer:
     # ---- threads -----------------------------------------------------------------
     def _control_loop(self, shard: int = 0) -> None:
         client, backoff = self._client(shard=shard), Backoff()
+        ports: dict[int, SyncClient] = {}  # this thread's bulk-port client (`_fetch`)
         mine = set(self.owned(shard))  # a shard answers 0 for the fragments it does not own
         have = [v if p in mine else 0 for p, v in enumerate(self.versions)]
         while not self.stop_event.is_set():
@@ -345,7 +358,7 @@ class Streamer:
                     self.requested = set().union(*self.shard_requested)
                     for p, v in enumerate(resp.versions):
                         if p in mine and v > have[p]:
-                            version, tensors = client.fragment(p)
+                            version, tensors = self._fetch(shard, client, p, ports)
                             have[p] = version
                             latest = self.snapshot
                             self.arrival_steps[(p, version)] = latest.step if latest else 0
@@ -386,6 +399,41 @@ class Streamer:
         if url is None or time.monotonic() < self.fallback_until[shard]:
             return self.urls[shard]
         return url
+
+    def _fetch(
+        self, shard: int, main: SyncClient, p: int, ports: dict[int, SyncClient]
+    ) -> tuple[int, Tensors]:
+        """Fragment p from the shard's bulk port when it has one (`ports` keeps the calling
+        thread's client for it), else, or when the port fails, through `main` (the module
+        docstring)."""
+        url = self._upload_target(shard)
+        if url == self.urls[shard] or self.no_downloads[shard]:
+            return main.fragment(p)
+        port = ports.get(shard)
+        if port is None or port.base_url != url.rstrip("/"):
+            if port is not None:
+                port.close()
+            port = ports[shard] = SyncClient(
+                url, self.tokens, http2=False, tls=self.tls, sendmsg=True
+            )
+        try:
+            return port.fragment(p)
+        except SyncUnavailable as e:  # a GET is safe to repeat: the main URL at once
+            if not self._fall_back(shard, port, e):
+                log.debug("Upload port %s: fragment %d from %s (%s)", url, p, main.base_url, e)
+        except SyncRefused as e:
+            if e.status not in (404, 405):
+                raise
+            self.no_downloads[shard] = True
+            log.warning(
+                "Upload port %s serves no fragments (%s); downloading from %s",
+                url,
+                e,
+                main.base_url,
+            )
+        finally:
+            self._count(port)
+        return main.fragment(p)
 
     def _upload_client(self, shard: int, client: SyncClient | None) -> SyncClient:
         """The client for the shard's current upload target (a new one when it moved)."""

@@ -1,21 +1,35 @@
-"""The upload port: update bodies read straight from the socket into their buffer.
+"""The bulk port (DDILOCO_UPLOAD_PORT, "the upload port"): fragment bytes both ways, without
+Python touching them. Update bodies are read straight from the socket into their buffer;
+served fragments are written to the socket straight from their encoded buffer.
 
     server = UploadServer(sync, tokens, settings)      # app.py's lifespan, DDILOCO_UPLOAD_PORT
     server.start()                                     # -> the bound port, told at join
     ...
-    server.close()                                     # stops accepting, lets uploads finish
+    server.close()                                     # stops accepting, lets requests finish
 
 Why a second listener (bench/RESULTS.md, "Figures behind the code"): uvicorn hands a large HTTP/1.1
 body to the app in 64-256 KiB chunks through the event loop, which costs more CPU than the
 synchronizer's own work on it; a thread per connection that calls `recv_into` on the body's own
-buffer costs a tenth of that, with the GIL released while the kernel copies. This port serves one
-route, `POST /v1/fragments/{p}/updates`, over HTTP/1.1 (TLS and mutual TLS with the main port's
-certificate and client CA), with the main port's contract: the same credentials (auth.py: 401
-without one, 403 for a spare's, and `Synchronizer.submit` checks that the update's learner is the
-credential's), the same refusals before a byte of the body is read (401, 403, 421, 413 on a declared
-Content-Length over the fragment's limit), the same `{"error", "detail"}` bodies. Everything else
-(join, heartbeats, downloads, HTTP/2) stays on the main port; a request for another route here gets
-404 or 405 saying so.
+buffer costs a tenth of that, with the GIL released while the kernel copies. Downloads are the
+same in reverse, and M times over: every merge of a fragment is fetched by every learner, and
+through the main port each copy went through uvicorn's HTTP/2 (pure-Python h2, a 64 KiB window)
+in 16 KiB frames. Here the served payload (served.py: encoded once per merge) goes to
+`socket.sendmsg` from its own memory (over TLS, `SSLSocket.send` of slices of it, encrypted
+from where it lies), the GIL released while the kernel copies; the download holds a reference
+to the buffer until it is sent, so a later merge never encodes into it meanwhile.
+
+This port serves two routes over HTTP/1.1 (TLS and mutual TLS with the main port's certificate
+and client CA), each with the main port's contract and `{"error", "detail"}` bodies:
+- `POST /v1/fragments/{p}/updates`: the same credentials (auth.py: 401 without one, 403 for a
+  spare's, and `Synchronizer.submit` checks that the update's learner is the credential's), the
+  same refusals before a byte of the body is read (401, 403, 421, 413 on a declared
+  Content-Length over the fragment's limit);
+- `GET /v1/fragments/{p}`: the served fragment with its `X-DDiLoCo-Version` header, for any
+  valid credential (401 without one), 421 from a shard that does not own p, 422 for a fragment
+  that does not exist, 409 before the job is initialized (`Synchronizer.fragment`, as the main
+  port answers). A GET with a body is 400.
+Everything else (join, heartbeats, HTTP/2) stays on the main port; a request for another route
+here gets 404 or 405 saying so.
 
 Parsing. A request head is parsed by h11 (the parser of uvicorn's h11 mode, already in the
 image), never by hand: a malformed request line, header field, Content-Length (signs, hex,
@@ -40,7 +54,10 @@ in all. A connection past `MAX_CONNECTIONS` is answered 503 (over TLS: closed, b
 handshake), and so is a request past its credential's cap; the learner posts that update
 to the main port instead (learner/streaming.py). A body must send something every
 `body_timeout_s` and be whole in `body_timeout_s` + its size at `MIN_BODY_RATE`, else 408
-and close. A kept-alive connection idle for `IDLE_S` is closed.
+and close. A download is held to the same bounds the other way: a client that stops reading
+(its receive window full for `body_timeout_s`) or reads slower than `MIN_BODY_RATE` beyond
+that is cut off, closing the connection, so its thread and its hold on the served buffer end.
+A kept-alive connection idle for `IDLE_S` is closed.
 """
 
 from __future__ import annotations
@@ -63,7 +80,7 @@ from ddiloco.synchronizer.auth import Principal, Tokens, authenticate
 from ddiloco.synchronizer.buffers import BODIES
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.errors import Refusal, SyncError
-from ddiloco.synchronizer.protocol import API_PREFIX
+from ddiloco.synchronizer.protocol import API_PREFIX, CONTENT_TYPE, VERSION_HEADER
 from ddiloco.synchronizer.service import Synchronizer
 
 log = logging.getLogger(__name__)
@@ -76,8 +93,8 @@ MAX_ANONYMOUS: Final = 64
 """Connections that have not yet sent a head with a valid credential; one accepted over it
 closes the oldest of them (which has had the most time to send its head)."""
 MAX_PER_CREDENTIAL: Final = 4
-"""Connections one learner's credential may hold: a learner posts over one per shard, so
-this leaves room for a restart's leftovers and no more (a spare's is refused before)."""
+"""Connections one learner's credential may hold per shard: a learner posts over one and
+downloads over another, so this leaves room for a restart's leftovers and no more."""
 HEAD_TIMEOUT_S: Final = 2.0
 """A new connection's first head must be whole this long after its accept (a learner sends
 its head with its body's first bytes, right after connecting); a kept-alive connection's
@@ -91,6 +108,12 @@ IDLE_S: Final = 15.0
 CLOSE_WAIT_S: Final = 5.0
 """How long `close` lets requests in flight finish."""
 _ROUTE: Final = re.compile(rf"^{re.escape(API_PREFIX)}/fragments/(\d{{1,9}})/updates(\?.*)?$")
+_FRAGMENT: Final = re.compile(rf"^{re.escape(API_PREFIX)}/fragments/(\d{{1,9}})(\?.*)?$")
+SEND_SLICE: Final = 1 << 20
+"""Bytes handed to one TLS write (each is encrypted from the served buffer where it lies);
+between writes the download's deadline is checked."""
+SEND_PARTS: Final = 64
+"""Buffers handed to one `sendmsg` (far under IOV_MAX)."""
 _HEAD_END: Final = re.compile(rb"\n\r?\n")
 """Where a head ends as h11 finds it (a blank line, with or without its CR)."""
 _NOT_CRLF: Final = re.compile(rb"(?<!\r)\n|\r(?!\n)|\n[ \t]")
@@ -157,20 +180,32 @@ def parse_head(head: bytes) -> Request:
     return Request(event.method.decode("ascii"), event.target.decode("ascii"), headers)
 
 
-def response(status: int, body: bytes, *, close: bool, **headers: str) -> bytes:
+def response_head(
+    status: int,
+    length: int,
+    *,
+    close: bool,
+    content_type: str = "application/json",
+    **headers: str,
+) -> bytes:
+    """A response's status line and headers through the blank line (`_` in a name: `-`)."""
     try:
         reason = HTTPStatus(status).phrase
     except ValueError:
         reason = "Error"
     lines = [
         f"HTTP/1.1 {status} {reason}",
-        "content-type: application/json",
-        f"content-length: {len(body)}",
+        f"content-type: {content_type}",
+        f"content-length: {length}",
         *(f"{k.replace('_', '-')}: {v}" for k, v in headers.items()),
     ]
     if close:
         lines.append("connection: close")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def response(status: int, body: bytes, *, close: bool, **headers: str) -> bytes:
+    return response_head(status, len(body), close=close, **headers) + body
 
 
 def error_body(kind: str, detail: str) -> bytes:
@@ -216,6 +251,10 @@ class UploadServer:
         self.answers: Counter[tuple[str, str]] = Counter()
         """Answers by (scheme, status code): ddiloco_upload_port_requests_total."""
         sync.metrics.watch_uploads(self.answers)
+        self.updates = 0
+        """Updates answered 200."""
+        self.downloads = 0
+        """Fragments sent whole."""
         self.busy = 0
         """Requests between their head and their answer (`close` waits for them)."""
         self.cond = threading.Condition()
@@ -233,7 +272,11 @@ class UploadServer:
         self.thread = threading.Thread(target=self._accept, name="upload-accept", daemon=True)
         self.thread.start()
         log.info(
-            "Upload port %d (%s, POST %s/fragments/{p}/updates)", self.port, self.scheme, API_PREFIX
+            "Upload port %d (%s, POST %s/fragments/{p}/updates, GET %s/fragments/{p})",
+            self.port,
+            self.scheme,
+            API_PREFIX,
+            API_PREFIX,
         )
         return self.port
 
@@ -394,11 +437,15 @@ class UploadServer:
         """Answer one request; (keep the connection, bytes already read past its body)."""
         with self.counting:  # += on a Counter is not atomic across threads
             self.protocols[(self.scheme, "1.1")] += 1  # as the main port's middleware counts
-        closing = False
+        closing, what = False, "request"
         try:
             req = parse_head(head)
+            what = "download" if req.method == "GET" else "upload"
             closing = req.close
             principal, p = self._check(c, req)
+            if req.method == "GET":
+                self._download(c.sock, req, p, closing)
+                return not closing, rest
             size = self._size(req, p)
             if req.headers.get("expect", "").lower() == "100-continue":
                 c.sock.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -410,24 +457,85 @@ class UploadServer:
         except Refused as e:
             if e.kind in {r.value for r in Refusal}:
                 self.sync.reject(e.kind)
-            log.warning("Refused upload: %s %s", e.kind, e.detail)
+            log.warning("Refused %s: %s %s", what, e.kind, e.detail)
             close = e.close or closing
             self._send(c.sock, e.status, error_body(e.kind, e.detail), close=close, **e.headers)
             return not close, rest
         except SyncError as e:  # refused by the synchronizer itself: the body was read whole
             self.sync.reject(e.kind)
-            log.warning("Refused upload: %s", e)
+            log.warning("Refused %s: %s", what, e)
             self._send(c.sock, e.status, error_body(str(e.kind), str(e)), close=closing)
             return not closing, rest
         except (OSError, ssl.SSLError):
             raise
         except Exception as e:  # a bug: the learner retries, the log says what
-            log.error("Failed upload: %r", e)
+            log.error("Failed %s: %r", what, e)
             body = error_body("internal", "see the synchronizer's log")
             self._send(c.sock, 500, body, close=True)
             return False, b""
         self._send(c.sock, 200, answer, close=closing)
+        with self.counting:
+            self.updates += 1
         return not closing, rest
+
+    def _download(self, conn: socket.socket, req: Request, p: int, closing: bool) -> None:
+        """Send the served fragment p from its encoded buffer (`Synchronizer.fragment`: 421,
+        422, 409 as on the main port). A client that stops reading is cut off (the module
+        docstring): the connection ends, as a send error."""
+        if req.headers.get("content-length", "0") != "0" or "transfer-encoding" in req.headers:
+            raise bad_request("a GET has no body")
+        version, payload = self.sync.fragment(p)  # the buffer is held until it is sent
+        head = response_head(
+            200,
+            len(payload),
+            close=closing,
+            content_type=CONTENT_TYPE,
+            **{VERSION_HEADER.lower().replace("-", "_"): str(version)},
+        )
+        with self.counting:
+            self.answers[(self.scheme, "200")] += 1
+        try:
+            self._write(conn, [memoryview(head), payload])
+        except TimeoutError as e:
+            log.warning("Download of fragment %d cut off: %s", p, e)
+            raise ConnectionAbortedError(str(e)) from None
+        with self.counting:
+            self.downloads += 1
+
+    def _write(self, conn: socket.socket, parts: list[memoryview]) -> None:
+        """Send `parts` in order from their own memory: `sendmsg` in cleartext (the kernel reads
+        each part where it lies), `SEND_SLICE`-byte writes over TLS. TimeoutError when a write
+        waits `body_timeout_s`, or when the whole is not sent in `body_timeout_s` + its size at
+        `MIN_BODY_RATE`."""
+        queue = [v.cast("B") if v.format != "B" else v for v in parts if v.nbytes]
+        size = sum(v.nbytes for v in queue)
+        per_write = self.settings.body_timeout_s
+        start = time.monotonic()
+        deadline = start + per_write + size / MIN_BODY_RATE
+        tls = isinstance(conn, ssl.SSLSocket)
+        sent_all = 0
+        while queue:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"read slower than {MIN_BODY_RATE} bytes/s: {sent_all} of {size} bytes "
+                    f"in {time.monotonic() - start:.1f} s"
+                )
+            conn.settimeout(min(per_write, left))
+            try:
+                # the GIL released while the kernel copies (or the ssl module encrypts)
+                sent = conn.send(queue[0][:SEND_SLICE]) if tls else conn.sendmsg(queue[:SEND_PARTS])
+            except TimeoutError:
+                if left > per_write:
+                    raise TimeoutError(
+                        f"read nothing for {per_write:g} s ({sent_all} of {size} bytes sent)"
+                    ) from None
+                continue  # the deadline: raised at the top
+            sent_all += sent
+            while queue and sent >= queue[0].nbytes:
+                sent -= queue.pop(0).nbytes
+            if sent:
+                queue[0] = queue[0][sent:]
 
     def _send(self, conn: socket.socket, status: int, body: bytes, **headers: Any) -> None:
         with self.counting:
@@ -437,23 +545,27 @@ class UploadServer:
     @property
     def requests(self) -> int:
         """Updates answered 200 here (tests and the bench tell the port was used by it)."""
-        return self.answers[(self.scheme, "200")]
+        return self.updates
 
     def _check(self, c: Connection, req: Request) -> tuple[Principal, int]:
         """Route, method and credential, before anything of the body (refusals close the
         connection: its unread body would be taken for the next request); the credential's
         principal, counted against its cap, and the fragment."""
-        match = _ROUTE.match(req.target)
+        match, method = _ROUTE.match(req.target), "POST"
+        if match is None:
+            match, method = _FRAGMENT.match(req.target), "GET"
         if match is None:
             raise Refused(
                 404,
                 "not_found",
-                f"the upload port serves only POST {API_PREFIX}/fragments/{{p}}/updates; "
-                "everything else is on the main port",
+                f"the upload port serves only POST {API_PREFIX}/fragments/{{p}}/updates and "
+                f"GET {API_PREFIX}/fragments/{{p}}; everything else is on the main port",
                 close=True,
             )
-        if req.method != "POST":
-            raise Refused(405, "method_not_allowed", "only POST here", close=True, allow="POST")
+        if req.method != method:
+            raise Refused(
+                405, "method_not_allowed", f"only {method} here", close=True, allow=method
+            )
         principal = authenticate(req.headers.get("authorization", ""), self.tokens)
         if principal is None:
             raise Refused(
@@ -463,7 +575,7 @@ class UploadServer:
                 close=True,
                 www_authenticate="Bearer",
             )
-        if principal.kind == "spare":  # before the body: a spare has no slot to update for
+        if principal.kind == "spare" and method == "POST":  # a spare may read, not update
             raise Refused(
                 403, Refusal.FORBIDDEN, f"{principal} has no learner slot to update for", close=True
             )

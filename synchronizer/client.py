@@ -168,10 +168,11 @@ class SyncClient:
         self.https = self.base_url.lower().startswith("https://")
         self.curl = pycurl.Curl()
         self.sendmsg = sendmsg and not http2
-        """A body of parts (a POST) goes from its own memory over HTTP/1.1 (sender.py): for
-        the upload port (bulk.py), where it saves the sender CPU; not for uvicorn's main
-        port, which took the same bodies slower that way than through libcurl
-        (bench/RESULTS.md, "Figures behind the code")."""
+        """The bulk port's client (bulk.py): a body of parts (a POST) goes from its own memory
+        over HTTP/1.1, and a fragment (a GET) is read into a buffer of its own, which its
+        tensors view (sender.py), where it saves the learner CPU; not for uvicorn's main port,
+        which took the same bodies slower that way than through libcurl (bench/RESULTS.md,
+        "Figures behind the code")."""
         self.sender: PartsSender | None = None
         self.bytes_up = 0
         self.bytes_down = 0
@@ -228,6 +229,8 @@ class SyncClient:
     ) -> tuple[int, dict[str, str], bytes]:
         if self.sendmsg and body is not None and not isinstance(body, bytes) and method == "POST":
             return self._send_parts(path, body, content_type, token)
+        if self.sendmsg and body is None and method == "GET":
+            return self._get_into(path, token)
         return self._curl(method, path, body, content_type, token)
 
     def _curl(
@@ -301,6 +304,21 @@ class SyncClient:
         self.http_version = "HTTP/1.1"
         return self._answered("POST", path, body, status, headers, payload)
 
+    def _get_into(self, path: str, token: str) -> tuple[int, dict[str, str], bytes]:
+        """A GET over HTTP/1.1 whose body is read straight into a buffer of its own (sender.py),
+        with libcurl's contract. The body is a bytearray (typed as bytes: read-only to callers
+        but `fragment`, whose tensors view it)."""
+        if self.sender is None:
+            self.sender = PartsSender(self.base_url, timeout=self.timeout, tls=self.tls)
+        try:
+            status, headers, payload = self.sender.get(path, token)
+        except Failed as e:
+            raise SyncUnavailable(
+                f"GET {path}: {e}", unreached=e.unreached, reset=e.reset
+            ) from None
+        self.http_version = "HTTP/1.1"
+        return self._answered("GET", path, None, status, headers, payload)  # type: ignore[arg-type]
+
     def _answered(
         self,
         method: str,
@@ -337,8 +355,14 @@ class SyncClient:
         return InitResponse.model_validate_json(body)
 
     def fragment(self, p: int) -> tuple[int, dict[str, torch.Tensor]]:
+        """Global fragment p and its version. From the bulk port (`sendmsg`) the tensors are
+        views of the one buffer the body was read into, theirs alone; through libcurl they are
+        decoded from the joined body."""
         _, headers, body = self.request("GET", f"{API_PREFIX}/fragments/{p}")
-        return int(headers[VERSION_HEADER.lower()]), codec.decode(body)
+        version = int(headers[VERSION_HEADER.lower()])
+        if isinstance(body, bytearray):
+            return version, codec.tensor_views(body, codec.read_header(body))
+        return version, codec.decode(body)
 
     def upload(self, meta: UpdateMeta, delta: dict[str, torch.Tensor]) -> UpdateResponse:
         return self.post_update(meta.fragment, codec.encode(delta, metadata=meta.to_metadata()))

@@ -1,7 +1,9 @@
-"""An update's parts sent over HTTP/1.1 straight from their own memory: no user-space copy.
+"""The learner's HTTP/1.1 client of the bulk port: an update's parts sent straight from their
+own memory, a fragment's body read straight into its own buffer; no user-space copy either way.
 
     sender = PartsSender("http://127.0.0.1:8471", timeout=60.0, tls=ClientTLS())
     status, headers, payload = sender.post(path, parts, content_type, token)
+    status, headers, body = sender.get(path, token)     # body: a bytearray the tensors view
 
 Why not libcurl for this one request (bench/RESULTS.md, "Figures behind the code"): pycurl hands a
 body of several buffers (`codec.pieces`: the safetensors header, then each tensor's own memory) to
@@ -9,8 +11,11 @@ libcurl through a Python read callback that returns bytes, so every chunk is cop
 space (the slice into bytes, then into libcurl's upload buffer) before the kernel's copy into the
 socket; at 1 GB/s that was a fifth of the machine's two cores, beside the synchronizer it shares
 them with. Here the head and the parts go to `socket.sendmsg`, the kernel reading each part where it
-lies (over TLS the ssl module encrypts each piece from its own memory). Everything else a learner
-does stays on libcurl (client.py).
+lies (over TLS the ssl module encrypts each piece from its own memory). A download is the same in
+reverse: libcurl hands a body to Python in 16 KiB bytes chunks to be joined (and safetensors'
+loader copies it twice more); here the body goes by `recv_into` into one buffer of its declared
+length, which the fragment's tensors then view (client.py). Everything else a learner does stays
+on libcurl.
 
 The contract is libcurl's, as `SyncClient` relies on it: one kept-alive connection, made
 again (and the request sent once more) when the kept-alive one is found closed before any
@@ -35,14 +40,16 @@ from urllib.parse import urlsplit
 
 from ddiloco.synchronizer.tls import ClientTLS
 
-__all__ = ["MAX_HEAD", "SLICE", "Failed", "PartsSender"]
+__all__ = ["MAX_DOWNLOAD", "MAX_HEAD", "SLICE", "Failed", "PartsSender"]
 
 SLICE: Final = 4 << 20
 """Body bytes handed to the kernel per call: between calls, an early answer is looked for."""
 MAX_HEAD: Final = 64 << 10
 """The largest response head read (the synchronizer's are a few hundred bytes)."""
 MAX_BODY: Final = 16 << 20
-"""The largest response body read (a JSON answer)."""
+"""The largest response body read for a POST (a JSON answer)."""
+MAX_DOWNLOAD: Final = 1 << 40
+"""The largest response body read for a GET (a fragment: its Content-Length is allocated)."""
 CONNECT_TIMEOUT_S: Final = 3.0
 
 
@@ -104,11 +111,30 @@ class PartsSender:
         ).encode("latin-1")
         deadline = time.monotonic() + self.timeout
         try:
-            return self._exchange(head, views, deadline)
+            status, headers, body = self._exchange(head, views, deadline, MAX_BODY)
         except Failed as e:
             if e.fresh:
                 raise
-            return self._exchange(head, views, deadline)  # the kept-alive one had gone
+            status, headers, body = self._exchange(head, views, deadline, MAX_BODY)  # it had gone
+        return status, headers, bytes(body)
+
+    def get(self, path: str, token: str) -> tuple[int, dict[str, str], bytearray]:
+        """GET `path`; (status, headers lower-cased, body), the body read by `recv_into` into
+        a buffer of its declared length (the caller's to keep). Raises `Failed` when no answer
+        came."""
+        if any(c in f"{path}{token}" for c in "\r\n"):
+            raise ValueError("a line break in a request's path or token")
+        head = (
+            f"GET {self.prefix}{path} HTTP/1.1\r\nHost: {self.authority}\r\n"
+            f"Authorization: Bearer {token}\r\nUser-Agent: ddiloco\r\n\r\n"
+        ).encode("latin-1")
+        deadline = time.monotonic() + self.timeout
+        try:
+            return self._exchange(head, [], deadline, MAX_DOWNLOAD)
+        except Failed as e:
+            if e.fresh:
+                raise
+            return self._exchange(head, [], deadline, MAX_DOWNLOAD)  # the kept-alive one had gone
 
     def _connection(self, deadline: float) -> tuple[socket.socket, bool]:
         """The kept-alive connection, or a new one; (socket, fresh)."""
@@ -149,8 +175,8 @@ class PartsSender:
         return left
 
     def _exchange(
-        self, head: bytes, views: list[memoryview], deadline: float
-    ) -> tuple[int, dict[str, str], bytes]:
+        self, head: bytes, views: list[memoryview], deadline: float, max_body: int
+    ) -> tuple[int, dict[str, str], bytearray]:
         sock, fresh = self._connection(deadline)
         try:
             # a reset while sending: the server answered and closed with the body unread (the
@@ -158,7 +184,7 @@ class PartsSender:
             # kept-alive connection (nothing to read: sent again on a new one)
             with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 self._send(sock, head, views, deadline)
-            return self._answer(sock, deadline)
+            return self._answer(sock, deadline, max_body)
         except Failed as e:  # fresh: a byte of the answer came, or the connection was new
             self.close()
             e.fresh = e.fresh or fresh
@@ -211,7 +237,9 @@ class PartsSender:
             return True
         return bool(select.select([sock], [], [], 0)[0])
 
-    def _answer(self, sock: socket.socket, deadline: float) -> tuple[int, dict[str, str], bytes]:
+    def _answer(
+        self, sock: socket.socket, deadline: float, max_body: int
+    ) -> tuple[int, dict[str, str], bytearray]:
         buf = bytearray()
         while (end := buf.find(b"\r\n\r\n")) < 0:
             if len(buf) > MAX_HEAD:
@@ -230,11 +258,9 @@ class PartsSender:
         body = buf[end + 4 :]
         length = headers.get("content-length")
         if length is not None:
-            if not length.isdigit() or int(length) > MAX_BODY:
+            if not length.isdigit() or int(length) > max_body:
                 raise Failed(f"{self.host}:{self.port}: a Content-Length of {length[:20]!r}")
-            while len(body) < int(length):
-                body += self._recv(sock, deadline, True)
-            del body[int(length) :]
+            body = self._fill(sock, deadline, body, int(length))
         else:  # the body ends with the connection
             while chunk := self._recv(sock, deadline, True, eof_ok=True):
                 if len(body) > MAX_BODY:
@@ -242,7 +268,25 @@ class PartsSender:
                 body += chunk
         if length is None or headers.get("connection", "").lower() == "close":
             self.close()
-        return int(code), headers, bytes(body)
+        return int(code), headers, body
+
+    def _fill(self, sock: socket.socket, deadline: float, got: bytearray, size: int) -> bytearray:
+        """A body of `size` bytes in one buffer of its own: what came with the head, then
+        `recv_into` the rest of it (the GIL released while the kernel copies)."""
+        if len(got) >= size:
+            del got[size:]
+            return got
+        body = bytearray(size)
+        view = memoryview(body)
+        at = len(got)
+        view[:at] = got
+        while at < size:
+            sock.settimeout(self._left(deadline))
+            n = sock.recv_into(view[at:], size - at)
+            if not n:
+                raise Failed(f"{self.host}:{self.port} closed the connection mid-answer")
+            at += n
+        return body
 
     def _recv(
         self, sock: socket.socket, deadline: float, began: bool, eof_ok: bool = False
