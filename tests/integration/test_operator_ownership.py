@@ -1,4 +1,4 @@
-"""What the job did not make it never touches, and what the apiserver refuses it reports (issue 12).
+"""What the job did not make it never touches, and what the apiserver refuses it reports.
 
     python tests/integration/k8senv.py build          # once per machine
     .venv/bin/pytest tests/integration/test_operator_ownership.py

@@ -1,4 +1,4 @@
-"""A region that is down, and kubeconfigs that are hostile, on a real control plane (issue 12).
+"""A region that is down, and kubeconfigs that are hostile, on a real control plane.
 
     python tests/integration/k8senv.py build          # once per machine
     .venv/bin/pytest tests/integration/test_operator_regions.py

@@ -1,4 +1,4 @@
-"""Synchronizer shards on a real control plane (issue 15): StatefulSet, Services, claims, CRD.
+"""Synchronizer shards on a real control plane: StatefulSet, Services, claims, CRD.
 
 python tests/integration/k8senv.py build          # once per machine
 .venv/bin/pytest tests/integration/test_operator_shards.py

@@ -1,4 +1,4 @@
-"""The status tells the truth, on a real control plane (issue 12 §3).
+"""The status tells the truth, on a real control plane.
 
     python tests/integration/k8senv.py build          # once per machine
     .venv/bin/pytest tests/integration/test_operator_status.py

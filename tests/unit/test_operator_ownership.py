@@ -2,7 +2,7 @@
 
     .venv/bin/pytest tests/unit/test_operator_ownership.py
 
-Issue 12: slot pod names must not collide across jobs (§1.4), nothing the job did not make
+Slot pod names must not collide across jobs, nothing the job did not make
 is changed or deleted (§1.4), a cluster that does not answer is skipped rather than waited
 for on every call (§2), and no log line carries a credential (§1.5). The integration tests
 (tests/integration/test_operator_ownership.py, test_operator_regions.py) check the same on

@@ -527,7 +527,7 @@ def test_managed_by_someone_else_is_left_alone() -> None:
 
 def test_pods_of_another_job_with_the_same_name_are_never_deleted() -> None:
     # An older job's leftover, or a same-named job's of another home namespace sharing the
-    # remote namespace: not this job's uid, so not this job's to delete (issue 12 §1.4).
+    # remote namespace: not this job's uid, so not this job's to delete.
     job = make_job()
     stale = pod("home", 0, "old", job_uid="job-0")
     _, plan = step(job, observe(job, (stale,), ()))

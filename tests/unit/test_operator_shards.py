@@ -1,4 +1,4 @@
-"""The operator's side of synchronizer shards (issue 15): StatefulSet, Services, URLs, status.
+"""The operator's side of synchronizer shards: StatefulSet, Services, URLs, status.
 
     .venv/bin/pytest -q tests/unit/test_operator_shards.py
 

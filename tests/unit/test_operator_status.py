@@ -1,4 +1,4 @@
-"""The status tells the truth (issue 12 §3): readiness, phase, failure reasons, valid names,
+"""The status tells the truth: readiness, phase, failure reasons, valid names,
 unique data shards under scaling, and a status that fits etcd at the CRD's largest spec.
 
     .venv/bin/pytest tests/unit/test_operator_status.py
