@@ -537,6 +537,19 @@ class Condition(_Model):
     """metadata.generation the condition was computed from."""
 
 
+class FormerPlace(_Model):
+    """Where a learner group's objects were left when its cluster changed (its kubeconfig
+    Secret edited to point elsewhere, another Secret named, or another namespace): cleaned,
+    then forgotten. No credentials: the operator reaches it with the client it last used."""
+
+    server: str = Field(max_length=2048)
+    """The API server URL the group's objects were made through."""
+    namespace: str = Field(max_length=253)
+    """Their namespace there."""
+    kubeconfig_secret: str | None = Field(None, max_length=253)
+    """The kubeconfig Secret it was reached with then (None: the operator's own cluster)."""
+
+
 class FailedSlots(_Model):
     """Slots of a group whose last pod failed and is not replaced yet, by reason and time."""
 
@@ -583,6 +596,11 @@ class GroupStatus(_Model):
     """Of those, the Ready ones: what a failed slot can be handed to at once."""
     promoted: int = 0
     """Replacements in this group made by promoting a hot spare since the job started."""
+    server: str | None = Field(None, max_length=2048)
+    """The API server URL of the group's cluster when last seen (no credentials), so that
+    moving the group elsewhere leaves a record of where its objects are."""
+    former: list[FormerPlace] = Field(default_factory=list, max_length=8)
+    """Places the group's objects were left when its cluster changed, until cleaned."""
 
 
 class SlotStatus(_Model):

@@ -69,7 +69,7 @@ def delete_job_objects(
         (core.read_namespaced_secret, core.delete_namespaced_secret, name)
         for name in certs.secret_names(job, tgt, all_clients=True)
     ]
-    if tgt.secret is None:  # the home cluster also holds the synchronizer
+    if tgt.is_home:  # the home cluster also holds the synchronizer
         sync = builders.synchronizer_name(job)
         shards = _shards(job)
         named += [
@@ -99,11 +99,7 @@ def delete_job_objects(
                     name, ns, body={"preconditions": {"uid": uid}}, **kw
                 )
             )
-    if (
-        tgt.secret is None
-        and job.spec is not None
-        and job.spec.synchronizer.tls.issuer == "cert-manager"
-    ):
+    if tgt.is_home and job.spec is not None and job.spec.synchronizer.tls.issuer == "cert-manager":
         cert = get_or_none(
             lambda: _certificate_api(client, "get", ns, builders.certificate_name(job), timeout)
         )

@@ -40,6 +40,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+from collections.abc import Iterable
 from typing import Any, Final
 
 from ddiloco.operator import compute
@@ -249,11 +250,17 @@ def sync_url_for(job: DecoupledDiLoCoJob, group: LearnerGroup) -> str:
     return group.sync_url or ",".join(shard_urls(job))
 
 
-def learner_selector(job: DecoupledDiLoCoJob) -> str:
+def learner_selector(job: DecoupledDiLoCoJob, groups: Iterable[str] | None = None) -> str:
     """Label selector for the job's learner pods, in any cluster: by the job's uid, so that
     pods of another job of the same name (an older one, or one of another home namespace
-    sharing a remote namespace) are never seen, let alone deleted."""
-    return f"{LABEL_JOB_UID}={job.uid},{LABEL_COMPONENT}=learner"
+    sharing a remote namespace) are never seen, let alone deleted; with `groups`, only the
+    pods of those groups. A target sees only the groups it holds, because two targets can be
+    one namespace (two kubeconfig Secrets for one cluster, or one pointing back home): each
+    would otherwise take the other's pods for strays and delete them."""
+    out = f"{LABEL_JOB_UID}={job.uid},{LABEL_COMPONENT}=learner"
+    if groups is not None:
+        out += f",{LABEL_GROUP} in ({','.join(sorted(groups))})"
+    return out
 
 
 def made_by(job: DecoupledDiLoCoJob, meta: Any) -> bool:

@@ -63,6 +63,8 @@ from ddiloco.operator.plan import (
     SecretView,
     Target,
     home,
+    place,
+    status_targets,
     target_of,
 )
 from ddiloco.operator.spares import serials_wanted
@@ -198,10 +200,11 @@ class _Writer:
         verb = "create" if secret is None else "replace"
         self.plan.actions.append(Action(verb, self.tgt, "Secret", name, body))
 
-    def prune(self) -> None:
+    def prune(self, also: set[str] | None = None) -> None:
         """Delete the job's TLS Secrets here that nothing wants any more (never the key nor
-        the learners' credentials: tokens.py keeps those)."""
-        keep = self.wanted | {builders.token_secret_name(self.job)}
+        the learners' credentials: tokens.py keeps those; nor `also`, what another target
+        at the same place wants)."""
+        keep = self.wanted | (also or set()) | {builders.token_secret_name(self.job)}
         keep |= set(tokens.secret_names(self.job, self.tgt).values())
         for name, secret in sorted(self.view.secrets.items()):
             if name not in keep and secret.job_uid == self.job.uid:
@@ -241,9 +244,16 @@ def tls_plan(job: DecoupledDiLoCoJob, obs: Observed, plan: Plan) -> TlsPlan:
             _clients(job, writers, ca, now)
         if server_crt is not None and (trust or not tls.mutual):
             out.revision = digest(server_crt, bundle if tls.mutual else None)
-    for w in writers.values():
+    # one namespace reached through two targets (two kubeconfig Secrets for one cluster, one
+    # pointing back home, a place a group left): what one wants there the other keeps
+    wanted_at: dict[tuple[str, str], set[str]] = {}
+    for t, w in writers.items():
+        if (at := place(obs, t)) is not None:
+            wanted_at.setdefault(at, set()).update(w.wanted)
+    for t, w in writers.items():
         out.problems += [p for p in w.conflicts if p not in out.problems]
-        w.prune()
+        at = place(obs, t)
+        w.prune(wanted_at.get(at, set()) if at is not None else set())
     return out
 
 
@@ -427,7 +437,7 @@ def secret_names(job: DecoupledDiLoCoJob, tgt: Target, *, all_clients: bool = Fa
     certificate, everywhere the trust bundle, and with mutual TLS (or `all_clients`, for the
     cleanup) the client certificate of every slot the spec or the last status has there."""
     names = [builders.trust_secret_name(job)]
-    if tgt.secret is None:
+    if tgt.is_home:
         names = [builders.ca_secret_name(job), builders.tls_secret_name(job), *names]
     mutual = job.spec is not None and job.spec.synchronizer.tls.mutual
     if not (mutual or all_clients):
@@ -437,7 +447,7 @@ def secret_names(job: DecoupledDiLoCoJob, tgt: Target, *, all_clients: bool = Fa
         if target_of(job, g) == tgt:
             slots[g.name] = max(slots.get(g.name, 0), g.replicas)
     for gs in job.status.groups:
-        if Target(gs.kubeconfig_secret, gs.namespace or job.namespace) == tgt:
+        if tgt in status_targets(job, gs):
             slots[gs.name] = max(slots.get(gs.name, 0), len(gs.shards), gs.desired)
     names += [
         builders.client_secret_name(job, g, i) for g, n in sorted(slots.items()) for i in range(n)

@@ -132,12 +132,51 @@ class Clusters:
         # Secrets whose kubeconfig was refused, by the version refused (uid/resourceVersion)
         self._bad: dict[tuple[str, str, str], tuple[str, ClusterProblem]] = {}
         self._lock = threading.Lock()
+        # the last client made for each API server URL, whatever Secret it came from: how a
+        # place a group left is reached for its cleanup (memory only: credentials are never
+        # stored elsewhere, so after a restart only a Secret reaching it again does)
+        self._by_server: dict[str, ApiClient] = {home.configuration.host: home}
         redact.register_client(home.configuration)
+
+    def server(self, client: ApiClient) -> str:
+        """A client's API server URL (what the job's status records, never a credential)."""
+        return str(client.configuration.host)
+
+    def known_server(self, target: Target, secret_namespace: str) -> str | None:
+        """The API server URL a target was last reached at, without a call (None: never)."""
+        if target.server is not None:
+            return target.server
+        if target.secret is None:
+            return self.server(self.home)
+        with self._lock:
+            cached = self._cache.get((secret_namespace, target.secret.name, target.secret.key))
+        return self.server(cached.client) if cached is not None else None
 
     def client(self, target: Target, secret_namespace: str, allow_stale: bool = False) -> ApiClient:
         """The client for a target. With allow_stale, a vanished Secret's last client is used
         (cleanup during a namespace deletion, when the Secret may go before the job). Raises
         ClusterProblem for a broken Secret, and for a cluster that is down (module doc)."""
+        if target.server is not None:
+            with self._lock:
+                found = self._by_server.get(target.server)
+                down = next(
+                    (
+                        (k, d.version)
+                        for k, d in self._down.items()
+                        if self.server(d.client) == target.server
+                    ),
+                    None,
+                )
+            if down is not None:  # the Secret that reaches it found it down: no call
+                self._refuse_if_down(*down)
+            if found is None:
+                raise ClusterProblem(
+                    c.CLUSTER_UNREACHABLE,
+                    f"the operator holds no credentials for the cluster at {target.server} "
+                    "(none since it restarted): name its kubeconfig Secret again to have it "
+                    "cleaned",
+                )
+            return found
         if target.secret is None:
             return self.home
         ref = target.secret
@@ -178,8 +217,21 @@ class Clusters:
         with self._lock:
             old = self._cache.pop(key, None)
             self._cache[key] = _Cached(version, client)
+            host = self.server(client)
+            stale = self._by_server.get(host)
+            self._by_server[host] = client
+            current = {id(x.client) for x in self._cache.values()} | {id(self.home)}
+            # an old client is closed unless it is still the way to its server
+            closing = [
+                x
+                for x in (stale, old.client if old is not None else None)
+                if x is not None
+                and id(x) not in current
+                and all(x is not y for y in self._by_server.values())
+            ]
+        for x in closing:
+            x.close()
         if old is not None:
-            old.client.close()
             log.info("Reloaded kubeconfig from %s", where)
         return client
 
@@ -286,7 +338,9 @@ def describe_failure(e: BaseException, target: Target, secret_namespace: str) ->
     """Turn an API call's failure against a target into a ClusterProblem: a stable message
     (the same every pass, so the status does not churn) that names no credential."""
     where = (
-        "this cluster"
+        target.label
+        if target.server is not None
+        else "this cluster"
         if target.secret is None
         else f"the cluster of Secret {secret_namespace}/{target.secret.name}"
     )

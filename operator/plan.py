@@ -23,14 +23,41 @@ from ddiloco.operator.api import DecoupledDiLoCoJob, JobStatus, LearnerGroup, Se
 
 @dataclass(frozen=True)
 class Target:
-    """A cluster and namespace that holds some of a job's objects."""
+    """A cluster and namespace that holds some of a job's objects.
 
-    secret: SecretKeyRef | None  # None: the operator's own cluster
+    `server` names a place where a group's objects were before its kubeconfig Secret came to
+    point at another cluster (or its namespace changed): the API server URL recorded in the
+    job's status (`GroupStatus.former`), reached with the credentials the operator last used
+    there (held in memory only, clusters.py). Such a target is only cleaned, never written."""
+
+    secret: SecretKeyRef | None  # None: the operator's own cluster (unless `server`)
     namespace: str
+    server: str | None = None
+
+    @property
+    def is_home(self) -> bool:
+        return self.secret is None and self.server is None
 
     @property
     def label(self) -> str:
+        if self.server is not None:
+            return self.server
         return "local" if self.secret is None else self.secret.name
+
+
+def former_targets(job: DecoupledDiLoCoJob) -> list[Target]:
+    """Where the status says groups' objects were left when their cluster changed."""
+    return [Target(None, f.namespace, server=f.server) for g in job.status.groups for f in g.former]
+
+
+def status_targets(job: DecoupledDiLoCoJob, gs: Any) -> list[Target]:
+    """The targets a group of the last status holds objects in: its cluster, the same by the
+    API server URL it was last seen at (where its objects are if its kubeconfig Secret was
+    edited since), and the places it left (`former_targets`)."""
+    ns = gs.namespace or job.namespace
+    found = [Target(gs.kubeconfig_secret, ns)]
+    found += [Target(None, ns, server=gs.server)] if gs.server else []
+    return found + [Target(None, f.namespace, server=f.server) for f in gs.former]
 
 
 def home(job: DecoupledDiLoCoJob) -> Target:
@@ -47,7 +74,7 @@ def targets(job: DecoupledDiLoCoJob) -> list[Target]:
     """Every cluster to look at: the spec's, and those of groups removed since the last status."""
     found = [home(job)] + [target_of(job, g) for g in job.spec.learner_groups]
     found += [Target(g.kubeconfig_secret, g.namespace or job.namespace) for g in job.status.groups]
-    return list(dict.fromkeys(found))
+    return list(dict.fromkeys(found + former_targets(job)))
 
 
 @dataclass(frozen=True)
@@ -168,6 +195,7 @@ class ClusterView:
     # the job's Secrets there, by name, each read by name (TLS material, the groups' learner
     # credentials, the token with its rotation annotations); runtime.py reads them
     secrets: Mapping[str, SecretView] = field(default_factory=dict)
+    server: str | None = None  # the API server URL it was observed at (no credentials)
 
 
 @dataclass(frozen=True)
@@ -245,3 +273,13 @@ def iso(t: datetime) -> str:
 
 def target_of_group(job: DecoupledDiLoCoJob, name: str) -> Target | None:
     return next((target_of(job, g) for g in job.spec.learner_groups if g.name == name), None)
+
+
+def place(obs: Observed, tgt: Target | None) -> tuple[str, str] | None:
+    """(API server URL, namespace) a target was observed at, or None when unknown: two
+    targets at one place are one namespace (two kubeconfig Secrets for one cluster, or one
+    pointing back home), where neither may clean up what the other holds."""
+    view = obs.clusters.get(tgt) if tgt is not None else None
+    if tgt is None or view is None or view.problem is not None or view.server is None:
+        return None
+    return (view.server, tgt.namespace)

@@ -32,6 +32,7 @@ from ddiloco.operator import builders, names, slots, spares, sync_workload, sync
 from ddiloco.operator import conditions as c
 from ddiloco.operator.api import (
     DecoupledDiLoCoJob,
+    FormerPlace,
     GroupStatus,
     LearnerGroup,
     validate,
@@ -47,6 +48,7 @@ from ddiloco.operator.plan import (
     Target,
     home,
     iso,
+    place,
     target_of,
     target_of_group,
 )
@@ -115,6 +117,12 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
             replaced=old.replaced if old else 0,
         )
         ids = [builders.learner_id(group.name, i) for i in range(group.replicas)]
+        gstat, moved = _moved(job, obs, gstat, old, tgt, view)
+        degraded += [d for d in _former_problems(obs, gstat) if d not in degraded]
+        if moved:  # its pods there are not its slots' failures: the slots start afresh here
+            for key, rec in list(books.items()):
+                if key[0] == group.name:
+                    books[key] = rec.update(seen=False)
         if view.problem is not None:  # keep the books as they were; act nowhere there
             reason, msg = view.problem
             degraded.append(
@@ -209,6 +217,75 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
     if status != job.status:
         plan.status = status
     return plan
+
+
+def _moved(
+    job: DecoupledDiLoCoJob,
+    obs: Observed,
+    gstat: GroupStatus,
+    old: GroupStatus | None,
+    tgt: Target,
+    view: ClusterView,
+) -> tuple[GroupStatus, bool]:
+    """Record where the group's cluster is (its API server URL, no credentials) and, when
+    that place changed since the last status (its kubeconfig Secret edited to point at
+    another cluster, another Secret, another namespace), where its objects were left
+    (`former`), so the old place is cleaned (its Target is observed from the next pass on:
+    `_prune`, `tokens.prune`, certs.py delete what the group left there) and so is every
+    recorded place at the job's deletion. A former place is forgotten once nothing of the
+    group is left there, or when the group is back there. Returns the group's status and
+    whether it moved in this pass."""
+    here = (view.server, tgt.namespace) if view.problem is None and view.server else None
+    before = (
+        (old.server, old.namespace or job.namespace) if old is not None and old.server else None
+    )
+    former = list(old.former) if old is not None else []
+    moved = here is not None and before is not None and here != before
+    if moved and old is not None and old.server:
+        former.append(
+            FormerPlace(
+                server=old.server,
+                namespace=old.namespace or job.namespace,
+                kubeconfig_secret=old.kubeconfig_secret.name if old.kubeconfig_secret else None,
+            )
+        )
+    kept: list[FormerPlace] = []
+    for f in former:
+        if (f.server, f.namespace) == (here or before) or any(
+            (k.server, k.namespace) == (f.server, f.namespace) for k in kept
+        ):
+            continue
+        if not moved and _left_clean(job, obs, gstat.name, f):
+            continue
+        kept.append(f)
+    server = here[0] if here is not None else (old.server if old is not None else None)
+    return gstat.model_copy(update={"server": server, "former": kept[-8:]}), moved
+
+
+def _left_clean(job: DecoupledDiLoCoJob, obs: Observed, group: str, f: FormerPlace) -> bool:
+    """Whether the group's pods and credentials are gone from a place it left."""
+    view = obs.clusters.get(Target(None, f.namespace, server=f.server))
+    if view is None or view.problem is not None:
+        return False
+    creds = builders.learner_tokens_secret_name(job, group)
+    return not any(p.group == group for p in view.pods) and creds not in view.secrets
+
+
+def _former_problems(obs: Observed, gstat: GroupStatus) -> list[tuple[str, str]]:
+    """Places the group left that cannot be cleaned now (Degraded, naming them)."""
+    out: list[tuple[str, str]] = []
+    for f in gstat.former:
+        view = obs.clusters.get(Target(None, f.namespace, server=f.server))
+        if view is not None and view.problem is not None:
+            out.append(
+                (
+                    view.problem[0],
+                    f"Could not clean up after learner group {gstat.name} in namespace "
+                    f"{f.namespace} of the cluster at {f.server}, where it ran before its "
+                    f"cluster changed: {view.problem[1]}",
+                )
+            )
+    return out
 
 
 def _limit_message(at_limit: list[Slot], limit: int) -> str:
@@ -408,6 +485,7 @@ def _prune(job: DecoupledDiLoCoJob, obs: Observed, plan: Plan, groups: list[Grou
             or view.problem is not None
             or any(p.group == old.name for p in view.pods)
             or builders.learner_tokens_secret_name(job, old.name) in view.secrets
+            or any(not _left_clean(job, obs, old.name, f) for f in old.former)
         ):
             groups.append(old.model_copy(update={"desired": 0}))
     for tgt, view in obs.clusters.items():
@@ -418,8 +496,9 @@ def _prune(job: DecoupledDiLoCoJob, obs: Observed, plan: Plan, groups: list[Grou
                 continue  # another job's (an older one of this name): never ours to delete
             if pod.spare and tgt == target_of_group(job, pod.group):
                 continue  # a hot spare of a group in the spec: spares.refill keeps those
-            if (
-                (pod.group, pod.index) not in wanted or tgt != target_of_group(job, pod.group)
-            ) and not pod.terminating:
+            now = target_of_group(job, pod.group)
+            if now is not None and now != tgt and place(obs, tgt) == place(obs, now) is not None:
+                continue  # one namespace reached two ways: the group's own target sees it
+            if ((pod.group, pod.index) not in wanted or tgt != now) and not pod.terminating:
                 plan.actions.append(Action("delete", tgt, "Pod", pod.name, uid=pod.uid))
     plan.actions += tokens.prune(job, obs)

@@ -49,6 +49,7 @@ from ddiloco.operator.plan import (
     SecretView,
     Target,
     home,
+    status_targets,
     targets,
 )
 from ddiloco.operator.reconcile import reconcile
@@ -187,6 +188,17 @@ class Runtime:
         claim = get_or_none(
             lambda: core.read_namespaced_persistent_volume_claim(claim_name, job.namespace, **kw)
         )
+        # The StatefulSet's claims (volumeClaimTemplates): its controller mounts a claim of
+        # the template's name whoever made it, and then deletes it with the StatefulSet, so
+        # one the job did not make must never meet the StatefulSet.
+        shard_claims = [
+            get_or_none(
+                lambda i=i: core.read_namespaced_persistent_volume_claim(
+                    builders.shard_claim_name(job, i), job.namespace, **kw
+                )
+            )
+            for i in range(job.spec.synchronizer.shards)
+        ]
         # Someone else's object of a name the synchronizer needs holds back the whole job:
         # learners would present the token to, or the synchronizer mount, what is not theirs.
         home_view = views[home(job)]
@@ -197,6 +209,7 @@ class Runtime:
             ("Service", service),
             ("Service", headless),
             ("PersistentVolumeClaim", claim),
+            *(("PersistentVolumeClaim", x) for x in shard_claims),
         ):
             if obj is not None and not builders.made_by(job, obj.metadata):
                 conflicts.append(
@@ -235,8 +248,9 @@ class Runtime:
         )
 
     def _observe_target(self, job: ddapi.DecoupledDiLoCoJob, tgt: Target) -> ClusterView:
-        """One target's pods and the job's Secrets there, or why they cannot be seen. Every
-        failure of a remote cluster (whatever it raised) becomes a problem; home's propagate.
+        """One target's pods (of the groups it holds, in the spec or the last status) and the
+        job's Secrets there, or why they cannot be seen. Every failure of a remote cluster
+        (whatever it raised) becomes a problem; home's propagate.
 
         A Secret of a name the job needs that the job did not make holds the target back (a
         NameConflict): at home the key, anywhere a group's credentials, which its pods would
@@ -245,10 +259,15 @@ class Runtime:
         try:
             client = self.clusters.client(tgt, job.namespace)
             core = kubernetes.client.CoreV1Api(client)
-            pods = core.list_namespaced_pod(
-                tgt.namespace,
-                label_selector=builders.learner_selector(job),
-                _request_timeout=self.timeout,
+            groups = tokens.secret_names(job, tgt)  # the groups this target holds
+            pods = (
+                core.list_namespaced_pod(
+                    tgt.namespace,
+                    label_selector=builders.learner_selector(job, groups),
+                    _request_timeout=self.timeout,
+                ).items
+                if groups
+                else []
             )
             secret = get_or_none(
                 lambda: core.read_namespaced_secret(
@@ -267,12 +286,12 @@ class Runtime:
         except ClusterProblem as p:
             return ClusterView(problem=(p.reason, p.message))
         except Exception as e:
-            if tgt.secret is None:
+            if tgt.is_home:
                 raise
             p = self.clusters.failed(tgt, job.namespace, e)
             return ClusterView(problem=(p.reason, p.message))
         if secret is not None and not builders.made_by(job, secret.metadata):
-            if tgt.secret is None:
+            if tgt.is_home:
                 name = builders.token_secret_name(job)
                 return ClusterView(
                     problem=(c.NAME_CONFLICT, _foreign(job, "Secret", tgt.namespace, name, tgt))
@@ -282,6 +301,8 @@ class Runtime:
             if found is None:
                 continue
             if not builders.made_by(job, found.metadata):
+                if tgt.server is not None:  # a place left: only the job's is cleaned there
+                    continue
                 return ClusterView(
                     problem=(c.NAME_CONFLICT, _foreign(job, "Secret", tgt.namespace, name, tgt))
                 )
@@ -297,12 +318,13 @@ class Runtime:
         return ClusterView(
             pods=tuple(
                 v
-                for p in pods.items
+                for p in pods
                 if builders.made_by(job, p.metadata)
                 and (v := PodView.from_k8s(as_dict(client, p))) is not None
             ),
             token=token,
             secrets=job_secrets,
+            server=self.clusters.server(client),
         )
 
     def _apply(
@@ -349,12 +371,12 @@ class Runtime:
                         f"{action.name} in {action.target.label}: {api_message(e)}",
                     )
                     why = refusal[1]
-            elif action.target.secret is not None:
+            elif not action.target.is_home:
                 self.clusters.failed(action.target, job.namespace, e)
         except Exception as e:
-            if action.target.secret is None and not isinstance(e, UNREACHABLE_ERRORS):
+            if action.target.is_home and not isinstance(e, UNREACHABLE_ERRORS):
                 raise
-            if action.target.secret is not None:
+            if not action.target.is_home:
                 self.clusters.failed(action.target, job.namespace, e)
             why = api_reason(e)
         # The same failure repeats every tick (e.g. a missing namespace in a region): say it
@@ -388,14 +410,14 @@ class Runtime:
             logger.info("Did not %s: %s", action.describe(), api_reason(e))
             if e.status in (404, 409, 422):  # gone, or a precondition failed
                 return False
-            if action.target.secret is not None:
+            if not action.target.is_home:
                 self.clusters.failed(action.target, job.namespace, e)
                 return False
             raise
         except Exception as e:
-            if action.target.secret is None and not isinstance(e, UNREACHABLE_ERRORS):
+            if action.target.is_home and not isinstance(e, UNREACHABLE_ERRORS):
                 raise
-            if action.target.secret is not None:
+            if not action.target.is_home:
                 self.clusters.failed(action.target, job.namespace, e)
             logger.warning("Could not %s: %s", action.describe(), api_reason(e))
             return False
@@ -573,15 +595,13 @@ class Runtime:
         finalizer goes. So `kubectl delete` ends within that bound, also with a region down."""
         job = _job_for_cleanup(body)
         deleted_at = body["metadata"].get("deletionTimestamp") or ""
+        # every place the status records, also by server URL: a kubeconfig Secret edited
+        # since the last pass points elsewhere, and its group's objects are where they were
+        # (reached after the Secrets' own clients, which may be the way there)
         tgts = list(
             dict.fromkeys(
-                targets(job)
-                if job.spec is not None
-                else [home(job)]
-                + [
-                    Target(g.kubeconfig_secret, g.namespace or job.namespace)
-                    for g in job.status.groups
-                ]
+                (targets(job) if job.spec is not None else [home(job)])
+                + [t for g in job.status.groups for t in status_targets(job, g)]
             )
         )
         # Pods take a moment to go (kwok: at once; a kubelet: their grace period). Look again
@@ -620,6 +640,7 @@ class Runtime:
         waiting: list[str] = []
         unreachable = False
         left_behind: list[str] = []
+        failed: set[str | None] = set()  # servers that did not answer in this sweep
         for tgt in tgts:
             try:
                 client = self.clusters.client(tgt, job.namespace, allow_stale=True)
@@ -630,9 +651,13 @@ class Runtime:
             except ClusterProblem as e:
                 p = e
             except Exception as e:
-                if tgt.secret is None and not isinstance(e, UNREACHABLE_ERRORS):
+                if tgt.is_home and not isinstance(e, UNREACHABLE_ERRORS):
                     raise
                 p = self.clusters.failed(tgt, job.namespace, e)
+            server = self.clusters.known_server(tgt, job.namespace)
+            if tgt.server is not None and server in failed:
+                continue  # a group's place by its URL, already reported by its Secret's name
+            failed.add(server)
             if _age(deleted_at) < self.settings.cleanup_timeout_seconds:
                 waiting.append(f"cluster {tgt.label} ({p.message})")
                 unreachable = True
@@ -646,7 +671,7 @@ class Runtime:
                     f", StatefulSet and Service {builders.synchronizer_name(job)}, Service "
                     f"{builders.shards_service_name(job)}, the PersistentVolumeClaims "
                     f"labelled {builders.LABEL_JOB_UID}={job.uid}"
-                    if tgt.secret is None
+                    if tgt.is_home
                     else ""
                 )
             )
@@ -696,7 +721,7 @@ class Runtime:
 def _foreign(
     job: ddapi.DecoupledDiLoCoJob, kind: str, namespace: str, name: str, tgt: Target | None = None
 ) -> str:
-    where = "" if tgt is None or tgt.secret is None else f" in the cluster of {tgt.label}"
+    where = "" if tgt is None or tgt.is_home else f" in the cluster of {tgt.label}"
     return (
         f"{kind} {namespace}/{name}{where} exists and was not created by this job (no "
         f"{builders.LABEL_JOB_UID}={job.uid}); the operator neither uses nor changes it. "

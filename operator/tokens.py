@@ -48,7 +48,10 @@ from ddiloco.operator.plan import (
     Target,
     home,
     iso,
+    place,
+    status_targets,
     target_of,
+    target_of_group,
 )
 from ddiloco.operator.spares import serials_wanted
 from ddiloco.synchronizer.auth import derived_lines
@@ -197,11 +200,7 @@ def secret_names(job: DecoupledDiLoCoJob, tgt: Target) -> dict[str, str]:
     the spec's and, for the cleanup, the last status' (each is read by name, never listed)."""
     groups = job.spec.learner_groups if job.spec is not None else []  # None: being deleted
     names = {g.name for g in groups if target_of(job, g) == tgt}
-    names |= {
-        g.name
-        for g in job.status.groups
-        if Target(g.kubeconfig_secret, g.namespace or job.namespace) == tgt
-    }
+    names |= {g.name for g in job.status.groups if tgt in status_targets(job, g)}
     return {g: builders.learner_tokens_secret_name(job, g) for g in sorted(names)}
 
 
@@ -219,8 +218,11 @@ def prune(job: DecoupledDiLoCoJob, obs: Observed) -> list[Action]:
             for g in job.spec.learner_groups
             if target_of(job, g) == tgt
         }
-        for name in secret_names(job, tgt).values():
+        for group, name in secret_names(job, tgt).items():
             have = view.secrets.get(name)
+            now = target_of_group(job, group)
+            if now is not None and now != tgt and place(obs, tgt) == place(obs, now) is not None:
+                continue  # one namespace reached two ways: the group's own target keeps it
             if name not in wanted and have is not None and have.job_uid == job.uid:
                 out.append(Action("delete", tgt, "Secret", name))
         copy = view.secrets.get(key_name)

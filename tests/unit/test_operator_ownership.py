@@ -96,6 +96,44 @@ def test_learner_selector_selects_by_uid() -> None:
     )
 
 
+def test_learner_selector_of_a_targets_groups() -> None:
+    """Two targets may be one namespace: each selects the pods of its own groups only."""
+    assert builders.learner_selector(job("x", "u-1"), {"b", "a"}) == (  # type: ignore[arg-type]
+        f"{builders.LABEL_JOB_UID}=u-1,app.kubernetes.io/component=learner,"
+        f"{builders.LABEL_GROUP} in (a,b)"
+    )
+
+
+def test_a_place_a_group_left_is_reached_with_the_client_last_used_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kubeconfig Secret edited to point at another apiserver: the old server's client is
+    kept (in memory only) for the cleanup there; a server no client reaches is a problem."""
+    home = ApiClient(Configuration(host="https://home:6443"))
+    clusters = Clusters(home, timeout=0.5)
+    version = ["1"]
+
+    def read(self, name, namespace, **kw):  # type: ignore[no-untyped-def]
+        meta = SimpleNamespace(uid="s", resource_version=version[0])
+        return SimpleNamespace(metadata=meta, data={})
+
+    made = iter(["https://a:6443", "https://b:6443"])
+    monkeypatch.setattr("kubernetes.client.CoreV1Api.read_namespaced_secret", read)
+    monkeypatch.setattr(
+        "ddiloco.operator.clusters._client_from_secret",
+        lambda data, key, where: ApiClient(Configuration(host=next(made))),
+    )
+    a = clusters.client(REMOTE, "ns")
+    version[0] = "2"
+    b = clusters.client(REMOTE, "ns")
+    assert (clusters.server(a), clusters.server(b)) == ("https://a:6443", "https://b:6443")
+    assert clusters.client(Target(None, "ns", server="https://a:6443"), "ns") is a
+    assert clusters.client(Target(None, "ns", server="https://home:6443"), "ns") is home
+    with pytest.raises(ClusterProblem, match="holds no credentials") as e:
+        clusters.client(Target(None, "ns", server="https://c:6443"), "ns")
+    assert e.value.reason == c.CLUSTER_UNREACHABLE
+
+
 # -- dead clusters ------------------------------------------------------------------------
 
 

@@ -709,3 +709,92 @@ def test_a_status_with_nan_is_flagged_and_the_job_status_stays_writable() -> Non
     assert "global_version" in deg.message and "goodput" in deg.message
     ready = next(x for x in plan.status.conditions if x.type == c.READY)
     assert ready.status == "False"
+
+
+def test_a_group_moved_to_another_cluster_has_its_old_place_cleaned() -> None:
+    """Its kubeconfig Secret edited to point at another apiserver: the status records where
+    the group's objects were (server URL and namespace, no credentials), that place is
+    observed and cleaned of the group's pods and credentials, then forgotten; its slots start
+    in the new cluster without counting failures."""
+    job = make_job()
+    home_pods, remote_pods = healthy_pods()
+    at_a = settled(job, REMOTE, ClusterView(pods=remote_pods, server="https://a"))
+    job, _ = step(job, observe(job, home_pods, remote=at_a))
+    (ra,) = [g for g in job.status.groups if g.name == "ra"]
+    assert ra.server == "https://a" and ra.former == []
+
+    at_b = settled(job, REMOTE, ClusterView(server="https://b"))
+    job, plan = step(job, observe(job, home_pods, remote=at_b))
+    (ra,) = [g for g in job.status.groups if g.name == "ra"]
+    assert ra.server == "https://b"
+    assert [(f.server, f.namespace, f.kubeconfig_secret) for f in ra.former] == [
+        ("https://a", "ns", "region-a-kubeconfig")
+    ]
+    assert ("create", "Pod", "tiny-ra-0") in verbs(plan)
+    assert ra.replaced == 0 and not ra.failed_slots  # a move is no failure
+    left = Target(None, "ns", server="https://a")
+    assert left in targets(job)
+
+    creds = builders.learner_tokens_secret_name(job, "ra")
+    there = ClusterView(
+        pods=remote_pods,
+        server="https://a",
+        secrets={creds: SecretView(data={}, job_uid=job.uid)},
+    )
+    obs = observe(job, home_pods, remote=at_b)
+    obs = dataclasses.replace(obs, clusters={**obs.clusters, left: there})
+    job, plan = step(job, obs)
+    gone = {(a.verb, a.kind, a.name) for a in plan.actions if a.target == left}
+    assert gone == {("delete", "Pod", remote_pods[0].name), ("delete", "Secret", creds)}
+    assert next(g for g in job.status.groups if g.name == "ra").former  # until it is clean
+
+    obs = dataclasses.replace(obs, clusters={**obs.clusters, left: ClusterView(server="https://a")})
+    job, plan = step(job, obs)
+    assert next(g for g in job.status.groups if g.name == "ra").former == []
+    assert left not in targets(job)
+
+
+def test_a_place_left_that_cannot_be_reached_is_degraded_and_kept() -> None:
+    job = make_job()
+    home_pods, _ = healthy_pods()
+    job, _ = step(
+        job, observe(job, home_pods, remote=settled(job, REMOTE, ClusterView(server="https://a")))
+    )
+    job, _ = step(
+        job, observe(job, home_pods, remote=settled(job, REMOTE, ClusterView(server="https://b")))
+    )
+    left = Target(None, "ns", server="https://a")
+    obs = observe(job, home_pods, remote=settled(job, REMOTE, ClusterView(server="https://b")))
+    down = ClusterView(problem=(c.CLUSTER_UNREACHABLE, "no credentials"))
+    job, plan = step(job, dataclasses.replace(obs, clusters={**obs.clusters, left: down}))
+    assert cond(job, "Degraded") == ("True", c.CLUSTER_UNREACHABLE)
+    assert "https://a" in c.get(job.status.conditions, "Degraded").message
+    assert next(g for g in job.status.groups if g.name == "ra").former
+    assert not [a for a in plan.actions if a.target == left]
+
+
+def test_two_targets_at_one_place_leave_each_others_objects_alone() -> None:
+    """A group whose spec now names another kubeconfig Secret for the same apiserver and
+    namespace: the old target, still observed from the status, sees the same pods and
+    credentials, and deletes neither (the group's own target keeps them)."""
+    job = make_job()
+    home_pods, remote_pods = healthy_pods()
+    job, _ = step(
+        job, observe(job, home_pods, remote=settled(job, REMOTE, ClusterView(server="https://a")))
+    )
+    groups = [g.model_dump(by_alias=True, exclude_none=True) for g in job.spec.learner_groups]
+    groups[1]["cluster"] = {"kubeconfigSecret": {"name": "same-cluster"}}
+    renamed = make_job(learnerGroups=groups).model_copy(update={"status": job.status})
+    alias = target_of(renamed, renamed.spec.learner_groups[1])
+    assert alias != REMOTE and REMOTE in targets(renamed)
+    obs = observe(renamed, home_pods, remote=settled(job, REMOTE, ClusterView(server="https://a")))
+    obs = dataclasses.replace(
+        obs,
+        clusters={
+            **obs.clusters,
+            REMOTE: settled(job, REMOTE, ClusterView(pods=remote_pods, server="https://a")),
+            alias: settled(renamed, alias, ClusterView(pods=remote_pods, server="https://a")),
+        },
+    )
+    _, plan = step(renamed, obs)
+    assert not [a for a in plan.actions if a.verb == "delete"], verbs(plan)
