@@ -182,6 +182,14 @@ class Training(_Model):
     """Token budget per learner; unset means no token limit."""
     max_seconds: float | None = Field(None, gt=0)
     """Time budget per learner pod (seconds of training); unset means no time limit."""
+    init_from: str | None = Field(None, min_length=1, max_length=1024, pattern=r"^/[^\s]*$")
+    """Absolute path, inside the learner pods, of a model directory to start from: its
+    safetensors weights (a previous job's `ddiloco export`, or a Hugging Face snapshot on a
+    volume mounted through the group's volumes and volumeMounts). Unset: a fresh init."""
+    total_tokens: int = Field(0, ge=0)
+    """The job's budget in merged tokens, counted by the synchronizer: once merged, every
+    learner hands over and exits 0 and the job is Succeeded. 0: no budget (the job runs
+    until it is deleted or every learner reaches its own limit)."""
     data_shards: int | None = Field(None, ge=1, le=MAX_GROUPS * MAX_REPLICAS)
     """Number of disjoint parts the training data is cut into; each learner slot trains one
     part, the same one for the slot's whole life (replacements included). Set it to the most
@@ -242,9 +250,190 @@ class Tls(_Model):
     a third of its validity is left. The job's CA lives ten times as long."""
 
 
-class Synchronizer(_Model):
+# What the operator puts in the pods it builds (builders.py, compute.py, sync_workload.py),
+# which a pod template (`PodTemplate`) may not replace: volumes by name, mounts by name or by
+# a mountPath at or below one of these, containers by name, env vars by this prefix.
+OWNED_VOLUMES: Final = ("token", "tls", "trust", "client", "dshm", "state")
+OWNED_MOUNT_PATHS: Final = ("/var/run/ddiloco", "/var/lib/ddiloco", "/dev/shm")
+OWNED_CONTAINERS: Final = ("learner", "synchronizer")
+OWNED_ENV_PREFIX: Final = "DDILOCO_"
+
+
+def _cel_list(items: tuple[str, ...]) -> str:
+    return "[" + ", ".join(f"'{x}'" for x in items) + "]"
+
+
+class _K8sObject(BaseModel):
+    """A Kubernetes object given by the user, kept as written: the fields the operator checks
+    are typed, every other one passes through to the pod unchanged (the apiserver validates
+    the pod)."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="allow",
+        use_attribute_docstrings=True,
+        frozen=True,
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+    def to_k8s(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+def _owned(*rules: tuple[str, str]) -> dict[str, Any]:
+    """x-kubernetes-validations of a template item, with the preserve-unknown-fields marker
+    (a model's json_schema_extra replaces its base's)."""
+    return {
+        "x-kubernetes-preserve-unknown-fields": True,
+        "x-kubernetes-validations": [
+            {"rule": rule, "messageExpression": message} for rule, message in rules
+        ],
+    }
+
+
+ENV_OWNED_MESSAGE: Final = (
+    "is set by the operator (every DDILOCO_ variable is, from the job's spec); "
+    "set what it means through the spec instead"
+)
+VOLUME_OWNED_MESSAGE: Final = (
+    f"is a name the operator's volumes use ({', '.join(OWNED_VOLUMES)}); choose another"
+)
+MOUNT_PATH_OWNED_MESSAGE: Final = (
+    f"is at or below a path the operator mounts ({', '.join(OWNED_MOUNT_PATHS)}); "
+    "mount it elsewhere"
+)
+CONTAINER_OWNED_MESSAGE: Final = (
+    f"is a name of the operator's containers ({', '.join(OWNED_CONTAINERS)}); choose another"
+)
+
+
+class EnvVar(_K8sObject):
+    """An environment variable of the container (core/v1 EnvVar: name, value or valueFrom)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_owned(
+            (
+                f"!self.name.startsWith('{OWNED_ENV_PREFIX}')",
+                f'"env " + self.name + " {ENV_OWNED_MESSAGE}"',
+            )
+        )
+    )
+
+    name: str = Field(min_length=1, max_length=253)
+    """Variable name; not one starting with DDILOCO_ (the operator's)."""
+
+
+class Volume(_K8sObject):
+    """A pod volume (core/v1 Volume: name and one source, e.g. persistentVolumeClaim)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_owned(
+            (
+                f"!(self.name in {_cel_list(OWNED_VOLUMES)})",
+                f'"volume name " + self.name + " {VOLUME_OWNED_MESSAGE}"',
+            )
+        )
+    )
+
+    name: str = Field(min_length=1, max_length=63)
+    """Volume name, referred to by volumeMounts; not one of the operator's."""
+
+
+class VolumeMount(_K8sObject):
+    """A mount of a volume into the container (core/v1 VolumeMount)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_owned(
+            (
+                f"!(self.name in {_cel_list(OWNED_VOLUMES)})",
+                f'"volumeMount name " + self.name + " {VOLUME_OWNED_MESSAGE}"',
+            ),
+            (
+                f"!{_cel_list(OWNED_MOUNT_PATHS)}.exists(o, self.mountPath == o || "
+                "self.mountPath.startsWith(o + '/'))",
+                f'"volumeMount mountPath " + self.mountPath + " {MOUNT_PATH_OWNED_MESSAGE}"',
+            ),
+        )
+    )
+
+    name: str = Field(min_length=1, max_length=63)
+    """The volume mounted."""
+    mount_path: str = Field(min_length=1, max_length=1024)
+    """Where in the container; not at or below a path the operator mounts."""
+
+
+class Container(_K8sObject):
+    """An init container (core/v1 Container), run to completion before the main one."""
+
+    model_config = ConfigDict(
+        json_schema_extra=_owned(
+            (
+                f"!(self.name in {_cel_list(OWNED_CONTAINERS)})",
+                f'"initContainer name " + self.name + " {CONTAINER_OWNED_MESSAGE}"',
+            )
+        )
+    )
+
+    name: str = Field(min_length=1, max_length=63)
+    """Container name; not one of the operator's."""
+
+
+class EnvFromSource(_K8sObject):
+    """Variables from a ConfigMap or Secret (core/v1 EnvFromSource). The container's `env`
+    wins over these, so the operator's DDILOCO_ variables stay the operator's."""
+
+
+class LocalObjectReference(_Model):
+    """A reference to an object in the pod's namespace by name."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=SECRET_NAME)
+    """Name of the object (an image pull Secret)."""
+
+
+# An object of the core API kept as written (affinity, security contexts).
+FreeForm = Annotated[
+    dict[str, Any], WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})
+]
+
+
+class PodTemplate(_Model):
+    """What a user adds to the pods the operator builds: their volumes and mounts, variables,
+    scheduling, identity and security. Merged into the built pod, never replacing what the
+    operator sets: its env (DDILOCO_*), its volumes (by name), its mounts (by name and path)
+    and its containers (by name) are refused, by the apiserver and again by the operator."""
+
+    volumes: list[Volume] = Field(default_factory=list, max_length=64)
+    """Pod volumes (core/v1 Volume), e.g. a PersistentVolumeClaim with the data or a model."""
+    volume_mounts: list[VolumeMount] = Field(default_factory=list, max_length=64)
+    """Mounts of those volumes into the main container (core/v1 VolumeMount)."""
+    env: list[EnvVar] = Field(default_factory=list, max_length=128)
+    """Extra environment variables of the main container (core/v1 EnvVar)."""
+    env_from: list[EnvFromSource] = Field(default_factory=list, max_length=32)
+    """Variables from ConfigMaps or Secrets (core/v1 EnvFromSource); `env` and the
+    operator's variables win over them."""
+    affinity: FreeForm | None = None
+    """Pod affinity, anti-affinity and node affinity (core/v1 Affinity)."""
+    service_account_name: str | None = Field(
+        None, min_length=1, max_length=253, pattern=SECRET_NAME
+    )
+    """ServiceAccount the pods run as (its token is still not mounted: add a projected
+    volume for workload identity)."""
+    image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list, max_length=16)
+    """Secrets to pull the image with (core/v1 LocalObjectReference)."""
+    security_context: FreeForm | None = None
+    """Pod security context (core/v1 PodSecurityContext), merged over the operator's
+    (fsGroup 10001, which keeps its Secret files readable by the image's user)."""
+    container_security_context: FreeForm | None = None
+    """Security context of the main container (core/v1 SecurityContext)."""
+    init_containers: list[Container] = Field(default_factory=list, max_length=8)
+    """Containers run to completion before the main one (core/v1 Container), e.g. to copy
+    a model or data onto a volume."""
+
+
+class Synchronizer(PodTemplate):
     """The merge service: a StatefulSet of `shards` pods in this cluster, reached by every
-    learner group."""
+    learner group, with the pod template fields (`PodTemplate`) of its pods."""
 
     quorum: int = Field(1, ge=1, le=MAX_REPLICAS * MAX_GROUPS)
     """K: minimum number of learners whose contributions a merge waits for."""
@@ -315,8 +504,9 @@ GPU_TWICE_MESSAGE: Final = (
 )
 
 
-class LearnerGroup(_Model):
-    """A set of interchangeable learner slots in one cluster (e.g. one region's GPUs)."""
+class LearnerGroup(PodTemplate):
+    """A set of interchangeable learner slots in one cluster (e.g. one region's GPUs), with
+    the pod template fields (`PodTemplate`) its learner pods and hot spares share."""
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -681,6 +871,12 @@ class JobStatus(_Model):
     the work done that reached the global model (`kubectl get ddj`, column Merged)."""
     live_learners: int | None = None
     """Learners the synchronizer heard from recently (`kubectl get ddj`, column Live)."""
+    progress_percentage: int | None = Field(None, ge=0, le=100)
+    """Percent of training.totalTokens merged (`kubectl get ddj`, column Progress); unset
+    without a budget."""
+    estimated_remaining_seconds: int | None = Field(None, ge=0)
+    """Seconds until training.totalTokens are merged at the recent merged-token rate
+    (`kubectl get ddj`, column Remaining); 0 once reached, unset before a rate is known."""
 
 
 class DecoupledDiLoCoJob(_Model):
@@ -819,6 +1015,9 @@ def validate(spec: JobSpec) -> list[str]:
     managed = spec.managed_by
     if managed is not None and managed.startswith("ddiloco.dev/") and managed != MANAGED_BY_US:
         problems.append(MANAGED_BY_MESSAGE)
+    for g in spec.learner_groups:
+        problems += template_problems(f"learnerGroups[{g.name}]", g)
+    problems += template_problems("synchronizer", spec.synchronizer)
     for name in spec.synchronizer.external_names:
         if ":" in name:
             try:
@@ -827,4 +1026,35 @@ def validate(spec: JobSpec) -> list[str]:
                 problems.append(
                     f"synchronizer.externalNames: {name!r} is neither a DNS name nor an IP address"
                 )
+    return problems
+
+
+def template_problems(where: str, template: PodTemplate) -> list[str]:
+    """The CEL rules of the pod template fields again: each item that would replace what
+    the operator puts in the pod, named by its field (`where` names the template)."""
+    problems = [
+        f"{where}.env[{i}]: env {e.name} {ENV_OWNED_MESSAGE}"
+        for i, e in enumerate(template.env)
+        if e.name.startswith(OWNED_ENV_PREFIX)
+    ]
+    problems += [
+        f"{where}.volumes[{i}]: volume name {v.name} {VOLUME_OWNED_MESSAGE}"
+        for i, v in enumerate(template.volumes)
+        if v.name in OWNED_VOLUMES
+    ]
+    for i, m in enumerate(template.volume_mounts):
+        if m.name in OWNED_VOLUMES:
+            problems.append(
+                f"{where}.volumeMounts[{i}]: volumeMount name {m.name} {VOLUME_OWNED_MESSAGE}"
+            )
+        if any(m.mount_path == o or m.mount_path.startswith(o + "/") for o in OWNED_MOUNT_PATHS):
+            problems.append(
+                f"{where}.volumeMounts[{i}]: volumeMount mountPath {m.mount_path} "
+                f"{MOUNT_PATH_OWNED_MESSAGE}"
+            )
+    problems += [
+        f"{where}.initContainers[{i}]: initContainer name {c.name} {CONTAINER_OWNED_MESSAGE}"
+        for i, c in enumerate(template.init_containers)
+        if c.name in OWNED_CONTAINERS
+    ]
     return problems

@@ -44,7 +44,7 @@ from collections.abc import Iterable
 from typing import Any, Final
 
 from ddiloco.operator import compute
-from ddiloco.operator.api import DecoupledDiLoCoJob, LearnerGroup
+from ddiloco.operator.api import DecoupledDiLoCoJob, LearnerGroup, PodTemplate
 
 SYNC_PORT: Final = 8470
 SYNC_UPLOAD_PORT: Final = 8471
@@ -516,6 +516,7 @@ def build_learner_pod(
                 "DDILOCO_MODEL": training.model,
                 "DDILOCO_MODEL_ENTRY": training.model_entry,
                 "DDILOCO_DATA": training.data,
+                "DDILOCO_INIT_FROM": training.init_from,
                 "DDILOCO_H": training.inner_steps,
                 "DDILOCO_P": training.fragments,
                 "DDILOCO_INNER_LR": training.inner_learning_rate,
@@ -571,7 +572,47 @@ def build_learner_pod(
     if group.priority_class_name:
         pod_spec["priorityClassName"] = group.priority_class_name
     compute.apply(group, pod_spec)  # resources, GPUs, /dev/shm, grace period (compute.py)
+    apply_template(group, pod_spec)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def apply_template(template: PodTemplate, pod_spec: dict[str, Any]) -> None:
+    """Merge a user's pod template fields into a built pod spec (its first container is the
+    main one): lists are appended after the operator's entries, the pod security context
+    is merged over the operator's, the rest is set. Nothing the operator set is replaced:
+    the template's items that would (an env DDILOCO_*, a volume, mount or container of the
+    operator's name, a mount at or below one of its paths) are refused before any pod is
+    built (api.template_problems, and CEL in the CRD)."""
+    container = pod_spec["containers"][0]
+    if template.volumes:
+        pod_spec["volumes"] = [
+            *pod_spec.get("volumes", []),
+            *(v.to_k8s() for v in template.volumes),
+        ]
+    if template.volume_mounts:
+        container["volumeMounts"] = [
+            *container.get("volumeMounts", []),
+            *(m.to_k8s() for m in template.volume_mounts),
+        ]
+    if template.env:
+        container["env"] = [*container.get("env", []), *(e.to_k8s() for e in template.env)]
+    if template.env_from:
+        container["envFrom"] = [e.to_k8s() for e in template.env_from]
+    if template.container_security_context is not None:
+        container["securityContext"] = dict(template.container_security_context)
+    if template.init_containers:
+        pod_spec["initContainers"] = [c.to_k8s() for c in template.init_containers]
+    if template.affinity is not None:
+        pod_spec["affinity"] = dict(template.affinity)
+    if template.service_account_name is not None:
+        pod_spec["serviceAccountName"] = template.service_account_name
+    if template.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [r.model_dump() for r in template.image_pull_secrets]
+    if template.security_context is not None:
+        pod_spec["securityContext"] = {
+            **pod_spec.get("securityContext", {}),
+            **template.security_context,
+        }
 
 
 SLOT_ENV: Final = ("DDILOCO_LEARNER_ID", "DDILOCO_LEARNER_INDEX", "DDILOCO_NUM_LEARNERS")

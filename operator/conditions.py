@@ -41,6 +41,7 @@ LEARNERS_NOT_READY: Final = "LearnersNotReady"
 DEGRADED_REASON: Final = "Degraded"
 SUSPENDED: Final = "Suspended"
 COMPLETED: Final = "Completed"
+TOKEN_BUDGET_REACHED: Final = "TokenBudgetReached"  # training.totalTokens merged
 INVALID_SPEC: Final = "InvalidSpec"
 # SynchronizerReady
 SYNCHRONIZER_AVAILABLE: Final = "SynchronizerAvailable"

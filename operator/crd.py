@@ -14,6 +14,7 @@ checks the committed YAML against it, so edit api.py, then run this module.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any, Final
@@ -62,6 +63,18 @@ PRINTER_COLUMNS: Final = [
         "jsonPath": ".status.liveLearners",
         "description": "Learners the synchronizer heard from recently",
     },
+    {
+        "name": "Progress",
+        "type": "integer",
+        "jsonPath": ".status.progressPercentage",
+        "description": "Percent of training.totalTokens merged",
+    },
+    {
+        "name": "Remaining",
+        "type": "integer",
+        "jsonPath": ".status.estimatedRemainingSeconds",
+        "description": "Estimated seconds until training.totalTokens are merged",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 
@@ -105,7 +118,8 @@ def structural(schema: dict[str, Any]) -> dict[str, Any]:
                 out[key] = value
         return out
 
-    return walk({k: v for k, v in schema.items() if k != "$defs"})
+    # a definition used twice must not be one shared object: YAML would render an anchor
+    return json.loads(json.dumps(walk({k: v for k, v in schema.items() if k != "$defs"})))
 
 
 def openapi_schema() -> dict[str, Any]:

@@ -53,7 +53,7 @@ from ddiloco.operator.plan import (
     target_of_group,
 )
 from ddiloco.operator.slots import Slot
-from ddiloco.operator.status import summarize
+from ddiloco.operator.status import budget_reached, summarize
 from ddiloco.operator.tokens import token_plan
 
 MAX_EVENT_TAIL = 800  # characters of a failed learner's last output quoted in its event
@@ -94,6 +94,9 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
     tls = tls_plan(job, obs, plan)  # certificates and their Secrets (certs.py)
     _synchronizer(job, obs, plan, tls.revision)
 
+    sync_status, bad = syncstatus.checked(obs.sync_status)
+    obs = dataclasses.replace(obs, sync_status=sync_status)
+    budget_done = budget_reached(job, sync_status)  # nothing left to train or replace
     books = slots.decode(job.status.groups)
     shard_count, reshard = slots.allocate_shards(job, books)
     limit = job.spec.failure_policy.max_replacements_per_slot
@@ -154,7 +157,7 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
         for index, sid in enumerate(ids):
             rec, pod = books[(group.name, index)], pods.get((group.name, index))
             rec, counted = _slot(
-                job, group, index, tgt, rec, pod, obs.now, plan, shard_count, hot.take
+                job, group, index, tgt, rec, pod, obs.now, plan, shard_count, hot.take, budget_done
             )
             replaced += counted
             promoted += counted if pod is not None and pod.serial is not None else 0
@@ -172,7 +175,9 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
         new_slots += mine
         done += finished
         # once every slot of the group has finished, its spares only hold (GPU) nodes
-        spares.refill(job, group, tgt, hot, plan, finished=0 < group.replicas == finished)
+        spares.refill(
+            job, group, tgt, hot, plan, finished=budget_done or 0 < group.replicas == finished
+        )
         spares.resend(job, group, view.pods, obs.now, plan)
         standing, standing_ready = hot.counts()
         groups.append(
@@ -202,7 +207,6 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
         )
     degraded += [r for r in obs.refused if r not in degraded]  # what the apiservers refused
     _prune(job, obs, plan, groups)
-    sync_status, bad = syncstatus.checked(obs.sync_status)
     if bad:
         degraded.append(
             (
@@ -211,7 +215,6 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
                 f"numbers, left out of the job's status: {', '.join(bad)}",
             )
         )
-    obs = dataclasses.replace(obs, sync_status=sync_status)
 
     status = summarize(job, obs, groups, new_slots, degraded, not_ready, done, shard_count)
     if status != job.status:
@@ -327,9 +330,12 @@ def _slot(
     plan: Plan,
     shard_count: int,
     take_spare: Callable[[], PodView | None] | None = None,
+    budget_done: bool = False,
 ) -> tuple[Slot, int]:
     """One slot's next step; returns its new record and 1 if a replacement was counted.
-    A due replacement goes to a Ready hot spare when `take_spare` gives one (spares.py)."""
+    A due replacement goes to a Ready hot spare when `take_spare` gives one (spares.py).
+    Once the job's token budget is merged (`budget_done`) a slot is done whatever its pod
+    does: its learner exits 0 (or has), and a pod that ends or goes is not replaced."""
     counted = 0
     if pod is not None and pod.attempt > rec.replacements:
         counted = 1  # a pod we created after a failure: the replacement happened
@@ -347,6 +353,8 @@ def _slot(
     if job.spec.suspend:  # not a failure: Kueue (or a person) took the resources back
         if pod is not None and not pod.terminating:
             plan.actions.append(Action("delete", tgt, "Pod", pod.name, uid=pod.uid))
+        return rec.update(seen=False, failed=False), counted
+    if budget_done:
         return rec.update(seen=False, failed=False), counted
 
     def failed(reason: str, text: str) -> Slot:

@@ -20,6 +20,7 @@ the CRD's largest spec (tests/unit/test_operator_status.py measures it).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ddiloco.operator import builders
@@ -36,6 +37,7 @@ from ddiloco.operator.slots import Slot
 from ddiloco.operator.syncstatus import derived
 
 MAX_MESSAGE = 1024  # characters of a condition message
+MAX_REMAINING_S = 2**31 - 1  # estimatedRemainingSeconds at most (Kubeflow Trainer's int32)
 
 # Fields of the synchronizer's GET /v1/status copied into the job status when present.
 SYNC_FIELDS = ("global_version", "merges", "tokens_merged", "goodput")
@@ -147,8 +149,18 @@ def summarize(
             "Every learner group is reachable and within its failure policy",
         )
 
+    budget_done = budget_reached(job, obs.sync_status)
     if spec.suspend:
         ready_c, phase = c.make(c.READY, False, c.SUSPENDED, "The job is suspended"), "Suspended"
+    elif budget_done:
+        ready_c = c.make(
+            c.READY,
+            False,
+            c.TOKEN_BUDGET_REACHED,
+            f"The synchronizer merged training.totalTokens ({spec.training.total_tokens} "
+            "tokens): the job is done",
+        )
+        phase = "Succeeded"
     elif completed:
         ready_c, phase = c.make(c.READY, False, c.COMPLETED, "All learners finished"), "Succeeded"
     elif degraded:
@@ -173,6 +185,7 @@ def summarize(
         if sync.get(key) is not None:
             numbers[key] = sync[key]
     numbers.update(derived(obs.sync_status))  # merged_work_ratio, live_learners
+    numbers.update(_progress(job, obs.sync_status, budget_done))
     return old.model_copy(
         update={
             "phase": phase,
@@ -194,6 +207,48 @@ def summarize(
             **numbers,
         }
     )
+
+
+def budget_reached(job: DecoupledDiLoCoJob, sync: Mapping[str, Any] | None) -> bool:
+    """Whether the job's token budget (training.totalTokens) is merged: the synchronizer
+    says `finished` for this very budget (an answer from before the budget changed says
+    another), or the last status said so for this generation of the spec (the synchronizer
+    need not answer any more once the job is done)."""
+    total = job.spec.training.total_tokens
+    if total <= 0:
+        return False
+    if sync is not None and sync.get("finished") is True and sync.get("total_tokens") == total:
+        return True
+    ready = c.get(job.status.conditions, c.READY)
+    return (
+        ready is not None
+        and ready.reason == c.TOKEN_BUDGET_REACHED
+        and ready.observed_generation == job.generation
+    )
+
+
+def _progress(
+    job: DecoupledDiLoCoJob, sync: Mapping[str, Any] | None, budget_done: bool
+) -> dict[str, Any]:
+    """progressPercentage and estimatedRemainingSeconds (Kubeflow Trainer's names) from the
+    synchronizer's `progress` and `estimated_remaining_seconds` for this budget; none without
+    a budget; 100 and 0 once it is merged; otherwise the last ones while it does not answer."""
+    total = job.spec.training.total_tokens
+    if total <= 0:
+        return {"progress_percentage": None, "estimated_remaining_seconds": None}
+    if budget_done:
+        return {"progress_percentage": 100, "estimated_remaining_seconds": 0}
+    if sync is None or sync.get("total_tokens") != total:
+        return {}
+    out: dict[str, Any] = {}
+    progress = sync.get("progress")
+    if isinstance(progress, int | float):
+        out["progress_percentage"] = max(0, min(100, int(progress * 100)))
+    eta = sync.get("estimated_remaining_seconds")
+    out["estimated_remaining_seconds"] = (
+        max(0, min(MAX_REMAINING_S, round(eta))) if isinstance(eta, int | float) else None
+    )
+    return out
 
 
 def _bounded(message: str) -> str:

@@ -37,6 +37,7 @@ from ddiloco.operator.builders import (
     _env,
     _files,
     _metadata,
+    apply_template,
     labels,
     shards_service_name,
     spec_hash,
@@ -204,6 +205,9 @@ def build_synchronizer_statefulset(
                 # DDILOCO_MAX_TOKENS_PER_STEP keeps the synchronizer's default: the spec does
                 # not know a learner's batch size and sequence length (the preset does)
                 "DDILOCO_MAX_LEARNERS": max_learners(job),
+                # the job's budget in merged tokens; unset without one (0), so a job without
+                # a budget keeps the pod template it had
+                "DDILOCO_TOTAL_TOKENS": spec.training.total_tokens or None,
             }
         ),
         {
@@ -251,6 +255,7 @@ def build_synchronizer_statefulset(
             "volumes": volumes,
         },
     }
+    apply_template(sync, template["spec"])  # the user's volumes, env, ... (builders.py)
     if tls_revision:
         template["metadata"]["annotations"] = {ANNOTATION_TLS_REVISION: tls_revision}
     sts_spec: dict[str, Any] = {

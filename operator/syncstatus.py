@@ -151,7 +151,16 @@ def combine(answers: list[dict[str, Any]]) -> dict[str, Any]:
 # Fields of a synchronizer's GET /v1/status that the job status carries (status.py), each
 # checked against the synchronizer's own model (protocol.Status: finite numbers only).
 # `learners` only feeds `derived`, which reads each record's numbers with care of its own.
-CHECKED_FIELDS: Final = ("global_version", "merges", "tokens_merged", "goodput")
+CHECKED_FIELDS: Final = (
+    "global_version",
+    "merges",
+    "tokens_merged",
+    "goodput",
+    "total_tokens",
+    "progress",
+    "estimated_remaining_seconds",
+    "finished",
+)
 
 
 @functools.cache

@@ -49,6 +49,8 @@ FULL: dict[str, Any] = {
         "maxSteps": 5000,
         "maxTokens": 10_000_000_000,
         "maxSeconds": 7200.5,
+        "initFrom": "/models/start",
+        "totalTokens": 20_000_000_000,
     },
     "synchronizer": {
         "quorum": 3,
@@ -286,6 +288,7 @@ def expected_learner(
         "num_learners": sum(g.replicas for g in job.spec.learner_groups),
         "model_entry": t.model_entry,
         "data": t.data,
+        "init_from": t.init_from,
         "h": t.inner_steps,
         "num_fragments": t.fragments,
         "inner_lr": t.inner_learning_rate or default.inner_lr,
@@ -348,6 +351,7 @@ def test_the_synchronizer_reads_what_the_operator_meant(
         "shard": 0,
         "shards": sync.shards,
         "update_encodings": [job.spec.update_encoding],  # only the job's encoding
+        "total_tokens": t.total_tokens,
     }
     assert {k: getattr(settings, k) for k in want} == want
     assert settings.bearer_token() == TOKEN
@@ -380,6 +384,7 @@ def test_the_jobs_set_no_value_to_a_default() -> None:
             "external_names",
             "token_rotation_grace_seconds",
             "shards",  # test_a_sharded_job_tells_each_shard_its_place checks S > 1
+            *api.PodTemplate.model_fields,  # merged into the pod, not read as settings
         }
     )  # TLS reaches the synchronizer as files (test_operator_tls.py checks those)
     renamed = {"outer_learning_rate": "outer_lr"}

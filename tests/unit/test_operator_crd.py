@@ -85,6 +85,8 @@ def test_crd_has_names_columns_status_and_rules() -> None:
         "Goodput",
         "Merged",
         "Live",
+        "Progress",
+        "Remaining",
         "Age",
     ]
     props = version["schema"]["openAPIV3Schema"]["properties"]
