@@ -203,7 +203,10 @@ def test_operator_with_the_charts_rbac_runs_a_job_across_regions(
         slots = h.running_uids(cl, ["home", "region-a"], job)
         assert sorted(slots) == ["cpu-0", "cpu-1", "region-a-0"], slots
         assert len(cl.pods("region-a", job)) == 1
-        cl.core("region-a").read_namespaced_secret(f"{job}-token", ns)
+        # the region holds its learners' own credentials, never the job key
+        assert f"{job}-token" not in h.job_secret_names(cl, "region-a", job)
+        for pod in cl.pods("region-a", job):
+            h.check_own_credential(cl, "region-a", job, pod)
 
         # What the chart did not grant is refused. First, that the identities work at all:
         allowed(home_cfg, "-n", ns, "get", "secret", "region-a-kubeconfig")
