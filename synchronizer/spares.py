@@ -7,14 +7,15 @@
 A hot spare pod (operator/spares.py) starts `ddiloco learner` with no slot identity, warms up,
 and long-polls GET for its pod name; the operator promotes it by patching its labels, then
 PUTs the slot's identity here, which wakes the waiting GET at once. PUT takes the job key
-alone (the operator's credential, auth.py); GET takes the spare's own credential
-(`spare:<pod>:...`, naming that pod) or the job key, and answers the slot's identity with the
-slot's learner credential, which the spare speaks with from then on. Assignments live in memory only (`SpareBook`): a restarted synchronizer
-has none, and the operator re-sends what it promoted recently (PUT is idempotent; the answer's
-`delivered` says whether the spare has fetched it, so the operator stops). The spare's own
-pod labels carry the same identity as a fallback (learner/spare.py), so nothing here needs to
-survive a restart. A second PUT with another identity for a pod that already fetched one is
-refused (409): a spare becomes one slot, once.
+alone (the operator's credential, auth.py). GET takes the spare's own credential
+(`spare:<pod>:...`, naming that pod), the credential of the slot the pod was assigned (once
+promoted, the operator rewrites the spare's credential file to it), or the job key; it answers
+the slot's identity with the slot's learner credential, which the spare speaks with from then
+on. Assignments live in memory only (`SpareBook`): a restarted synchronizer has none, and the
+operator re-sends an assignment not yet fetched for as long as the promoted pod lives (PUT is
+idempotent; the answer's `delivered` says whether the spare has fetched it, so the operator
+stops). A second PUT with another identity for a pod that already fetched one is refused
+(409): a spare becomes one slot, once.
 
 These routes are part of the operator's control plane, not of the learners' training API:
 they are left out of /openapi.json (docs/protocol.md lists them).
@@ -182,11 +183,9 @@ async def await_assignment(
 ) -> SpareGrant | Response:
     """The spare: its assignment as soon as there is one, else 204 after `wait_s`."""
     entry = book.entries.get(pod)
-    # the slot's own credential may read the grant that names it: once promoted, the
-    # spare's credential file holds its slot's credential (the operator rewrites it)
-    granted = entry is not None and entry.assignment is not None
-    theirs = granted and who == Principal("learner", entry.assignment.learner_id)  # type: ignore[union-attr]
-    if who != Principal("spare", pod) and who.kind != "job" and not theirs:
+    slot = entry.assignment.learner_id if entry is not None and entry.assignment else ""
+    # the slot's own credential reads the grant that names it (a promoted spare's file)
+    if who.kind != "job" and who not in (Principal("spare", pod), Principal("learner", slot)):
         raise SyncError(Refusal.FORBIDDEN, f"{who} may read only its own assignment")
     if pod not in book.entries and len(book.entries) >= book.max_pods:
         raise SyncError(Refusal.CONFLICT, f"{book.max_pods} spares are waiting already")
