@@ -90,9 +90,15 @@ def test_replacement_is_counted_timed_and_described(cl: h.Clusters, operator: h.
     # kubectl get ddj: the merged-work ratio and the live learners, from the synchronizer
     k8senv.wait_until("liveLearners", lambda: cl.job(job)["status"].get("liveLearners"), 20)
     table = cl.kubectl("get", "ddj", job).stdout.splitlines()
-    header, row = table[0].split(), table[1].split()
-    assert header[-3:] == ["MERGED", "LIVE", "AGE"], table
-    assert row[header.index("MERGED")] == "0.5" and row[header.index("LIVE")] == "2", table
+    names = table[0].split()
+    assert names[-5:] == ["MERGED", "LIVE", "PROGRESS", "REMAINING", "AGE"], table
+    # columns by their header's offsets: a job without a token budget leaves two empty
+    starts = [table[0].index(f"{n} ") if n != "AGE" else table[0].rindex(n) for n in names]
+    cell = {
+        n: table[1][a:b].strip() for n, a, b in zip(names, starts, [*starts[1:], None], strict=True)
+    }
+    assert cell["MERGED"] == "0.5" and cell["LIVE"] == "2", table
+    assert cell["PROGRESS"] == "" and cell["REMAINING"] == "", table
 
     before = operator.scrape()
     ok_before = sum(samples(before, "ddiloco_operator_reconciles_total", result="ok", **ours))
