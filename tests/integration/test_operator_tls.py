@@ -277,6 +277,39 @@ def test_a_certificate_near_expiry_is_renewed(cl: h.Clusters, operator: h.Operat
     assert h.running_uids(cl, ["home", "region-a"], job) == pods
 
 
+def test_a_ca_deleted_live_is_made_again_and_every_certificate_follows_it(
+    cl: h.Clusters, operator: h.Operator
+) -> None:
+    """The job's reconcile survives certificates not signed by its current CA: deleting
+    `<job>-ca` live makes a new CA, and the server certificate is reissued by it (checking
+    the old one against the new CA must not raise: it had, every pass, for good)."""
+    h.kubeconfig_secret(cl, "region-a-kubeconfig", "region-a")
+    job = h.create_job(cl, tls_job("newca"))
+    ready(cl, operator, job)
+    old_ca = data(secret(cl, "home", f"{job}-ca"))["tls.crt"]
+    cl.core().delete_namespaced_secret(f"{job}-ca", cl.ns)
+
+    def reissued() -> x.KeyPair | None:
+        try:
+            ca = data(secret(cl, "home", f"{job}-ca"))
+            d = data(secret(cl, "home", f"{job}-tls"))
+        except ApiException:
+            return None
+        if ca["tls.crt"] == old_ca:
+            return None
+        pair = x.KeyPair.from_pem(d["tls.crt"], d["tls.key"])
+        authority = x.KeyPair.from_pem(ca["tls.crt"], ca["tls.key"])
+        try:
+            pair.certificate.verify_directly_issued_by(authority.certificate)
+        except Exception:
+            return None
+        return pair
+
+    k8senv.wait_until("a server certificate from the new CA", reissued, timeout=60)
+    ready(cl, operator, job)  # the job is reconciled again, not stuck
+    assert "AttributeError" not in operator.log.read_text(), operator.tail()
+
+
 def token_lines(cl: h.Clusters, cluster: str, job: str) -> list[str]:
     """What a cluster's token file holds: at home the job key, in region-a the credential of
     its one learner (region-a-0)."""
