@@ -185,6 +185,15 @@ def test_one_implausible_step_time_does_not_stretch_the_grace_window(tmp_path: P
     assert restarted.rounds.xi_step() <= 4.5
 
 
+@pytest.mark.parametrize("ratio", [2.0, 8.0])
+def test_the_grace_step_ratio_setting_bounds_the_step_time(tmp_path: Path, ratio: float) -> None:
+    sync = make(tmp_path, Clock(), quorum=1, grace=True, grace_step_ratio=ratio)
+    for lid, s in (("a", 1.0), ("b", 1.0), ("c", 3599.0)):
+        sync.join(JoinRequest(learner_id=lid))
+        sync.heartbeat(beat(lid, s))
+    assert sync.rounds.xi_step() == pytest.approx(ratio)  # c counts as `ratio` x the others'
+
+
 def test_xi_step_bounds_each_learner_by_the_median_of_the_others() -> None:
     clock = Clock()
     rounds: Rounds[str] = Rounds(1, quorum=1, step_ratio=4.0, clock=clock)
