@@ -52,7 +52,7 @@ class SyncerConfig:
     )
     """Update bytes one shard ingests per second, GB/s, by encoding (bench/sync_ingest.py,
     one shard). The default is this project's measurement on a 2-core machine (bench/
-    RESULTS.md "Synchronizer ingest: a round summed as it arrives"), the three encodings
+    RESULTS.md "WAN (simulated)", "a round summed as it arrives"), the three encodings
     side by side in one run (HTTP/1.1 into the upload port, the learners' path; M = 16
     clients on the same cores, 64M parameters, state on disk, the default `cpu_slots`):
     bf16 1.282 GB/s, int8 0.703, int4 0.284 of wire bytes. Within one run the figures move
