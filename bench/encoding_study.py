@@ -4,6 +4,7 @@ size of the quantized encodings, measured on real deltas.
 
     .venv/bin/python bench/encoding_study.py --blocks                   # block size, ~30 s
     .venv/bin/python bench/encoding_study.py --seeds 3                   # the study, ~10 min, 2 cores
+    .venv/bin/python bench/encoding_study.py --downloads --seeds 3       # downloads, ~20 min
 
 `--blocks`: the tiny model trains H = 24 AdamW steps (the learners' optimizer and lr) from its
 initial weights, three times in a row; each window's delta (what one hand-over of the whole
@@ -19,7 +20,15 @@ all-reduce moves per rank and step, as local/dp.py counts them). Printed as a ta
 the paired difference of each encoding's eval loss from bfloat16's (mean and worst over
 seeds); `--json PATH` writes every run's figures. Bytes up are learner -> synchronizer
 updates (what the encoding changes); down is the synchronizer's broadcasts (float32 here,
-`broadcast_dtype`), the same for every encoding.
+`broadcast_encoding`), the same for every encoding.
+
+`--downloads`: the same runs for pairs of update and broadcast encodings (`DOWNLOAD_ARMS`:
+synchronizer/broadcast.py's float32, bfloat16, int8, int8-delta, int4-delta downloads, with
+bfloat16 and int4 uploads), paired by seed against bfloat16 up / float32 down, with the bytes
+per token up, down and in all against data-parallel's (one run: its bytes do not depend on
+the seed). Down is what the learners downloaded (their final stats); the synchronizer's count,
+which adds the run's evaluator reading the whole model every `--eval-every` seconds, is
+given beside it.
 """
 
 from __future__ import annotations
@@ -81,18 +90,30 @@ def block_study(blocks: list[int], windows: int = 3, h: int = 24) -> list[dict[s
 
 
 def controlled(
-    seed: int, encoding: str, *, learners: int, rounds: int, h: int, block: int = 128
+    seed: int,
+    encoding: str,
+    *,
+    learners: int,
+    rounds: int,
+    h: int,
+    block: int = 128,
+    download: str = "float32",
 ) -> dict[str, Any]:
     """Timing taken out: M learners in one process, synchronous rounds of H AdamW steps, each
     hand-over through the real `wire.encode_update` -> bytes -> `wire.decode_update`, the
     anchor moved by what was decoded (error feedback), the global model moved by the mean of
     the decoded deltas (eta 1, mu 0: `ddiloco local`'s outer step), every learner rebased on
-    it (its residual kept). The global model's eval loss after `rounds` rounds."""
+    it (its residual kept). The global model's eval loss after `rounds` rounds.
+    `download`: the learners rebase on the copy the synchronizer serves in that broadcast
+    encoding (synchronizer/broadcast.py, encoded and read back through the real code: for a
+    delta encoding the copy S the deltas build, version 0 named by its content), not on the
+    global model itself; its bytes are what each learner downloads after each round."""
     import torch
 
     from ddiloco.learner.task import build_task
-    from ddiloco.synchronizer import codec, passes, wire
+    from ddiloco.synchronizer import broadcast, codec, passes, wire
     from ddiloco.synchronizer.protocol import FragmentSpec, TensorSpec, UpdateMeta
+    from ddiloco.synchronizer.served import Served
 
     torch.set_num_threads(2)
     tasks = [
@@ -112,7 +133,14 @@ def controlled(
     )
     theta = {k: v.detach().clone() for k, v in tasks[0].model.named_parameters()}
     anchors = [{k: v.clone() for k, v in theta.items()} for _ in tasks]
-    nbytes = 0
+    nbytes = down = 0
+    payloads = Served(broadcast.whole_dtype(download), 1, kinds=2)
+    served = broadcast.encode(payloads, download, 0, 0, theta)
+    held = (
+        broadcast.Held(broadcast.initial_token(theta), {k: v.clone() for k, v in theta.items()})
+        if download in broadcast.DELTAS
+        else None
+    )
     for r in range(rounds):
         received = []
         for m, (task, opt) in enumerate(zip(tasks, opts, strict=True)):
@@ -142,10 +170,16 @@ def controlled(
         with torch.no_grad():
             for k in names:
                 theta[k] += sum(d[k] for d in received) / len(received)
+            served = broadcast.encode(payloads, download, 0, r + 1, theta, prev=served)
+            body, _ = served.body(held.token if held is not None else None)
+            down += learners * len(body)
+            got = broadcast.read(bytes(body), held)
+            held = broadcast.Held(got.token, got.tensors) if got.token is not None else None
+            copy = {k: v.float() for k, v in got.tensors.items()}
             for m, task in enumerate(tasks):  # rebase: keep what this learner did not send
                 for k, p in task.model.named_parameters():
-                    p.add_(theta[k] - anchors[m][k])
-                    anchors[m][k] = theta[k].clone()
+                    p.add_(copy[k] - anchors[m][k])
+                    anchors[m][k] = copy[k].clone()
     model = tasks[0].model
     with torch.no_grad():
         saved = {k: p.detach().clone() for k, p in model.named_parameters()}
@@ -157,15 +191,21 @@ def controlled(
     tokens = learners * rounds * h * tasks[0].tokens_per_batch
     return {
         "method": f"controlled_{encoding}",
+        "up": encoding,
+        "down": download,
         "seed": seed,
         "tokens": tokens,
         "eval_loss": loss,
         "bytes_up_per_token": nbytes / tokens,
-        "bytes_down_per_token": 0.0,
+        "bytes_down_per_token": down / tokens,
+        "learner_bytes_down_per_token": down / tokens,
+        "global_version": rounds,
     }
 
 
-def run_diloco(seed: int, encoding: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def run_diloco(
+    seed: int, encoding: str, args: argparse.Namespace, out: Path, download: str = "float32"
+) -> dict[str, Any]:
     from ddiloco.local.launcher import LocalConfig, LocalRun
 
     cfg = LocalConfig(
@@ -174,7 +214,8 @@ def run_diloco(seed: int, encoding: str, args: argparse.Namespace, out: Path) ->
         seed=seed,
         max_steps=args.max_steps,
         update_encoding=encoding,
-        warm_spares=0,
+        broadcast_encoding=download,
+        hot_spares=0,
         eval_every=args.eval_every,
         out=out,
     )
@@ -182,15 +223,31 @@ def run_diloco(seed: int, encoding: str, args: argparse.Namespace, out: Path) ->
     tokens = int(report["tokens_computed"])
     return {
         "method": f"diloco_{encoding}",
+        "up": encoding,
+        "down": download,
         "seed": seed,
         "tokens": tokens,
         "eval_loss": float(report["eval_loss_final"]),
         "bytes_up_per_token": report["bytes_up"] / tokens,
         "bytes_down_per_token": report["bytes_down"] / tokens,
+        "learner_bytes_down_per_token": learners_down(out) / tokens,
         "tokens_merged": int(report["tokens_merged"]),
         "global_version": report["global_version"],
         "wall_seconds": report["wall_seconds"],
     }
+
+
+def learners_down(out: Path) -> int:
+    """Bytes the learners downloaded (each one's final stats, learner/diloco.py): the
+    synchronizer's own count adds the run's evaluator, which reads the whole model."""
+    total = 0
+    for path in sorted((out / "learners").glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            if '"stop"' in line:
+                event = json.loads(line)
+                if event.get("event") == "stop":
+                    total += int(event.get("bytes_down", 0))
+    return total
 
 
 def at_tokens(history: list[tuple[Any, ...]], tokens: int) -> float | None:
@@ -259,6 +316,82 @@ def table(rows: list[dict[str, Any]], prefix: str = "diloco_") -> str:
     return "\n".join(lines)
 
 
+DOWNLOAD_ARMS = (
+    ("bfloat16", "float32"),
+    ("bfloat16", "int8-delta"),
+    ("int4", "float32"),
+    ("int4", "bfloat16"),
+    ("int4", "int8"),
+    ("int4", "int8-delta"),
+    ("int4", "int4-delta"),
+)
+"""--downloads: (update encoding, broadcast encoding) per arm; the first is the baseline."""
+
+
+def downloads_table(rows: list[dict[str, Any]]) -> str:
+    """--downloads: each arm's eval loss, paired by seed against the first arm's, and its
+    bytes per token up, down and in all, against data-parallel's."""
+    arms = [r for r in rows if r["method"] != "data_parallel"]
+    dp = [r["bytes_up_per_token"] for r in rows if r["method"] == "data_parallel"]
+    dp_bytes = statistics.fmean(dp) if dp else 0.0
+    first = (arms[0]["up"], arms[0]["down"]) if arms else None
+    base = {r["seed"]: r["eval_loss"] for r in arms if (r["up"], r["down"]) == first}
+    lines = [
+        f"| up | down | seeds | eval loss (mean) | vs {first[0] if first else '-'} up / "
+        f"{first[1] if first else '-'} down, paired (mean / worst) | bytes up / token | "
+        "bytes down / token (learners) | up + down | data-parallel / (up + down) | "
+        "down / token with the evaluator's | merges (mean) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    seen: list[tuple[str, str]] = []
+    for r in arms:
+        if (r["up"], r["down"]) not in seen:
+            seen.append((r["up"], r["down"]))
+    for up, down in seen:
+        mine = [r for r in arms if (r["up"], r["down"]) == (up, down)]
+        diffs = [r["eval_loss"] / base[r["seed"]] - 1 for r in mine if r["seed"] in base]
+        paired = (
+            f"{100 * statistics.fmean(diffs):+.2f}% / {100 * max(diffs, key=abs):+.2f}%"
+            if diffs and (up, down) != first
+            else "-"
+        )
+        b_up = statistics.fmean(r["bytes_up_per_token"] for r in mine)
+        b_down = statistics.fmean(r["learner_bytes_down_per_token"] for r in mine)
+        b_all = statistics.fmean(r["bytes_down_per_token"] for r in mine)
+        ratio = f"{dp_bytes / (b_up + b_down):.1f}x" if dp_bytes else "-"
+        loss = statistics.fmean(r["eval_loss"] for r in mine)
+        merges = statistics.fmean(r["global_version"] for r in mine)
+        lines.append(
+            f"| {up} | {down} | {len(mine)} | {loss:.4f} | {paired} | {b_up:.1f} | "
+            f"{b_down:.1f} | {b_up + b_down:.1f} | {ratio} | {b_all:.1f} | {merges:.1f} |"
+        )
+    if dp_bytes:
+        lines.append(f"\ndata-parallel: {dp_bytes:.1f} bytes per token ({len(dp)} run(s))")
+    return "\n".join(lines)
+
+
+def downloads(args: argparse.Namespace) -> None:
+    """--downloads: one `ddiloco local` run per arm and seed (equal tokens), and one
+    data-parallel run of seed 0 for its bytes per token (what its all-reduce moves does
+    not depend on the seed)."""
+    out = args.out or Path(tempfile.mkdtemp(prefix="downloads-"))
+    rows: list[dict[str, Any]] = []
+    t0 = time.time()
+    for seed in range(args.seeds):
+        for up, down in DOWNLOAD_ARMS:
+            r = run_diloco(seed, up, args, out / f"s{seed}-{up}-{down}", download=down)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+        if not args.no_dp and seed == 0:
+            r = run_dp(seed, rows[-1]["tokens"], args, out / f"s{seed}-dp")
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    print(downloads_table(rows))
+    print(f"({time.time() - t0:.0f} s, runs under {out})")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--blocks", action="store_true", help="the block size study only")
@@ -284,7 +417,29 @@ def main() -> None:
     ap.add_argument("--eval-every", type=float, default=5.0)
     ap.add_argument("--out", type=Path, help="run directories (default: a temporary one)")
     ap.add_argument("--json", type=Path, help="write every run's figures here")
+    ap.add_argument(
+        "--downloads",
+        action="store_true",
+        help="broadcast encodings: float32 / bfloat16 / int8 / int8-delta / int4-delta downloads "
+        "with bf16 and int4 uploads, and data-parallel's bytes",
+    )
     args = ap.parse_args()
+    if args.downloads and args.controlled:
+        rows = []
+        for seed in range(args.seeds):
+            for up, down in DOWNLOAD_ARMS:
+                r = controlled(
+                    seed, up, learners=args.learners, rounds=args.rounds, h=args.h, download=down
+                )
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+        print(downloads_table(rows))
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        return
+    if args.downloads:
+        downloads(args)
+        return
     if args.controlled:
         rows = []
         for seed in range(args.seeds):

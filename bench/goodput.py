@@ -96,7 +96,7 @@ def run_arm(
         "max_seconds": args.seconds,
         "chaos": schedule.kind,
         "schedule": schedule,
-        "warm_spares": spares,
+        "hot_spares": spares,
         "eval_every": args.eval_every,
         "out": out,
     }
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--learners", type=int, default=4, help="M (default 4)")
     ap.add_argument("--seconds", type=float, default=60.0, help="wall budget per arm")
     ap.add_argument("--seeds", type=int, default=1, help="seeds 0..n-1 (default 1)")
-    ap.add_argument("--spares", type=int, default=2, help="warm spare processes per arm")
+    ap.add_argument("--spares", type=int, default=2, help="hot spare processes per arm")
     ap.add_argument("--eval-every", type=float, default=5.0)
     d = LocalConfig
     ap.add_argument(

@@ -1,10 +1,10 @@
-"""Hot spares under kill chaos: `ddiloco local --chaos kill` with and without warm spares.
+"""Hot spares under kill chaos: `ddiloco local --chaos kill` with and without hot spares.
 
     .venv/bin/python bench/hot_spares.py --seconds 60 --learners 3 --seed 1 --json /tmp/hs.json
     .venv/bin/python bench/hot_spares.py --arms 0,1,2       # spares per arm (0: none)
 
 Every arm runs the same seed, schedule, learners and duration, one after the other in this one
-invocation; they differ only in `warm_spares` (with `spare_takeover` immediate, as `ddiloco
+invocation; they differ only in `hot_spares` (with `spare_takeover` immediate, as `ddiloco
 local` runs by default). Per arm it prints the goodput (local/report.py) and, for every kill,
 the time from the SIGKILL to the slot's new incarnation's first inner step and to its first
 hand-over of a fragment (learner step logs). A hand-over is an upload queued to the
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--learners", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--arms", default="0,1", help="warm spares per arm, comma-separated")
+    ap.add_argument("--arms", default="0,1", help="hot spares per arm, comma-separated")
     ap.add_argument("--out", type=Path, default=Path("runs") / time.strftime("hot-spares-%H%M%S"))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -76,7 +76,7 @@ def main() -> None:
                 max_seconds=args.seconds,
                 chaos="kill",
                 seed=args.seed,
-                warm_spares=spares,
+                hot_spares=spares,
                 spare_takeover="immediate",
                 out=args.out / f"spares-{spares}",
             )
@@ -93,7 +93,7 @@ def main() -> None:
             "kills": kills,
             "median_to_first_handover": statistics.median(handovers) if handovers else None,
         }
-        print(f"\n== warm spares {spares}: goodput {report['goodput']:.3f}")
+        print(f"\n== hot spares {spares}: goodput {report['goodput']:.3f}")
         for k in kills:
             print(
                 f"  kill {k['slot']} at {k['at']:6.1f}s  hot spare {'yes' if k['hot_spare'] else 'no ':3}"

@@ -76,8 +76,8 @@ class Arm:
     """SyncSettings.merge_scale; `live`: each merge averaged over the live set's tokens."""
     chaos: str = "none"
     """A key of CHAOS."""
-    warm_spares: int = 0
-    """DiLoCo arms: LocalConfig.warm_spares, taking a killed slot at once (`ddiloco local`'s
+    hot_spares: int = 0
+    """DiLoCo arms: LocalConfig.hot_spares, taking a killed slot at once (`ddiloco local`'s
     default is 1): 0 restarts a killed learner as a fresh process after the delay."""
 
 
@@ -101,11 +101,11 @@ ARMS: dict[str, Arm] = {
     "decoupled_grace_live_chaos": Arm("diloco", merge_scale="live", chaos="kill+pause"),
     "decoupled_grace_live_mean": Arm("diloco", merge="mean", merge_scale="live"),
     "decoupled_grace_live_chaos_spare": Arm(
-        "diloco", merge_scale="live", chaos="kill+pause", warm_spares=1
+        "diloco", merge_scale="live", chaos="kill+pause", hot_spares=1
     ),
 }
 DEFAULT_ARMS = ("sync_diloco", "decoupled_grace_live", "decoupled_grace_live_chaos_spare", "dp")
-"""The study's winner (merge_scale live and a warm spare, the product defaults) against its
+"""The study's winner (merge_scale live and a hot spare, the product defaults) against its
 references."""
 COMPARISONS: list[tuple[str, str, str]] = [
     ("decoupled_grace_chaos", "sync_diloco", "chaos cost: K=1+grace, kill+pause vs K=M, none"),
@@ -124,7 +124,7 @@ COMPARISONS: list[tuple[str, str, str]] = [
     (
         "decoupled_grace_live_chaos_spare",
         "sync_diloco",
-        "chaos cost, live scale, a warm spare (ddiloco local's default) vs K=M",
+        "chaos cost, live scale, a hot spare (ddiloco local's default) vs K=M",
     ),
     ("decoupled_grace_live", "dp", "decoupled (live scale) vs data-parallel, no chaos"),
 ]
@@ -222,7 +222,7 @@ def build_config(arm: str, seed: int, args: argparse.Namespace, out: Path) -> An
         h=args.h,
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
-        warm_spares=spec.warm_spares,
+        hot_spares=spec.hot_spares,
         spare_takeover="immediate",
         **common,
     )

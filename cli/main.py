@@ -8,6 +8,7 @@
     ddiloco export --state-dir /tmp/s --out model/   # the trained model, as safetensors
     ddiloco status http://127.0.0.1:8470             # a live view of a running job
     ddiloco credential l0                            # learner l0's credential (from the key)
+    ddiloco evaluate --sync-url URL --every-seconds 300   # the global model's eval loss
 
 Each subcommand lives with its component and is imported only when it runs, so
 `ddiloco operator` never pays for torch and `ddiloco learner` never imports kopf.
@@ -24,11 +25,13 @@ SUBCOMMANDS: Final[dict[str, tuple[str, str]]] = {
     "local": ("ddiloco.local.cli", "run a synchronizer and M learners on this machine"),
     "synchronizer": ("ddiloco.synchronizer.server", "serve the synchronizer over HTTP/2"),
     "learner": ("ddiloco.learner.cli", "run one learner against a synchronizer"),
+    "prepare": ("ddiloco.cli.prepare", "tokenize a corpus once into chunks learners read lazily"),
     "operator": ("ddiloco.operator.cli", "run the Kubernetes operator"),
     "simulate": ("ddiloco.simulator.cli", "simulate the method at fleet scale"),
     "export": ("ddiloco.cli.export", "write a job's global model out as safetensors"),
     "status": ("ddiloco.cli.status", "show a running job: fragments, learners, goodput"),
     "credential": ("ddiloco.cli.credential", "print a learner's own credential from the job key"),
+    "evaluate": ("ddiloco.learner.evaluate", "measure the global model's held-out loss as it runs"),
 }
 
 

@@ -22,7 +22,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from ddiloco.cli.errors import UsageError, fail, usage_errors
+from ddiloco.cli.errors import RuntimeFailure, UsageError, fail, usage_errors
 from ddiloco.learner.config import LearnerConfig
 
 PROG = "ddiloco learner"
@@ -38,8 +38,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     # --- identity ---
     ap.add_argument("--sync-url", help="synchronizer base URL (http:// h2c, or https://)")
     ap.add_argument("--learner-id", help="stable id of this learner slot")
-    ap.add_argument("--learner-index", type=int, help="index of this learner's data shard")
-    ap.add_argument("--num-learners", type=int, help="M, number of learner slots (data shards)")
+    ap.add_argument("--learner-index", type=int, help="index of this learner's data part")
+    ap.add_argument("--num-learners", type=int, help="M, number of learner slots (data parts)")
     ap.add_argument(
         "--token-file", help="file holding the job token, re-read when it changes (else env)"
     )
@@ -61,16 +61,35 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "`ddiloco export` or a Hugging Face snapshot) instead of its seeded init",
     )
     ap.add_argument(
-        "--data", help="text file, folder, or uint16 .bin (default: Python stdlib sources)"
+        "--data",
+        help="text file, folder, uint16 .bin, or a prepared dataset (`ddiloco prepare`: a "
+        "directory or URL such as s3://bucket/prefix) (default: Python stdlib sources)",
     )
     ap.add_argument(
         "--tokenizer", help="local tokenizer directory or tokenizer.json (default: the model's)"
     )
     ap.add_argument("--data-field", help="text column of JSONL and Parquet data (default text)")
-    ap.add_argument("--batch-size", type=int, help="sequences per inner step, per rank")
+    ap.add_argument("--batch-size", type=int, help="sequences per micro-batch, per rank")
+    ap.add_argument(
+        "--grad-accum", type=int, help="micro-batches per inner step (gradient accumulation)"
+    )
+    ap.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
+    ap.add_argument(
+        "--precision",
+        choices=["auto", "bf16", "fp32"],
+        help="bf16 autocast or fp32 (default auto: bf16 on CUDA)",
+    )
     ap.add_argument("--seed", type=int)
     # --- optimization and schedule ---
-    ap.add_argument("--inner-lr", type=float, help="inner AdamW learning rate")
+    ap.add_argument("--inner-lr", type=float, help="peak inner AdamW learning rate")
+    ap.add_argument("--weight-decay", type=float, help="AdamW weight decay (default 0.1)")
+    ap.add_argument("--warmup-steps", type=int, help="linear warm-up, in the slot's steps")
+    ap.add_argument(
+        "--lr-schedule",
+        choices=["constant", "cosine", "wsd"],
+        help="after warm-up: constant, or a cosine / WSD decay over the job's budget",
+    )
+    ap.add_argument("--min-lr-ratio", type=float, help="where a decay ends, times the peak")
     ap.add_argument(
         "-H", "--h", type=int, dest="h", help="H, inner steps between hand-overs of a fragment"
     )
@@ -117,7 +136,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="ranks of this learner's data-parallel group, one per device (default 1)",
     )
     ap.add_argument(
-        "--parallel", choices=["ddp", "fsdp"], help="how the group's ranks train (default ddp)"
+        "--parallel", choices=["ddp", "fsdp2"], help="how the group's ranks train (default ddp)"
     )
     ap.add_argument("--threads", type=int, help="torch CPU threads")
     ap.add_argument(
@@ -166,18 +185,45 @@ def check_inputs(cfg: LearnerConfig) -> None:
                 f"--sync-url {one!r}: give http://HOST:PORT or https://... (a sharded "
                 "synchronizer: its shards' URLs, comma-separated, in shard order)"
             )
-    check_model_and_data(cfg.model, cfg.model_entry, cfg.data, cfg.init_from)
+    check_model_and_data(
+        cfg.model,
+        cfg.model_entry,
+        cfg.data,
+        cfg.init_from,
+        cfg.tokenizer,
+        num_learners=cfg.num_learners,
+    )
 
 
 def check_model_and_data(
-    model: str, model_entry: str | None, data: str | None, init_from: str | None = None
+    model: str,
+    model_entry: str | None,
+    data: str | None,
+    init_from: str | None = None,
+    tokenizer: str | None = None,
+    *,
+    num_learners: int = 1,
 ) -> None:
     """The model and data checks of `check_inputs` (ValueError, FileNotFoundError), then
-    the weights' (learner/weights.py `check`: a WeightsError, which is a ValueError)."""
+    the weights' (learner/weights.py `check`: a WeightsError, which is a ValueError). A
+    prepared dataset (a URL, or a directory with a manifest) is opened by its manifest and
+    refused when its tokenizer is not the model's (`tokenizer`: the job's --tokenizer) or it
+    has fewer chunks than `num_learners`; a store that cannot be reached is a
+    `RuntimeFailure` naming it."""
     from pathlib import Path
 
-    if data is not None and not Path(data).expanduser().exists():
+    from ddiloco.learner import prepared
+
+    if data is not None and not prepared.is_url(data) and not Path(data).expanduser().exists():
         raise FileNotFoundError(f"data path {data!r} does not exist")
+    if model_entry is None and prepared.is_prepared(data):
+        assert data is not None
+        try:
+            ds = prepared.open_dataset(data)
+        except prepared.StoreUnreachable as e:
+            raise RuntimeFailure(str(e)) from e
+        ds.check_model(_vocab_size(model), _tokenizer_digest(tokenizer))
+        prepared.chunks_of(len(ds.manifest.chunks), 0, num_learners)
     if model_entry is not None:
         module, _, fn = model_entry.partition(":")
         if not module or not fn:
@@ -195,6 +241,25 @@ def check_model_and_data(
     from ddiloco.learner import weights
 
     weights.check(model, model_entry, init_from)
+
+
+def _vocab_size(model: str) -> int:
+    """The vocabulary of a preset or an hf: config (read from its config, nothing built)."""
+    from ddiloco.learner import hf
+
+    if hf.is_hf(model):
+        return int(hf.load_config(model).vocab_size)
+    from ddiloco.learner.model import PRESETS
+
+    if model not in PRESETS:
+        raise ValueError(f"unknown model preset {model!r}; allowed: {', '.join(PRESETS)}")
+    return PRESETS[model].vocab_size
+
+
+def _tokenizer_digest(tokenizer: str | None) -> str | None:
+    from ddiloco.learner.task import tokenizer_digest
+
+    return tokenizer_digest(tokenizer)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -132,9 +132,9 @@ class LearnerConfig(BaseSettings):
     learner_id: str = "learner-0"
     """Stable id of this learner slot; a replacement with the same id takes its place."""
     learner_index: Int = Field(0, ge=0)
-    """Index of this learner among `num_learners`: picks its data shard."""
+    """Index of this learner among `num_learners`: picks its data part."""
     num_learners: Int = Field(1, ge=1)
-    """M, the number of learner slots (for data sharding only)."""
+    """M, the number of learner slots (for data parting only)."""
 
     # --- model and data ---
     model: str = "tiny"
@@ -150,7 +150,17 @@ class LearnerConfig(BaseSettings):
     data_field: str = "text"
     """The text column of JSONL and Parquet data."""
     batch_size: Int = Field(8, ge=1)
-    """Sequences per inner step."""
+    """Sequences per micro-batch, per rank."""
+    grad_accum: Int = Field(1, ge=1, le=4096)
+    """Micro-batches per inner step (gradient accumulation): a step trains
+    `grad_accum * batch_size` sequences per rank, each micro-batch a draw of the slot's
+    stream (learner/corpus.py), with one optimizer step and one gradient all-reduce."""
+    seq_len: Int | None = Field(None, ge=1)
+    """Tokens per training sequence; None: the model's context length (a GPT preset's
+    block_size, an hf config's max_position_embeddings). Refused above that length."""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """Compute precision of the forward pass: bf16 autocast (parameters, gradients and the
+    optimizer stay float32) or fp32. `auto`: bf16 on CUDA, fp32 on CPU."""
     seed: Int = 0
     """Seed of the initial model (identical on every learner) and of this learner's batches."""
     init_from: str | None = None
@@ -159,12 +169,25 @@ class LearnerConfig(BaseSettings):
     Every learner loads it; the first to join uploads it as the job's initial model. Refused
     at startup, with the first mismatch named, when it is not the job's model."""
 
-    # --- inner optimizer (AdamW) ---
+    # --- inner optimizer (AdamW) and its schedule (learner/schedule.py) ---
     inner_lr: float = Field(3e-3, gt=0.0)
     """Peak inner learning rate."""
     weight_decay: float = Field(0.1, ge=0.0)
+    """AdamW's decoupled weight decay."""
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    """AdamW's first-moment decay."""
+    beta2: float = Field(0.95, ge=0.0, lt=1.0)
+    """AdamW's second-moment decay."""
     warmup_steps: Int = Field(20, ge=1)
-    """Linear warm-up of the inner learning rate, in inner steps."""
+    """Linear warm-up of the inner learning rate, in the slot's inner steps."""
+    lr_schedule: Literal["constant", "cosine", "wsd"] = "constant"
+    """After warm-up: `constant`, or a decay over the job's budget (its merged tokens against
+    its total, else max_steps or max_tokens): `cosine` to `min_lr_ratio` of the peak, or
+    `wsd`, the peak until the last `decay_fraction` of the budget, then linearly down."""
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    """Where a decay ends, as a fraction of the peak rate."""
+    decay_fraction: float = Field(0.2, gt=0.0, le=1.0)
+    """The last fraction of the budget over which `wsd` decays."""
     grad_clip: float = Field(1.0, ge=0.0)
     """Clip the gradient norm to this (0 disables)."""
 
@@ -217,7 +240,7 @@ class LearnerConfig(BaseSettings):
     """Ranks in this learner's data-parallel group, one per device: `ddiloco learner` starts
     them (under torchrun, the launcher's WORLD_SIZE is the group instead). To the
     synchronizer the group is one learner."""
-    parallel: Literal["ddp", "fsdp"] = "ddp"
+    parallel: Literal["ddp", "fsdp2"] = "ddp"
     """How the ranks of a group train together: DDP (every rank holds the model) or FSDP2
     (`fully_shard`: parameters sharded over the ranks, for a model one device cannot hold)."""
     threads: Int = Field(1, ge=1)

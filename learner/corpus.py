@@ -14,7 +14,9 @@ is an eval document when ``k % EVAL_EVERY == 0``, until the eval documents hold
 ``EVAL_MAX_TOKENS`` tokens; every other document goes, numbered ``j`` in order, to learner
 ``j % num_learners``. Shards are disjoint from each other and from the eval set. (Token
 arrays, a ``.bin`` or byte-level text, are data.py's: the tail is held out and the rest cut
-into contiguous shards; the contract below holds for both.)
+into contiguous shards; prepared datasets, tokenized once by ``ddiloco prepare``, are
+prepared.py's: this eval rule, applied at prepare time, and chunks dealt round-robin. The
+contract below holds for all three.)
 
 Cache: a learner tokenizes only the eval documents and its own, once; the result is a
 ``uint16`` (``uint32`` beyond 65,536 tokens) file plus a JSON sidecar in ``cache_root()``

@@ -30,7 +30,7 @@ import sysconfig
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Final
+from typing import Final, Protocol
 
 import numpy as np
 import torch
@@ -146,7 +146,24 @@ def shard(tokens: np.ndarray, index: int, count: int) -> np.ndarray:
     return tokens[n * index // count : n * (index + 1) // count]
 
 
-def _windows(tokens: np.ndarray, starts: np.ndarray, block_size: int) -> np.ndarray:
+class TokenSource(Protocol):
+    """A token array read lazily (learner/prepared.py: chunks memory-mapped or fetched by
+    byte ranges): its length, and a batch of windows gathered at once."""
+
+    def __len__(self) -> int: ...
+
+    def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """``[len(starts), length]`` int64 tokens: window ``i`` from ``starts[i]``."""
+        ...
+
+
+Tokens = np.ndarray | TokenSource
+"""What the batch iterator and eval read: an ndarray (a memmap too) or a ``TokenSource``."""
+
+
+def _windows(tokens: Tokens, starts: np.ndarray, block_size: int) -> np.ndarray:
+    if not isinstance(tokens, np.ndarray):
+        return tokens.windows(starts, block_size + 1)
     # One fancy-indexing gather of [len(starts), block_size + 1] tokens: inputs and targets.
     return tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int64)
 
@@ -158,11 +175,62 @@ def _to_device(batch: np.ndarray, device: torch.device) -> tuple[torch.Tensor, t
     return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
 
-def _check_length(tokens: np.ndarray, block_size: int, what: str) -> None:
+def _check_length(tokens: Tokens, block_size: int, what: str) -> None:
     if len(tokens) < block_size + 1:
         raise ValueError(
             f"{what} holds {len(tokens)} tokens, fewer than block_size + 1 = {block_size + 1}"
         )
+
+
+EAGER_WINDOWS: Final = 1 << 22
+"""Up to this many windows per epoch, an epoch's order is a numpy permutation held in memory
+(32 MiB at most); beyond, a ``FeistelOrder``, so a huge shard costs neither the memory nor
+the seconds of a permutation before its first step."""
+
+
+class FeistelOrder:
+    """A pseudo-random bijection of ``[0, n)`` keyed by ``key``, computed per index (nothing
+    held but the key): a 4-round Feistel network on the smallest even number of bits that
+    covers ``n``, cycle-walked back into ``[0, n)`` (a value outside is permuted again until
+    it falls inside, which keeps it a bijection; under 4 rounds on average).
+    ``order[slots]`` gives the windows at those slots, like a permutation array."""
+
+    ROUNDS: Final = 4
+
+    def __init__(self, n: int, key: Sequence[int]) -> None:
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        bits = max(2, (n - 1).bit_length())
+        bits += bits % 2
+        self.n = n
+        self.half = np.uint64(bits // 2)
+        self.mask = np.uint64((1 << (bits // 2)) - 1)
+        rng = np.random.default_rng([int(k) % (1 << 64) for k in key])
+        self.keys = [np.uint64(k) for k in rng.integers(0, 1 << 63, self.ROUNDS)]
+
+    def _round(self, r: np.ndarray, k: np.uint64) -> np.ndarray:
+        x = (r ^ k) * np.uint64(0x9E3779B97F4A7C15)  # splitmix64's mixing, wrapping uint64
+        x ^= x >> np.uint64(31)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(29)
+        return x & self.mask
+
+    def _once(self, x: np.ndarray) -> np.ndarray:
+        left, right = x >> self.half, x & self.mask
+        for k in self.keys:
+            left, right = right, left ^ self._round(right, k)
+        return (left << self.half) | right
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, slots: np.ndarray) -> np.ndarray:
+        y = self._once(np.asarray(slots, dtype=np.uint64))
+        out = y >= self.n
+        while out.any():
+            y[out] = self._once(y[out])
+            out = y >= self.n
+        return y.astype(np.int64)
 
 
 RESERVE_SECONDS: Final = 10.0
@@ -185,7 +253,8 @@ class BatchIterator:
 
     The stream is the shard's windows (``block_size + 1`` tokens at stride ``block_size``:
     neighbours share one token, every next-token pair is a target once per epoch), epoch
-    ``e`` in the order of a permutation drawn from ``numpy.random.default_rng([*seed, e])``. Stream
+    ``e`` in the order of a permutation drawn from ``numpy.random.default_rng([*seed, e])``
+    (beyond ``EAGER_WINDOWS`` windows: a ``FeistelOrder`` keyed by ``[*seed, e]``). Stream
     position ``p`` is window ``perm_e[p % n]`` of epoch ``e = p // n``. A group step takes
     positions ``[position, position + world * batch_size)``, rank ``r`` the ``r``-th
     ``batch_size`` of them, and every rank advances ``position`` by the whole step, so the
@@ -193,11 +262,13 @@ class BatchIterator:
     and the reservation (``reservation()``); ``seek(p)`` moves to position ``p``.
     ``last = (lo, hi)`` are the positions of the group step just drawn. With the logger at
     DEBUG each draw is logged (positions, rank, window indices) before it is trained.
+    The shard is an ndarray (a memmap) or a lazy ``TokenSource``; only its length is read
+    before the first draw.
     """
 
     def __init__(
         self,
-        tokens: np.ndarray,
+        tokens: Tokens,
         batch_size: int,
         block_size: int,
         seed: int | Sequence[int],
@@ -225,7 +296,7 @@ class BatchIterator:
         """Windows per epoch (the shard's tokens minus one, over block_size)."""
         self.position = 0
         self.last = (0, 0)
-        self._perms: dict[int, np.ndarray] = {}
+        self._perms: dict[int, np.ndarray | FeistelOrder] = {}
         self._reserved = 0
         self._interval: float | None = None
         self._drawn_at: float | None = None
@@ -239,11 +310,16 @@ class BatchIterator:
         """Windows one group step consumes: ``world * batch_size``."""
         return self.world * self.batch_size
 
-    def permutation(self, epoch: int) -> np.ndarray:
-        """The order of the windows in ``epoch`` (the same on every rank and replacement)."""
+    def permutation(self, epoch: int) -> np.ndarray | FeistelOrder:
+        """The order of the windows in ``epoch`` (the same on every rank and replacement),
+        indexable by slot: a numpy permutation up to ``EAGER_WINDOWS`` windows, beyond that a
+        ``FeistelOrder`` computed per slot."""
         perm = self._perms.get(epoch)
         if perm is None:
-            perm = np.random.default_rng([*self.seed, epoch]).permutation(self.windows)
+            if self.windows <= EAGER_WINDOWS:
+                perm = np.random.default_rng([*self.seed, epoch]).permutation(self.windows)
+            else:
+                perm = FeistelOrder(self.windows, [*self.seed, epoch])
             self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}
             self._perms[epoch] = perm
         return perm
@@ -317,7 +393,7 @@ def model_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
 @torch.no_grad()
 def eval_loss(
     model: nn.Module,
-    tokens: np.ndarray,
+    tokens: Tokens,
     batch_size: int,
     block_size: int,
     batches: int = 8,

@@ -59,6 +59,7 @@ from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.fragments import Schedule, partition
 from ddiloco.learner.group import Group, Plan
 from ddiloco.learner.metrics import LearnerMetrics
+from ddiloco.learner.schedule import budget_progress
 from ddiloco.learner.streaming import Streamer
 from ddiloco.synchronizer import wire
 from ddiloco.synchronizer.protocol import Heartbeat, UpdateMeta
@@ -74,8 +75,8 @@ class DecoupledDiLoCo:
     """Fragment streaming to the synchronizer, hooked onto `optimizer` (see the module
     docstring). `position` returns the data position (windows of this slot's stream consumed)
     sent in every heartbeat; `steplog` receives one record per step and per fragment event;
-    `digests` adds a SHA-256 of the rank's parameters to every adoption event (a full read
-    of the model: for tests)."""
+    `digests` adds a SHA-256 of the rank's parameters to every adoption event, and on rank 0
+    one of the global copy adopted (a full read of the model: for tests)."""
 
     def __init__(
         self,
@@ -131,6 +132,10 @@ class DecoupledDiLoCo:
         self.resume_step = 0
         """The slot's LR-schedule step at join (`JoinResponse.slot_steps`, every rank knows
         it): the loop's schedule runs at `resume_step + step` (`slot_step`)."""
+        self.job_total_tokens = 0
+        """The job's token budget in merged tokens (0: none), heard at join (every rank)."""
+        self.job_tokens_merged = 0
+        """The job's merged tokens, as rank 0 last heard them (every rank, with each plan)."""
         self.should_stop = False
         self.stop_reason = ""
         self.started = time.monotonic()
@@ -189,6 +194,17 @@ class DecoupledDiLoCo:
             "slot_step": self.slot_step,
         }
 
+    def progress(self) -> float | None:
+        """The fraction of the budget done, which the LR schedule's decay follows
+        (learner/schedule.py `budget_progress`); None without a budget."""
+        return budget_progress(
+            self.cfg,
+            job_total_tokens=self.job_total_tokens,
+            job_tokens_merged=self.job_tokens_merged,
+            steps=self.step,
+            tokens=self.tokens_total,
+        )
+
     @property
     def slot_step(self) -> int:
         """The slot's position in its inner LR schedule: where it resumed plus this
@@ -218,7 +234,7 @@ class DecoupledDiLoCo:
             values = {k: g.full(v).float() for k, v in self.params.items()}
             self._initial_values = values if g.root else None
         got: dict[int, tuple[int, Tensors]] = {}
-        position = slot_steps = finished = 0
+        position = slot_steps = finished = total = merged = 0
         if self.streamer is not None and self.cfg.metrics_port is not None:
             self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_host)
             self.metrics.queue(self.streamer.outbox.depth)
@@ -226,17 +242,19 @@ class DecoupledDiLoCo:
             got = {p: (v, t) for p, v, t in self.streamer.fetch_all()}
             position = self.streamer.resume_position
             slot_steps, finished = self.streamer.slot_steps, int(self.streamer.finished)
+            total, merged = self.streamer.total_tokens, self.streamer.tokens_merged
         self._initial_values = None
-        head = [position, slot_steps, finished]
+        head = [position, slot_steps, finished, total, merged]
         header = torch.tensor(head + [got[p][0] if p in got else 0 for p in range(n)])
         header = g.broadcast(header).tolist()
         self.resume_position, self.resume_step = int(header[0]), int(header[1])
+        self.job_total_tokens, self.job_tokens_merged = int(header[3]), int(header[4])
         if header[2]:  # joined a finished job: nothing to train
             self.should_stop, self.stop_reason = True, "finished"
             if g.root:
                 log.info("The job is finished (its token budget is merged): stopping")
         for p in range(n):
-            self._fold_in(p, int(header[3 + p]), [got[p]] if p in got else [], join=True)
+            self._fold_in(p, int(header[len(head) + p]), [got[p]] if p in got else [], join=True)
         if self.streamer is not None:
             self.streamer.start()
             log.info(
@@ -278,6 +296,7 @@ class DecoupledDiLoCo:
             loss=self.loss,
         )
         plan = g.share(self._plan() if g.root else None, len(self.base))
+        self.job_tokens_merged = plan.tokens_merged
         for p, now in enumerate(plan.handover):
             if now:
                 self._hand_over(p)
@@ -352,7 +371,7 @@ class DecoupledDiLoCo:
                 self.metrics.adoption_lag.observe(max(0, self.step - 1 - arrived_at))
         handover = [p in due and self.c_steps[p] > 0 for p in range(n)]
         adopt = [newest[p] if p in self._arrived else 0 for p in range(n)]
-        return Plan(stop, handover, adopt)
+        return Plan(stop, handover, adopt, tokens_merged=self.streamer.tokens_merged)
 
     def _stop_reason(self) -> str:
         cfg = self.cfg
@@ -385,6 +404,8 @@ class DecoupledDiLoCo:
         event: dict[str, Any] = {"event": "adopt", "fragment": p, "version": version}
         if self.digests:
             event["digest"] = g.digest(list(self.params.items()))
+            if g.root and self.base[p]:  # the global copy adopted (broadcast.py's S_v)
+                event["global_digest"] = g.digest(list(self.base[p].items()))
         self._write({"t": time.time(), **event, "step": self.step})
 
     def _merge(

@@ -80,16 +80,29 @@ class Plan:
     """Per fragment: hand it over now."""
     adopt: list[int]
     """Per fragment: the global version to fold in now (0: none)."""
+    tokens_merged: int = 0
+    """The job's merged tokens as rank 0 last heard them: every rank's LR schedule follows
+    the same budget progress (learner/schedule.py)."""
 
     def encode(self) -> torch.Tensor:
-        codes = [STOP_REASONS.index(self.stop), *map(int, self.handover), *self.adopt]
+        codes = [
+            STOP_REASONS.index(self.stop),
+            self.tokens_merged,
+            *map(int, self.handover),
+            *self.adopt,
+        ]
         return torch.tensor(codes, dtype=torch.int64)
 
     @classmethod
     def decode(cls, codes: torch.Tensor) -> Plan:
         values = codes.tolist()
-        n = (len(values) - 1) // 2
-        return cls(STOP_REASONS[values[0]], [bool(v) for v in values[1 : 1 + n]], values[1 + n :])
+        n = (len(values) - 2) // 2
+        return cls(
+            STOP_REASONS[values[0]],
+            [bool(v) for v in values[2 : 2 + n]],
+            values[2 + n :],
+            tokens_merged=values[1],
+        )
 
 
 @dataclass
@@ -102,9 +115,9 @@ class Group:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     """This rank's training device (and the collectives' device: NCCL needs CUDA tensors)."""
     parallel: str = "ddp"
-    """`ddp` (every rank holds all parameters) or `fsdp` (FSDP2: each rank holds a shard)."""
+    """`ddp` (every rank holds all parameters) or `fsdp2` (each rank holds a shard)."""
     wrapped: str = ""
-    """What `wrap` did: `ddp`, `fsdp`, or `none` (one rank); empty before it ran."""
+    """What `wrap` did: `ddp`, `fsdp2`, or `none` (one rank); empty before it ran."""
 
     @classmethod
     def solo(cls, device: torch.device | str = "cpu") -> Group:
@@ -114,8 +127,8 @@ class Group:
     def join(cls, *, parallel: str = "ddp", device: str = "auto") -> Group:
         """The group this process is a rank of, from the environment (RANK, WORLD_SIZE,
         LOCAL_RANK, MASTER_ADDR, MASTER_PORT); a solo group without WORLD_SIZE > 1."""
-        if parallel not in ("ddp", "fsdp"):
-            raise ValueError(f"parallel must be 'ddp' or 'fsdp', got {parallel!r}")
+        if parallel not in ("ddp", "fsdp2"):
+            raise ValueError(f"parallel must be 'ddp' or 'fsdp2', got {parallel!r}")
         cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
         if not in_group():
             return cls.solo(("cuda" if cuda else "cpu") if device == "auto" else device)
@@ -143,7 +156,7 @@ class Group:
 
     @property
     def sharded(self) -> bool:
-        return self.world > 1 and self.parallel == "fsdp"
+        return self.world > 1 and self.parallel == "fsdp2"
 
     def close(self) -> None:
         if self.world > 1 and dist.is_initialized():
@@ -158,7 +171,7 @@ class Group:
             self.wrapped = "none"
             return model
         self.wrapped = self.parallel
-        if self.parallel == "fsdp":
+        if self.parallel == "fsdp2":
             from torch.distributed.fsdp import fully_shard
 
             for module in list(model.modules()):
@@ -186,7 +199,7 @@ class Group:
         if self.world == 1:
             assert plan is not None
             return plan
-        size = 1 + 2 * num_fragments
+        size = 2 + 2 * num_fragments
         codes = plan.encode() if plan is not None else torch.zeros(size, dtype=torch.int64)
         return Plan.decode(self.broadcast(codes))
 

@@ -146,7 +146,7 @@ def wait_for_slot(args: Any, environ: MutableMapping[str, str] | None = None) ->
     # the pod's own file, which the operator rewrites to the slot's credential on promotion
     env["DDILOCO_TOKEN"] = found["token"]
     log.info(
-        "Spare %s takes over slot %s (data shard %s of %s) after %.1fs standing by",
+        "Spare %s takes over slot %s (data part %s of %s) after %.1fs standing by",
         pod,
         found["learner_id"],
         found["learner_index"],

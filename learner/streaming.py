@@ -33,7 +33,10 @@ Fragments come from the shard's bulk port (the upload port, synchronizer/bulk.py
 one, each body read into a buffer of its own that the adopted tensors view (sender.py), by the
 uploads' rules (learner/uploads.py): while the port is unreachable, from the main URL; a fetch
 the port turns away (503, a reset) or fails otherwise goes to the main URL at once; a port that
-does not serve fragments (404 or 405: an older synchronizer) is not asked again.
+does not serve fragments (404 or 405: an older synchronizer) is not asked again. With a delta
+broadcast encoding (synchronizer/broadcast.py) each fetch names the copy held of the fragment
+(`held`: its last download, or at join our own initial values by their content) and gets the
+quantized delta from it, or nothing when it is current, or the whole fragment.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ from ddiloco.learner.data import join_reserve
 from ddiloco.learner.metrics import LearnerMetrics
 from ddiloco.learner.outbox import Entry, Outbox
 from ddiloco.learner.uploads import UPLOAD_FALLBACK_S, upload_overrides, with_port
-from ddiloco.synchronizer import codec
+from ddiloco.synchronizer import broadcast, codec
+from ddiloco.synchronizer.broadcast import Held
 from ddiloco.synchronizer.client import SyncClient, SyncRefused, SyncUnavailable
 from ddiloco.synchronizer.protocol import (
     LAYOUT_KEY,
@@ -131,6 +135,12 @@ class Streamer:
         self.no_downloads = [False] * len(self.urls)
         """Per shard: its upload port does not serve fragments (404/405): fetch from main."""
         self.versions: list[int] = [0] * len(layout.fragments)
+        self.held: dict[int, Held] = {}
+        """Per fragment served in a delta encoding: the copy last downloaded and its token
+        (each fragment's downloads run in its shard's one thread, or at startup); before
+        the first, our own initial values under their content's token (`_hold_initial`)."""
+        self.broadcast_encoding = "float32"
+        """How the synchronizer serves fragments, as it said at join (broadcast.py)."""
         self.outbox = Outbox(len(layout.fragments))
         self.left: dict[int, dict[str, int]] = {}
         self.arrived: queue.Queue[tuple[int, int, Tensors]] = queue.Queue()
@@ -153,6 +163,11 @@ class Streamer:
         self.finished = False
         """A shard said the job's token budget is merged (at join or in a heartbeat's
         answer): the learner hands over what it holds and stops (synchronizer/budget.py)."""
+        self.total_tokens = 0
+        """The job's token budget (0: none), as the shards answered at join."""
+        self.tokens_merged = 0
+        """The job's merged tokens, the highest any shard last answered: each counts every
+        token (synchronizer/budget.py), so the highest is the freshest estimate."""
         self.threads: list[threading.Thread] = []
         # one token source for both threads: a rotated token file is re-read once for both
         self.tokens = cfg.token_source()
@@ -188,12 +203,18 @@ class Streamer:
             incarnation_floor=self.incarnation,  # one incarnation on every shard
             # the draws before our first heartbeat lands (learner/corpus.py, the data contract)
             data_reserve=join_reserve(
-                self.cfg.batch_size,
+                self.cfg.batch_size * self.cfg.grad_accum,
                 int(os.environ.get("WORLD_SIZE") or getattr(self.cfg, "nproc_per_node", 1)),
             ),
             tokens_per_step=self.tokens_per_step or None,
         )
-        resp = client.join(req)
+        try:
+            resp = client.join(req)
+        except SyncRefused as e:
+            if e.status == 409 and "layout" in e.detail:  # not this job's model: one line
+                msg = f"the synchronizer at {self.urls[shard]} refused: {e.detail}"
+                raise UsageError(msg) from None
+            raise
         accepted = getattr(resp, "update_encodings", None)  # [] from an older synchronizer
         if accepted and self.cfg.update_encoding not in accepted:
             # a job misconfigured, not an outage: stop with one line (exit 2, learner/cli.py)
@@ -204,6 +225,7 @@ class Streamer:
                 "synchronizer's DDILOCO_UPDATE_ENCODINGS"
             )
         self._check_shard(resp, shard)
+        self.broadcast_encoding = getattr(resp, "broadcast_encoding", "float32")
         if not self.fixed_uploads and not getattr(self.cfg, "upload_http2", False):
             port = getattr(resp, "upload_port", None)
             self.upload_urls[shard] = with_port(self.urls[shard], port) if port else None
@@ -214,6 +236,8 @@ class Streamer:
         self.slot_steps = max(self.slot_steps, int(getattr(resp, "slot_steps", 0) or 0))
         if getattr(resp, "finished", False):
             self.finished = True
+        self.total_tokens = max(self.total_tokens, resp.total_tokens)
+        self.tokens_merged = max(self.tokens_merged, resp.tokens_merged)
         if not resp.initialized:
             meta = {LAYOUT_KEY: self.layout.model_dump_json()}
             try:  # what the job trains, for `ddiloco export` (learner/hf.py model_spec)
@@ -253,6 +277,7 @@ class Streamer:
                     if self.issued.get(i, 0) < self.incarnation:
                         self.join(client, i)
                 out = []
+                self._hold_initial()
                 for spec in self.layout.fragments:
                     shard = self.owners[spec.index]
                     version, tensors = self._fetch(shard, clients[shard], spec.index, ports)
@@ -268,6 +293,25 @@ class Streamer:
                 log.info("Synchronizer not reachable yet (%s); retrying in %.2fs", e, wait)
                 self.stop_event.wait(wait)
         raise RuntimeError("stopped before the synchronizer answered")
+
+    def _hold_initial(self) -> None:
+        """With a delta broadcast encoding: hold our initial values of each fragment not yet
+        held, under the token of their content (`broadcast.initial_token`), so that a
+        version 0 equal to them is not downloaded, and version 1 comes as a delta. Copies:
+        the parameters change as the loop trains, a held copy never does."""
+        if self.broadcast_encoding not in broadcast.DELTAS or len(self.held) == len(
+            self.layout.fragments
+        ):
+            return
+        values = self.initial()
+        for spec in self.layout.fragments:
+            if spec.index in self.held:
+                continue
+            tensors = {
+                t.name: values[t.name].detach().to("cpu", torch.float32, copy=True)
+                for t in spec.tensors
+            }
+            self.held[spec.index] = Held(broadcast.initial_token(tensors), tensors)
 
     def start(self) -> None:
         for shard in range(len(self.urls)):  # a control and an upload thread per shard
@@ -355,6 +399,7 @@ class Streamer:
                     self.shard_requested[shard] = set(resp.requested)
                     if resp.finished:  # any shard's word ends the job (synchronizer/budget.py)
                         self.finished = True
+                    self.tokens_merged = max(self.tokens_merged, resp.tokens_merged)
                     self.requested = set().union(*self.shard_requested)
                     for p, v in enumerate(resp.versions):
                         if p in mine and v > have[p]:
@@ -408,7 +453,7 @@ class Streamer:
         docstring)."""
         url = self._upload_target(shard)
         if url == self.urls[shard] or self.no_downloads[shard]:
-            return main.fragment(p)
+            return self._download(main, p)
         port = ports.get(shard)
         if port is None or port.base_url != url.rstrip("/"):
             if port is not None:
@@ -417,7 +462,7 @@ class Streamer:
                 url, self.tokens, http2=False, tls=self.tls, sendmsg=True
             )
         try:
-            return port.fragment(p)
+            return self._download(port, p)
         except SyncUnavailable as e:  # a GET is safe to repeat: the main URL at once
             if not self._fall_back(shard, port, e):
                 log.debug("Upload port %s: fragment %d from %s (%s)", url, p, main.base_url, e)
@@ -433,7 +478,19 @@ class Streamer:
             )
         finally:
             self._count(port)
-        return main.fragment(p)
+        return self._download(main, p)
+
+    def _download(self, client: SyncClient, p: int) -> tuple[int, Tensors]:
+        """Fragment p through `client`, asking for a delta from the copy held of it (a delta
+        broadcast encoding, synchronizer/broadcast.py); the copy it arrives as is held next.
+        The arrived tensors are never written to (the loop adopts them; the next delta is
+        written into tensors of its own): holding them keeps one float32 copy of p."""
+        version, got = client.download(p, self.held.get(p))
+        if got.token is None:
+            self.held.pop(p, None)
+        else:
+            self.held[p] = Held(got.token, got.tensors)
+        return version, got.tensors
 
     def _upload_client(self, shard: int, client: SyncClient | None) -> SyncClient:
         """The client for the shard's current upload target (a new one when it moved)."""

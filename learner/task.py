@@ -16,8 +16,10 @@ Built in: a ``GPT`` preset (``model.PRESETS``) or a Hugging Face config (``hf:PA
 tokenization text files and the default stdlib corpus: ``data.load_tokens``) hold out their
 tail for eval and cut the rest into one contiguous shard per learner; documents (JSONL,
 Parquet, and text under a model's tokenizer: ``corpus.load_corpus``) hold out every 20th
-document and deal the others round-robin. The tokenizer is ``tokenizer`` (a local path),
-else an ``hf:`` model directory's own, else bytes. The model is initialised right after
+document and deal the others round-robin; a prepared dataset (``ddiloco prepare``: a
+directory or URL with a manifest, ``prepared.py``) is read lazily, its chunks dealt
+round-robin, its eval set held out at prepare time. The tokenizer is ``tokenizer`` (a local
+path), else an ``hf:`` model directory's own, else bytes. The model is initialised right after
 ``torch.manual_seed(seed)``, so every learner starts from the same weights, unless it starts
 from a file's: an ``hf:`` directory's own weights, or ``init_from``'s (any model, a model
 entry's too: learner/weights.py), the same file on every learner. Its stream of windows is
@@ -53,8 +55,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ddiloco.learner import corpus, documents, hf, weights
-from ddiloco.learner.data import BatchIterator, eval_loss, load_tokens, shard, split_eval
+from ddiloco.learner import corpus, documents, hf, prepared, weights
+from ddiloco.learner.data import BatchIterator, Tokens, eval_loss, load_tokens, shard, split_eval
 from ddiloco.learner.model import build_model, is_embedding_param
 
 log = logging.getLogger(__name__)
@@ -115,12 +117,14 @@ def build_task(
     eval_only: bool = False,
     cache_dir: str | None = None,
     init_from: str | None = None,
+    seq_len: int | None = None,
 ) -> Task:
     """The ``Task`` of rank ``rank`` of ``world`` of learner ``learner_index`` of
     ``num_learners`` (see the module docstring). ``eval_only``: for an evaluator, which
     never trains; only the eval set is read, and the batches are its windows.
     ``init_from``: a model directory whose safetensors weights the model starts from
-    (``weights.WeightsError`` when they are not this model's)."""
+    (``weights.WeightsError`` when they are not this model's). ``seq_len``: tokens per
+    training sequence, at most the model's context length (its default)."""
     if num_learners < 1:
         raise ValueError(f"num_learners must be >= 1, got {num_learners}")
     if not 0 <= learner_index < num_learners:
@@ -134,6 +138,7 @@ def build_task(
         return task
 
     torch.manual_seed(seed)
+    given_tokenizer = tokenizer  # a prepared dataset is checked against this one only
     loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
     if hf.is_hf(preset):
         model: nn.Module = hf.build_model(preset, init_from=init_from).to(device)
@@ -151,9 +156,31 @@ def build_task(
         block_size, vocab_size = model.config.block_size, model.config.vocab_size
         loss_fn = gpt_loss
         embedding = {name for name, _ in model.named_parameters() if is_embedding_param(name)}
-    train, held_out = _tokens(
-        data, tokenizer, data_field, learner_index, num_learners, vocab_size, eval_only, cache_dir
-    )
+    if seq_len is not None:
+        if not 1 <= seq_len <= block_size:
+            raise ValueError(
+                f"seq_len {seq_len} must be in [1, {block_size}]: the model's context length "
+                f"is {block_size} tokens"
+            )
+        block_size = seq_len
+    train: Tokens
+    if prepared.is_prepared(data):  # tokenized by `ddiloco prepare`: read lazily
+        assert data is not None
+        ds = prepared.open_dataset(data)
+        ds.check_model(vocab_size, tokenizer_digest(given_tokenizer))
+        held_out = ds.eval()
+        train = held_out if eval_only else ds.train(learner_index, num_learners)
+    else:
+        train, held_out = _tokens(
+            data,
+            tokenizer,
+            data_field,
+            learner_index,
+            num_learners,
+            vocab_size,
+            eval_only,
+            cache_dir,
+        )
     if len(held_out) < block_size + 1:
         raise ValueError(
             f"the eval set of {data or 'the stdlib corpus'} holds {len(held_out)} tokens, fewer "
@@ -185,6 +212,14 @@ def build_task(
         tokens_per_batch=batch_size * block_size,
         embedding_params=embedding,
     )
+
+
+def tokenizer_digest(tokenizer: str | None) -> str | None:
+    """The digest a corpus tokenized with ``tokenizer`` (a local path) carries, as
+    ``corpus.HFTokens`` names it; None for None."""
+    if tokenizer is None:
+        return None
+    return f"hf-{hf.tokenizer_digest(Path(tokenizer).expanduser())}"
 
 
 def _tokens(

@@ -10,7 +10,7 @@ over and the uploads get up to drain_s). Its "stop" record carries the token led
 fragment (`ledger_record`): computed, delivered, refused, left unsent.
 
 In a group (`--nproc-per-node N`, learner/launch.py, or torchrun) every rank runs this same
-loop on its own batches: DDP (or FSDP2 with parallel=fsdp) around the model, rank 0 streaming
+loop on its own batches: DDP (or FSDP2 with parallel=fsdp2) around the model, rank 0 streaming
 for the group (learner/group.py). Rank r > 0 logs to `<log stem>.rank<r>.jsonl`.
 """
 
@@ -23,19 +23,21 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+from torch import nn
 
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.diloco import DecoupledDiLoCo
 from ddiloco.learner.group import Group
 from ddiloco.learner.launch import init_logging
+from ddiloco.learner.schedule import ScheduleError, check, learning_rate
 from ddiloco.learner.task import Task, build_task
 
-__all__ = ["StepLog", "init_logging", "ledger_record", "lr_at", "pick_device", "train"]
+__all__ = ["ScheduleError", "StepLog", "init_logging", "ledger_record", "pick_device", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +66,21 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def lr_at(step: int, cfg: LearnerConfig) -> float:
-    """Linear warm-up then constant: learners may run for an unknown time (no cosine end).
-    `step` is the slot's (`DecoupledDiLoCo.slot_step`): a replacement resumes the schedule
-    where its slot was, and does not warm up again."""
-    if step < cfg.warmup_steps:
-        return cfg.inner_lr * (step + 1) / cfg.warmup_steps
-    return cfg.inner_lr
+def autocast_for(precision: str, device: torch.device) -> AbstractContextManager[Any]:
+    """The forward pass's precision: bf16 autocast, or nothing (fp32). `auto`: bf16 on CUDA."""
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def micro_batches(model: nn.Module, count: int) -> list[AbstractContextManager[Any]]:
+    """One context per micro-batch of a step: every one but the last skips DDP's gradient
+    all-reduce (`no_sync`), so a step of `count` micro-batches all-reduces once. FSDP2 and
+    a single rank need nothing."""
+    no_sync = getattr(model, "no_sync", None)
+    if count == 1 or no_sync is None:
+        return [nullcontext() for _ in range(count)]
+    return [no_sync() for _ in range(count - 1)] + [nullcontext()]
 
 
 def ledger_record(diloco: DecoupledDiLoCo) -> list[dict[str, Any]]:
@@ -119,6 +129,7 @@ def make_task(cfg: LearnerConfig, group: Group) -> Task:
         tokenizer=cfg.tokenizer,
         data_field=cfg.data_field,
         init_from=cfg.init_from,
+        seq_len=cfg.seq_len,
     )
 
 
@@ -131,12 +142,10 @@ def train(cfg: LearnerConfig, *, digests: bool = False) -> dict[str, Any]:
     task = make_task(cfg, group)
     model = group.wrap(task.model)  # DDP / FSDP2 in a group; task.model keeps the names
     opt = torch.optim.AdamW(
-        model.parameters(), lr=cfg.inner_lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
-    )
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if group.device.type == "cuda"
-        else nullcontext()
+        model.parameters(),
+        lr=cfg.inner_lr,
+        weight_decay=cfg.weight_decay,
+        betas=(cfg.beta1, cfg.beta2),
     )
     steplog = StepLog(rank_log_path(cfg.log_path, group.rank))
     batches = task.batches
@@ -149,7 +158,7 @@ def train(cfg: LearnerConfig, *, digests: bool = False) -> dict[str, Any]:
         opt,
         cfg,
         embedding=task.embedding_params,
-        tokens_per_step=group.world * task.tokens_per_batch,
+        tokens_per_step=group.world * cfg.grad_accum * task.tokens_per_batch,
         position=position,
         group=group,
         steplog=steplog.write,
@@ -159,6 +168,7 @@ def train(cfg: LearnerConfig, *, digests: bool = False) -> dict[str, Any]:
     if group.root:
         log.info("Learner %s starting: device=%s config=%r", cfg.learner_id, group.device, cfg)
     with diloco:
+        check(cfg, diloco.job_total_tokens)  # a decay needs a budget: the job's or our own
         steplog.write({"event": "start", "t": time.time(), "pid": os.getpid(), **diloco.stats()})
         at = getattr(batches, "position", None)
         if at is not None and diloco.resume_position > at:  # a replacement: go on from there
@@ -169,15 +179,19 @@ def train(cfg: LearnerConfig, *, digests: bool = False) -> dict[str, Any]:
         model.train()
         step = 0
         while not diloco.should_stop:
+            lr = learning_rate(cfg, diloco.slot_step, diloco.progress())
             for g in opt.param_groups:
-                g["lr"] = lr_at(diloco.resume_step + step, cfg)
-            x, y = next(batches)
-            with autocast:
-                loss = task.loss_fn(model, x, y)
-            loss.backward()
+                g["lr"] = lr
+            lossf = 0.0
+            for sync in micro_batches(model, cfg.grad_accum):
+                x, y = next(batches)
+                with sync:  # the backward too: DDP all-reduces in it, or not
+                    with autocast_for(cfg.precision, group.device):
+                        loss = task.loss_fn(model, x, y) / cfg.grad_accum
+                    loss.backward()
+                lossf += float(loss.detach())
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            lossf = float(loss.detach())
             if not math.isfinite(lossf):
                 raise FloatingPointError(f"inner loss became {lossf} at step {step}")
             diloco.report_loss(lossf)

@@ -3,7 +3,7 @@
     ddiloco local                                   # 4 learners, tiny GPT, 60 s, stdlib corpus
     ddiloco local --learners 3 --max-seconds 60 --seed 1 --report r.json
     ddiloco local --chaos kill                      # SIGKILL a learner every ~12 s, restart it
-    ddiloco local --chaos kill --warm-spares 0      # ... without the hot spare taking over
+    ddiloco local --chaos kill --hot-spares 0      # ... without the hot spare taking over
     ddiloco local --tls                             # HTTPS (h2 by ALPN), the run's own CA
     ddiloco local --mtls                            # ... and client certificates (mutual TLS)
     ddiloco local --learner-metrics                 # learners serve /metrics: <out>/metrics.json
@@ -35,6 +35,7 @@ from rich.text import Text
 from ddiloco.cli.errors import UsageError, fail, usage_errors
 from ddiloco.local.chaos import KINDS
 from ddiloco.local.launcher import LocalConfig, LocalRun
+from ddiloco.synchronizer.protocol import BROADCAST_ENCODINGS
 
 PROG = "ddiloco local"
 
@@ -145,7 +146,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "(needs --max-steps; kill, pause, partition, slow, straggler)",
     )
     ap.add_argument(
-        "--warm-spares",
+        "--hot-spares",
         type=int,
         default=1,
         help="pre-started learner processes that replace killed ones (default 1; 0: a killed "
@@ -179,6 +180,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default="bfloat16",
         help="how learners send updates, and the one the synchronizer accepts: float32, "
         "bfloat16 (default), or blockwise int8 / int4 with error feedback",
+    )
+    ap.add_argument(
+        "--broadcast-encoding",
+        choices=list(BROADCAST_ENCODINGS),
+        default="float32",
+        help="how the synchronizer serves merged fragments: float32 (default), bfloat16, int8, "
+        "or int8-delta / int4-delta (quantized deltas from the copy each learner holds)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, help="run directory (default runs/local-<time>)")
@@ -345,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             outer_momentum=args.outer_momentum,
             batch_size=args.batch_size,
             inner_lr=args.inner_lr,
-            warm_spares=args.warm_spares,
+            hot_spares=args.hot_spares,
             spare_takeover=args.spare_takeover,
             tls=args.tls,
             mtls=args.mtls,
@@ -353,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             learner_metrics=args.learner_metrics,
             sync_shards=args.sync_shards,
             update_encoding=args.update_encoding,
+            broadcast_encoding=args.broadcast_encoding,
             **({"out": args.out} if args.out else {}),
         )
         from ddiloco.learner.cli import check_model_and_data

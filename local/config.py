@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddiloco.local.chaos import Schedule
+from ddiloco.synchronizer.protocol import BROADCAST_ENCODINGS
 
 
 @dataclass(kw_only=True)
@@ -72,11 +73,11 @@ class LocalConfig:
     out: Path = field(default_factory=lambda: Path("runs") / time.strftime("local-%Y%m%d-%H%M%S"))
     schedule: Schedule | None = None
     """A ready chaos schedule; None derives one from `chaos` and `seed`."""
-    warm_spares: int = 0
+    hot_spares: int = 0
     """Pre-warmed spare learner processes standing by to replace killed ones (local/spare.py);
     0 restarts a killed learner as a fresh process."""
     spare_takeover: str = "after-delay"
-    """When a killed learner's slot goes to a warm spare: `immediate` (hot spares, as the
+    """When a killed learner's slot goes to a hot spare: `immediate` (hot spares, as the
     operator's `failurePolicy.hotSpares`: the schedule's long-tailed delay models a pod's
     rescheduling and image pull, which a started spare does not pay; without a ready spare
     the delay applies) or `after-delay` (the spare only saves the import once the delay is
@@ -93,6 +94,9 @@ class LocalConfig:
     update_encoding: str = "bfloat16"
     """How learners send updates (synchronizer/wire.py: float32, bfloat16, int8, int4); the
     synchronizer is configured to accept that one alone."""
+    broadcast_encoding: str = "float32"
+    """How the synchronizer serves merged fragments (synchronizer/broadcast.py: float32,
+    bfloat16, int8, int8-delta, int4-delta)."""
     sync_shards: int = 1
     """S, synchronizer shards, each a process with its own state dir and port."""
     tensorboard: Path | None = None
@@ -124,6 +128,11 @@ class LocalConfig:
             raise ValueError(
                 f"update_encoding must be float32, bfloat16, int8 or int4, got "
                 f"{self.update_encoding!r}"
+            )
+        if self.broadcast_encoding not in BROADCAST_ENCODINGS:
+            raise ValueError(
+                f"broadcast_encoding must be one of {', '.join(BROADCAST_ENCODINGS)}, got "
+                f"{self.broadcast_encoding!r}"
             )
         if self.spare_takeover not in ("immediate", "after-delay"):
             raise ValueError(

@@ -46,8 +46,9 @@ import torch
 import torch.distributed as dist
 
 from ddiloco.learner.config import LearnerConfig
+from ddiloco.learner.schedule import budget_progress, learning_rate
 from ddiloco.learner.task import build_task
-from ddiloco.learner.train import StepLog, lr_at
+from ddiloco.learner.train import StepLog
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m ddiloco.local.dp", description=__doc__)
     # --- membership ---
     ap.add_argument("--slot", type=int, required=True, help="this rank's learner slot")
-    ap.add_argument("--slots", type=int, required=True, help="M, learner slots (data shards)")
+    ap.add_argument("--slots", type=int, required=True, help="M, learner slots (data parts)")
     ap.add_argument("--gen-file", type=Path, required=True, help="generations from the launcher")
     ap.add_argument("--ckpt", type=Path, required=True, help="the group's checkpoint file")
     ap.add_argument("--ckpt-every", type=int, default=10, help="steps between checkpoints")
@@ -179,10 +180,16 @@ class Rank:
             }
         )
 
+    def _progress(self) -> float | None:
+        """Where a decaying LR schedule stands: this process's own budget (no job's)."""
+        return budget_progress(
+            self.cfg, job_total_tokens=self.tokens, job_tokens_merged=0, steps=self.step, tokens=0
+        )
+
     def train_step(self) -> None:
         t0 = time.perf_counter()
         for group in self.opt.param_groups:
-            group["lr"] = lr_at(self.step, self.cfg)
+            group["lr"] = learning_rate(self.cfg, self.step, self._progress())
         x, y = next(self.task.batches)
         self.batches_drawn += 1
         loss = self.task.loss_fn(self.model, x, y)

@@ -21,7 +21,7 @@ the schedule with the semantics of a synchronous job:
 Goodput is counted by local/goodput.py exactly as for the learners: each
 slot holds its allocation for the whole run, busy time is forward, backward and optimizer
 time of steps that were not rolled back, outside SIGSTOPs. The global model's eval loss is
-measured on the checkpoint file as it is written, by a thread like local/evaluator.py.
+measured on the checkpoint file as it is written, by a thread like learner/evaluator.py's.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class DPConfig:
     schedule: Schedule | None = None
     ckpt_every: int = 10
     """Steps between checkpoints (work since the last one is lost on a failure)."""
-    warm_spares: int = 0
+    hot_spares: int = 0
     """Pre-warmed processes standing by to replace a killed rank (local/spare.py)."""
     eval_every: float = 5.0
     out: Path = field(default_factory=lambda: Path("runs") / time.strftime("dp-%Y%m%d-%H%M%S"))
@@ -143,8 +143,8 @@ class DPRun(Supervisor):
             for i, lid in enumerate(self.ids)
         ]
         self.spares = (
-            SparePool("ddiloco.local.dp", env, self.out / "logs" / "spares", cfg.warm_spares)
-            if cfg.warm_spares
+            SparePool("ddiloco.local.dp", env, self.out / "logs" / "spares", cfg.hot_spares)
+            if cfg.hot_spares
             else None
         )
         self.members = [i for i, lid in enumerate(self.ids) if lid not in self.schedule.absent]
@@ -248,7 +248,7 @@ class DPRun(Supervisor):
         for slot in back:
             del self.down[slot]
         if back:
-            # Publish, then start: a warm spare reads the generation file within milliseconds,
+            # Publish, then start: a hot spare reads the generation file within milliseconds,
             # and one that still saw the old generation listing its slot would join that dead
             # group while its peers wait for it in the new one (seen once in CI).
             self._publish()

@@ -175,6 +175,7 @@ class LocalRun(Supervisor):
             DDILOCO_OUTER_MOMENTUM=str(c.outer_momentum),
             DDILOCO_COUNTER_CAP_STEPS=str(4 * c.h),
             DDILOCO_UPDATE_ENCODINGS=c.update_encoding,
+            DDILOCO_BROADCAST_ENCODING=c.broadcast_encoding,
             DDILOCO_MERGE_SCALE=c.merge_scale,
         )
         name = "synchronizer" if c.sync_shards == 1 else f"synchronizer-{shard}"
@@ -233,7 +234,7 @@ class LocalRun(Supervisor):
             argv += ["--init-from", c.init_from]
         if c.nproc_per_node > 1:
             argv += ["--nproc-per-node", str(c.nproc_per_node)]
-        if c.tls:  # flags, not env: a warm spare takes the slot's argv (local/spare.py)
+        if c.tls:  # flags, not env: a hot spare takes the slot's argv (local/spare.py)
             argv += ["--ca-file", str(self.tls_dir / "ca.crt")]
         if c.mtls:
             argv += ["--client-cert", str(self.tls_dir / f"{lid}.crt")]
@@ -248,7 +249,7 @@ class LocalRun(Supervisor):
         return Child(lid, argv, env, self.out / "logs" / f"{lid}.log")
 
     def _start_learner(self, child: Child) -> None:
-        """Start a slot with the steps it has left; a restart may take a warm spare."""
+        """Start a slot with the steps it has left; a restart may take a hot spare."""
         argv = list(child.argv)
         if self.cfg.max_steps:
             left = max(1, self.cfg.max_steps - self.steps_done(child.name))
@@ -277,7 +278,7 @@ class LocalRun(Supervisor):
 
     def inject(self, ev: ChaosEvent, now: float) -> dict[str, Any] | None:
         """Signal a process, cut its relay, start or stop a scavenged slot; the record adds
-        `hot_spare` (a killed learner handed to a warm spare at once)."""
+        `hot_spare` (a killed learner handed to a hot spare at once)."""
         child = self._by_name()[ev.target]
         hot = False  # handed to a hot spare at once (spare_takeover immediate)
         if ev.action == "add":
@@ -378,7 +379,7 @@ class LocalRun(Supervisor):
         return all(c.finished for c in self.learners)
 
     def run(self) -> dict[str, Any]:
-        from ddiloco.local.evaluator import GlobalEvaluator
+        from ddiloco.learner.evaluator import GlobalEvaluator
         from ddiloco.local.report import build_report
 
         (self.out / "schedule.json").write_text(self.schedule.to_json())
@@ -391,7 +392,7 @@ class LocalRun(Supervisor):
                 scrapes.write_index(self.out, self.url, self.metrics_ports, self.urls)
             for proxy in self.proxies.values():
                 proxy.start()
-            if self.cfg.warm_spares:
+            if self.cfg.hot_spares:
                 from ddiloco.local.spare import SparePool
 
                 pool_env = dict(self.learners[0].env)
@@ -400,7 +401,7 @@ class LocalRun(Supervisor):
                     "ddiloco.learner.train",
                     pool_env,
                     self.out / "logs" / "spares",
-                    size=self.cfg.warm_spares,
+                    size=self.cfg.hot_spares,
                 )
                 self.spares.fill()
             self.t_launch = time.time()
@@ -421,6 +422,7 @@ class LocalRun(Supervisor):
                 tokenizer=c.tokenizer,
                 data_field=c.data_field,
                 init_from=c.init_from,
+                post=True,  # the synchronizer's /v1/status and ddiloco_eval_* show it too
             )
             self.evaluator.start()
             self.wait_first_step(

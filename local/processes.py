@@ -65,7 +65,7 @@ class Child:
         self.restart_at = None
 
     def adopt(self, proc: subprocess.Popen[bytes]) -> None:
-        """Take over a process started elsewhere (a warm spare, local/spare.py) as this
+        """Take over a process started elsewhere (a hot spare, local/spare.py) as this
         slot's next start."""
         self.proc = proc
         self.starts.append(time.time())

@@ -233,7 +233,7 @@ def build_report(run: LocalRun) -> dict[str, Any]:
             "max_seconds": cfg.max_seconds,
             "max_steps": cfg.max_steps,
             "total_tokens": cfg.total_tokens,
-            "warm_spares": cfg.warm_spares,
+            "hot_spares": cfg.hot_spares,
             "spare_takeover": cfg.spare_takeover,
             "batch_size": cfg.batch_size,
             "tokens_per_step": _tokens_per_batch(run),

@@ -1,5 +1,5 @@
 """What a local run's supervisor does whatever it supervises: the clock, the learner slots'
-logs, starting a child through the warm spare pool, and the chaos loop.
+logs, starting a child through the hot spare pool, and the chaos loop.
 
     class Run(Supervisor):
         def inject(self, ev, now):   # apply one due event; None: it did not apply
@@ -62,7 +62,7 @@ class Supervisor:
         self.schedule = schedule
         self._steps = StepCounter(self.learner_log)
         self.spares: Any = None
-        """local/spare.py's SparePool, when the run keeps warm spares."""
+        """local/spare.py's SparePool, when the run keeps hot spares."""
         self.applied: list[dict[str, Any]] = []
         """The chaos events applied, in order (the report's `chaos_applied`)."""
         self.t0 = 0.0
@@ -104,7 +104,7 @@ class Supervisor:
             time.sleep(0.05)
 
     def start_child(self, child: Child, argv: list[str] | None = None, spare: bool = True) -> None:
-        """Start `child` (with `argv`, else its own), as a warm spare when the pool has one
+        """Start `child` (with `argv`, else its own), as a hot spare when the pool has one
         ready and `spare`, else as a fresh process."""
         argv = argv or child.argv
         proc = None

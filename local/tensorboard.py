@@ -7,8 +7,9 @@ Each run writes into its own folder under the given directory (named after the r
 folder), so runs sit side by side in TensorBoard. Scalars, every one with the wall-clock time it
 was measured and, as its step, the global version (merges so far) at that moment:
 
-- `eval/loss`: the global model's held-out loss, as the evaluator measures it (local/evaluator.py),
-  from the initial model (version 0) on;
+- `eval/loss`, `eval/perplexity`: the global model's held-out loss and e^loss, as the evaluator
+  measures them (learner/evaluator.py), from the initial model (version 0) on; `ddiloco evaluate
+  --tensorboard DIR` (learner/evaluate.py) writes these alone, through this same sink;
 - `train/loss/<learner>`: each learner's last training loss, step = that learner's inner step;
 - `sync/tokens_merged`, `sync/bytes_up`, `sync/bytes_down`: the synchronizer's counts, every second;
 - `run/goodput`, `run/merged_work_ratio`, `run/tokens_computed`: the report's definitions over
@@ -23,6 +24,7 @@ of server): `pip install 'decoupled-diloco[tensorboard]'`.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +57,11 @@ class TensorBoardSink:
     def start(self, t0: float, initial_loss: float | None) -> None:
         self.t0 = t0
         if initial_loss is not None:
-            self._scalar("eval/loss", initial_loss, 0, 0.0)
+            self.eval(0.0, initial_loss, 0)
 
     def eval(self, t: float, loss: float, version: int) -> None:
         self._scalar("eval/loss", loss, version, t)
+        self._scalar("eval/perplexity", math.exp(min(loss, 709.0)), version, t)
 
     def sample(self, sample: dict[str, Any]) -> None:
         t, self.version = sample["t"], sample["version"]

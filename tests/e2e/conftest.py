@@ -112,7 +112,7 @@ def reported_run(tmp_path_factory: pytest.TempPathFactory) -> ReportedRun:
 
     tmp = tmp_path_factory.mktemp("reported-run")
     cmd = [sys.executable, "-P", "-m", "ddiloco.cli.main", "local", "--learners", "2"]
-    cmd += ["--max-seconds", "10", "--seed", "1", "--chaos", "kill+pause", "--warm-spares", "0"]
+    cmd += ["--max-seconds", "10", "--seed", "1", "--chaos", "kill+pause", "--hot-spares", "0"]
     cmd += ["--out", str(tmp / "run"), "--tensorboard", str(tmp / "tb"), "--quiet"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

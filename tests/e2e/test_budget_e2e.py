@@ -48,7 +48,7 @@ def test_a_budget_run_ends_by_itself_and_a_replacement_resumes_the_lr_schedule(
         max_seconds=CAP_S,  # a safety cap only: the budget must end the run long before
         inner_lr=INNER_LR,
         schedule=schedule,
-        warm_spares=0,
+        hot_spares=0,
         out=tmp_path / "run",
     )
     run = LocalRun(cfg)

@@ -82,6 +82,7 @@ def test_the_dashboard_is_a_grafana_dashboard_with_its_variables() -> None:
         "ddiloco_bytes_received_total",  # bandwidth in and out
         "ddiloco_bytes_served_total",
         "ddiloco_learner_loss",
+        "ddiloco_eval_loss",  # the global model's, from the evaluator
         "ddiloco_operator_replacements_total",
     ):
         assert wanted in used, wanted

@@ -34,7 +34,7 @@ def test_group_survives_a_kill_and_keeps_one_model(tmp_path: Path, elastic: bool
             learners=2,
             elastic=elastic,
             max_seconds=30,
-            warm_spares=1,
+            hot_spares=1,
             schedule=schedule(),
             ckpt_every=5,
             eval_every=3,

@@ -85,7 +85,7 @@ def test_an_int4_learner_is_refused_by_a_bfloat16_synchronizer(
 def test_local_int4_run_trains_and_sends_int4_only(tmp_path: Path) -> None:
     out = tmp_path / "run"
     cmd = [sys.executable, "-P", "-m", "ddiloco.cli.main", "local", "--learners", "2"]
-    cmd += ["--max-steps", "48", "--update-encoding", "int4", "--warm-spares", "0"]
+    cmd += ["--max-steps", "48", "--update-encoding", "int4", "--hot-spares", "0"]
     cmd += ["--learner-metrics", "--out", str(out), "--quiet"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -69,7 +69,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "8",
         "-P",
         "2",
-        "--warm-spares",
+        "--hot-spares",
         "0",
         "--out",
         str(tmp / "run"),

@@ -67,7 +67,7 @@ def test_a_local_job_starts_from_an_export(tmp_path: Path) -> None:
     done = ddiloco(
         "local", "--model", "tiny", "--init-from", str(out), "--data", str(data),
         "--learners", "2", "--max-steps", "8", "-H", "24", "-P", "2", "--batch-size", "4",
-        "--warm-spares", "0", "--out", str(run), "--quiet",
+        "--hot-spares", "0", "--out", str(run), "--quiet",
         XDG_CACHE_HOME=str(tmp_path / "cache"),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

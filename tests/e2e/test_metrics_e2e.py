@@ -177,7 +177,7 @@ def test_local_run_exports_every_documented_metric(tmp_path: Path) -> None:
         "8",
         "-P",
         "2",
-        "--warm-spares",
+        "--hot-spares",
         "0",
         "--learner-metrics",
         "--out",

@@ -188,7 +188,7 @@ def test_a_killed_rank_takes_its_learner_down_and_nothing_partial_reaches_the_sy
         assert step_mark in [r["step"] for r in handovers]
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
 def test_sigterm_to_the_launcher_hands_everything_over_and_exits_0(
     tmp_path: Path,
     synchronizer_process: Callable[..., Any],

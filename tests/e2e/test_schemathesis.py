@@ -194,11 +194,18 @@ OPERATIONS = [
     ("POST", "/v1/heartbeat"),
     ("GET", "/v1/model"),
     ("GET", "/v1/status"),
+    ("POST", "/v1/evaluations"),
     ("GET", "/healthz"),
     ("GET", "/metrics"),
 ]
 
-NEGATABLE = {"/v1/join", "/v1/fragments/{p}", "/v1/fragments/{p}/updates", "/v1/heartbeat"}
+NEGATABLE = {
+    "/v1/join",
+    "/v1/fragments/{p}",
+    "/v1/fragments/{p}/updates",
+    "/v1/heartbeat",
+    "/v1/evaluations",
+}
 """Operations with an input schemathesis can make invalid (a parameter or a JSON body)."""
 
 

@@ -45,7 +45,7 @@ def test_local_with_two_shards_trains_every_fragment(tmp_path: Path) -> None:
         "2",
         "--max-seconds",
         "12",
-        "--warm-spares",
+        "--hot-spares",
         "0",
         "--quiet",
         "--out",
@@ -146,7 +146,7 @@ def test_a_killed_shard_resumes_at_its_versions_while_the_other_keeps_merging(
         learners=2,
         sync_shards=2,
         max_seconds=16.0,  # stretched by Watch until the killed shard merges again
-        warm_spares=0,
+        hot_spares=0,
         schedule=schedule,
         out=tmp_path / "run",
         eval_every=30.0,

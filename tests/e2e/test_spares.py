@@ -6,7 +6,7 @@
    warms up, waits, and on the assignment the operator sends (operator/spares.put_assignment,
    the client the operator runs) becomes that slot: its log says so and the synchronizer
    sees the slot's learner id train.
-2. `ddiloco local` with a warm spare: a SIGKILLed learner's slot comes back through the
+2. `ddiloco local` with a hot spare: a SIGKILLed learner's slot comes back through the
    spare at once, although its scheduled restart delay is longer than the run.
 Timings are printed, never asserted (beyond generous safety bounds).
 """
@@ -101,7 +101,7 @@ def test_a_spare_learner_takes_over_the_slot_it_is_assigned(
         assert put_assignment(sync.url, sync.token, None, Assignment(POD, "u", body), 5) is True
         assert spare.proc is not None and spare.proc.wait(120) == 0
         log = spare.log_path.read_text()
-        assert f"Spare {POD} takes over slot g-1 (data shard 1 of 2)" in log, log[-3000:]
+        assert f"Spare {POD} takes over slot g-1 (data part 1 of 2)" in log, log[-3000:]
         assert "learner g-1 INFO: Learner g-1 starting" in log  # the learner proper, as g-1
         assert "learner_index=1, num_learners=2" in log
         steps = [json.loads(x) for x in (tmp_path / "steps.jsonl").read_text().splitlines()]
@@ -111,14 +111,14 @@ def test_a_spare_learner_takes_over_the_slot_it_is_assigned(
         terminate_all([c for c in (spare, sync.child) if c is not None])
 
 
-def test_local_kill_is_taken_over_by_a_warm_spare(tmp_path: Path) -> None:
+def test_local_kill_is_taken_over_by_a_hot_spare(tmp_path: Path) -> None:
     schedule = make_schedule("none", learners=2, seconds=60, seed=0)
     cfg = LocalConfig(
         learners=2,
         max_seconds=60,
         seed=0,
         schedule=schedule,
-        warm_spares=1,
+        hot_spares=1,
         spare_takeover="immediate",
         out=tmp_path / "run",
     )

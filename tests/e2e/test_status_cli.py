@@ -146,7 +146,7 @@ def test_wrong_token_and_unreachable_url(trained: object) -> None:
 def test_local_live_table_reads_the_status(tmp_path: Path) -> None:
     """Not --quiet and not a terminal: the live table is printed every 10 s, the first one
     at the first tick; it comes from /v1/status (fragments, tokens/s) with local's restarts."""
-    cmd = [*CLI, "local", "--learners", "2", "--max-seconds", "6", "--warm-spares", "0"]
+    cmd = [*CLI, "local", "--learners", "2", "--max-seconds", "6", "--hot-spares", "0"]
     cmd += ["--out", str(tmp_path / "run")]
     env = {**os.environ, "COLUMNS": "200"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)

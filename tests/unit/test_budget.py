@@ -22,7 +22,7 @@ from torch import nn
 
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.diloco import DecoupledDiLoCo
-from ddiloco.learner.train import lr_at
+from ddiloco.learner.schedule import learning_rate
 from ddiloco.synchronizer import codec, shards
 from ddiloco.synchronizer.budget import Budget
 from ddiloco.synchronizer.config import SyncSettings
@@ -249,7 +249,7 @@ def test_a_replacement_resumes_the_slots_lr_schedule(
         assert diloco.resume_step == 0
         while not diloco.should_stop:
             for g in opt.param_groups:  # as train.py sets it
-                g["lr"] = lr_at(diloco.slot_step, cfg)
+                g["lr"] = learning_rate(cfg, diloco.slot_step, diloco.progress())
             step(model, opt)
         deadline = time.time() + 10
         while server.client().status().learners[0].slot_steps < 30:  # its last heartbeat
@@ -263,7 +263,7 @@ def test_a_replacement_resumes_the_slots_lr_schedule(
         assert diloco.resume_step == 30
         while not diloco.should_stop:
             for g in opt.param_groups:
-                g["lr"] = lr_at(diloco.slot_step, cfg)
+                g["lr"] = learning_rate(cfg, diloco.slot_step, diloco.progress())
             step(model, opt)
     steps = [r for r in second if "dt" in r]
     assert [r["slot_step"] for r in steps] == [31, 32, 33]

@@ -162,14 +162,14 @@ def test_main_warns_of_unread_names_and_trains_with_env_and_flags(
 def test_group_and_data_settings_from_the_environment() -> None:
     env = {
         "DDILOCO_NPROC_PER_NODE": "8",
-        "DDILOCO_PARALLEL": "fsdp",
+        "DDILOCO_PARALLEL": "fsdp2",
         "DDILOCO_TOKENIZER": "/models/tok",
         "DDILOCO_DATA_FIELD": "content",
     }
     cfg = LearnerConfig.from_env(env, strict=True)
     assert (cfg.nproc_per_node, cfg.parallel, cfg.tokenizer, cfg.data_field) == (
         8,
-        "fsdp",
+        "fsdp2",
         "/models/tok",
         "content",
     )

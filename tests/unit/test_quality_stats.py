@@ -160,9 +160,9 @@ def test_every_arm_gets_the_same_budget_seed_and_batch(tmp_path: Path) -> None:
     assert cfgs["decoupled_k1"].grace is False
     assert cfgs["decoupled_grace_mean"].merge == "mean"
     assert cfgs["decoupled_grace"].schedule.events == []
-    assert cfgs["decoupled_grace_live_chaos"].warm_spares == 0
+    assert cfgs["decoupled_grace_live_chaos"].hot_spares == 0
     spare = cfgs["decoupled_grace_live_chaos_spare"]
-    assert (spare.warm_spares, spare.spare_takeover) == (1, "immediate")
+    assert (spare.hot_spares, spare.spare_takeover) == (1, "immediate")
     assert spare.schedule.events == cfgs["decoupled_grace_live_chaos"].schedule.events
     chaos = {e.action for e in cfgs["decoupled_grace_chaos"].schedule.events}
     assert chaos == {"kill", "pause"}
