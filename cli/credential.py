@@ -1,8 +1,10 @@
-"""`ddiloco credential`: a learner's (or a hot spare's) own credential, minted from the job key.
+"""`ddiloco credential`: a learner's (or a hot spare's, or an evaluator's) own credential,
+minted from the job key.
 
     export DDILOCO_TOKEN=$(python -c 'import secrets; print(secrets.token_urlsafe())')  # the key
     DDILOCO_TOKEN=$(ddiloco credential l0) ddiloco learner --learner-id l0 ...
     ddiloco credential --token-file key --spare job-a-spare-0 > spare-token   # a spare's
+    ddiloco credential --evaluator eval > eval-token   # `ddiloco evaluate`'s: reads, evaluates
 
 The job key (DDILOCO_TOKEN, or every line of `--token-file` / DDILOCO_TOKEN_FILE, newest
 first) stays with the synchronizer, the operator and whoever administers the job; a learner
@@ -27,8 +29,14 @@ PROG = "ddiloco credential"
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    ap.add_argument("name", help="the learner id (or, with --spare, the spare pod's name)")
-    ap.add_argument("--spare", action="store_true", help="a hot spare pod's credential")
+    ap.add_argument(
+        "name", help="the learner id (with --spare the spare pod's name, --evaluator any name)"
+    )
+    kind = ap.add_mutually_exclusive_group()
+    kind.add_argument("--spare", action="store_true", help="a hot spare pod's credential")
+    kind.add_argument(
+        "--evaluator", action="store_true", help="an evaluator's credential (ddiloco evaluate)"
+    )
     ap.add_argument(
         "--token-file", help="the job key's file (else DDILOCO_TOKEN_FILE, else DDILOCO_TOKEN)"
     )
@@ -41,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
             keys = [os.environ["DDILOCO_TOKEN"].strip()]
         else:
             raise ValueError("no job key: set DDILOCO_TOKEN or DDILOCO_TOKEN_FILE (--token-file)")
-        text = derived_lines(keys, "spare" if args.spare else "learner", args.name)
+        kind = "spare" if args.spare else "evaluator" if args.evaluator else "learner"
+        text = derived_lines(keys, kind, args.name)
     sys.stdout.write(text + "\n")
     return 0
 

@@ -7,7 +7,8 @@
 The job's model is what its first learner said at init: the init upload's metadata carries a
 `ModelSpec` (learner/hf.py `model_spec`: the preset, or the hf config.json and tokenizer
 files), which the synchronizer keeps as model.json in its state dir and serves at
-`GET /v1/model`. What is written into OUT, by the spec's kind:
+`GET /v1/model`. What is written into OUT, by the spec's kind (synchronizer/modeldir.py,
+which the synchronizer's checkpoints write with too):
 
 - hf: `save_pretrained` of the config's model holding the global parameters (config.json,
   generation_config.json, model.safetensors with exactly the names `from_pretrained`
@@ -36,33 +37,21 @@ import json
 import os
 import re
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-from ddiloco.synchronizer.protocol import Layout, ModelSpec
+from ddiloco.synchronizer.modeldir import GlobalModel, ModelDirError, write_model_dir
+from ddiloco.synchronizer.protocol import ModelSpec
+
+__all__ = ["ExportError", "GlobalModel", "from_shard_dirs", "from_state_dir", "main", "write"]
 
 PROG = "ddiloco export"
-_PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-class ExportError(Exception):
+class ExportError(ModelDirError):
     """Why the export could not be written (one line for the user)."""
-
-
-@dataclass
-class GlobalModel:
-    """The job's global parameters, as the synchronizer holds them."""
-
-    params: dict[str, torch.Tensor]
-    versions: list[int]
-    spec: ModelSpec
-    source: str
-    layout: Layout | None = None
-    """The layout (from a state dir; None from a live synchronizer)."""
 
 
 def from_shard_dirs(paths: list[str]) -> GlobalModel:
@@ -174,99 +163,13 @@ def from_synchronizer(url: str, token: Any, tls: Any = None) -> GlobalModel:
     return GlobalModel(params, versions, spec, url)
 
 
-def _load_into(model: nn.Module, params: dict[str, torch.Tensor], what: str) -> None:
-    named = dict(model.named_parameters())
-    missing, extra = sorted(set(named) - set(params)), sorted(set(params) - set(named))
-    if missing or extra:
-        raise ExportError(
-            f"the global parameters do not match {what}: missing {missing[:5]}, "
-            f"unexpected {extra[:5]}"
-        )
-    with torch.no_grad():
-        for name, p in named.items():
-            t = params[name]
-            if tuple(t.shape) != tuple(p.shape):
-                raise ExportError(f"{name} is {list(t.shape)} globally, {list(p.shape)} in {what}")
-            p.copy_(t.to(p.dtype))
-
-
-def _write_hf(model: GlobalModel, out: Path, tokenizer: str | None) -> None:
-    from ddiloco.learner import hf
-
-    spec = model.spec
-    if spec.tokenizer_omitted and tokenizer is None:
-        raise ExportError(
-            "the job's tokenizer was too large for the synchronizer to keep: give --tokenizer "
-            "PATH (the learners' tokenizer directory)"
-        )
-    (out / "config.json").write_text(json.dumps(spec.config, indent=2))
-    try:
-        config = hf.load_config(f"hf:{out}")
-    except (OSError, ValueError, KeyError) as e:
-        raise ExportError(f"the job's config.json does not load: {e}") from None
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # one line of output, not a bar per shard
-    torch.manual_seed(0)  # the init is overwritten; seeded only to be reproducible
-    net = hf.from_config(config)
-    _load_into(net, model.params, f"the {spec.name} config's model")
-    net.save_pretrained(str(out))
-    files = dict(spec.files)
-    if tokenizer is not None:
-        given = hf.tokenizer_files(tokenizer)
-        if not given:
-            raise ExportError(f"--tokenizer {tokenizer!r} holds no tokenizer files")
-        files = {k: v for k, v in files.items() if k == "generation_config.json"} | given
-    for name, text in files.items():
-        if not _PLAIN_NAME.match(name):  # also validated by ModelSpec: never a path
-            raise ExportError(f"the model spec names a file {name!r} that is not a plain name")
-        (out / name).write_text(text)
-
-
-def _write_gpt(model: GlobalModel, out: Path) -> None:
-    from safetensors.torch import save_file
-
-    from ddiloco.learner.model import GPT, PRESETS, GPTConfig
-
-    spec = model.spec
-    try:
-        config = GPTConfig(**spec.config) if spec.config else PRESETS[spec.name]
-    except (TypeError, ValueError, KeyError) as e:
-        raise ExportError(f"the job's GPT config {spec.name!r} is not usable: {e}") from None
-    net = GPT(config)
-    _load_into(net, model.params, f"the {spec.name!r} GPT")
-    state = {k: v.detach().contiguous() for k, v in net.state_dict().items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    fields = {k: getattr(config, k) for k in config.__dataclass_fields__}
-    (out / "config.json").write_text(
-        json.dumps({"ddiloco_model": spec.name, "kind": "gpt", **fields}, indent=2)
-    )
-
-
-def _write_plain(model: GlobalModel, out: Path) -> None:
-    from safetensors.torch import save_file
-
-    state = {k: v.detach().float().contiguous() for k, v in sorted(model.params.items())}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    spec = model.spec
-    (out / "config.json").write_text(
-        json.dumps({"ddiloco_model": spec.name, "kind": spec.kind}, indent=2)
-    )
-
-
 def write(model: GlobalModel, out: str | os.PathLike[str], tokenizer: str | None = None) -> Path:
-    """Write ``model`` into the directory ``out`` (see the module docstring)."""
+    """Write ``model`` into the directory ``out`` (modeldir.py), and ddiloco_export.json."""
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise ExportError(f"--out {str(path)!r} exists and is not a directory")
-    path.mkdir(parents=True, exist_ok=True)
+    write_model_dir(model, path, tokenizer)
     kind = model.spec.kind
-    if kind == "hf":
-        _write_hf(model, path, tokenizer)
-    elif kind == "gpt":
-        _write_gpt(model, path)
-    else:
-        _write_plain(model, path)
     info = {
         "source": model.source,
         "model": model.spec.name,
@@ -330,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     try:
         model = run(args)
-    except ExportError as e:
+    except ModelDirError as e:  # ExportError among them
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return 2
     except Exception as e:  # never a traceback: one line that says what failed

@@ -12,7 +12,9 @@ it, and it speaks for any learner (whoever holds it can mint any learner's crede
 learner slot holds only its own credential, `learner:<id>:<mac>`, the HMAC-SHA256 of its id
 under the key, so it can speak only for `<id>`: a join, heartbeat or update for another id is
 refused (403). A hot spare holds `spare:<pod>:<mac>`, which reads only its own assignment;
-the assignment hands it its slot's learner credential. The check needs no state beyond the
+the assignment hands it its slot's learner credential. An evaluator (`ddiloco evaluate`) holds
+`evaluator:<name>:<mac>`: it reads the status, the model and the global fragments and posts
+evaluations of them, and nothing else (no join, heartbeat, init or update). The check needs no state beyond the
 key (nothing a restart could erase): the synchronizer recomputes the MAC for the id the token
 names, for every key line it accepts, in constant time.
 
@@ -57,14 +59,19 @@ def token_matches(given: str, accepted: Sequence[str]) -> bool:
     return ok and bool(given)
 
 
-Kind = Literal["job", "learner", "spare"]
-_DERIVED: Final = re.compile(r"^(learner|spare):([A-Za-z0-9._-]{1,253}):([A-Za-z0-9_-]{43})$")
+Kind = Literal["job", "learner", "spare", "evaluator"]
+Derived = Literal["learner", "spare", "evaluator"]
+"""The kinds of credential derived from the job key."""
+_DERIVED: Final = re.compile(
+    r"^(learner|spare|evaluator):([A-Za-z0-9._-]{1,253}):([A-Za-z0-9_-]{43})$"
+)
 
 
 @dataclass(frozen=True)
 class Principal:
     """Who a request's credential speaks for: the job key (`job`), one learner slot
-    (`learner`, `name` = its learner id) or one hot spare pod (`spare`, `name` = the pod)."""
+    (`learner`, `name` = its learner id), one hot spare pod (`spare`, `name` = the pod) or
+    one evaluator (`evaluator`, `name` = its name)."""
 
     kind: Kind
     name: str = ""
@@ -72,6 +79,16 @@ class Principal:
     def speaks_for(self, learner_id: str) -> bool:
         """May this credential join, heartbeat and update as `learner_id`?"""
         return self.kind == "job" or (self.kind == "learner" and self.name == learner_id)
+
+    def trains(self) -> bool:
+        """May this credential change the model (init, updates)? The job key and learner
+        slots may; a spare (no slot yet) and an evaluator (a reader) may not."""
+        return self.kind in ("job", "learner")
+
+    def evaluates(self) -> bool:
+        """May this credential post evaluations of the global model? The job key and an
+        evaluator may; a learner or spare may not."""
+        return self.kind in ("job", "evaluator")
 
     def __str__(self) -> str:
         return "the job key" if self.kind == "job" else f"{self.kind} {self.name}"
@@ -85,8 +102,9 @@ def _mac(key: str, kind: str, name: str) -> str:
     return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
 
-def derive_token(key: str, kind: Literal["learner", "spare"], name: str) -> str:
-    """The credential of learner `name` (or spare pod `name`) under the job key `key`."""
+def derive_token(key: str, kind: Derived, name: str) -> str:
+    """The credential of learner `name` (or spare pod, or evaluator `name`) under the job
+    key `key`."""
     if not _DERIVED.match(f"{kind}:{name}:{'A' * 43}"):
         raise ValueError(f"not a {kind} name a credential can carry: {name!r}")
     return f"{kind}:{name}:{_mac(key, kind, name)}"
@@ -102,7 +120,12 @@ def spare_token(key: str, pod: str) -> str:
     return derive_token(key, "spare", pod)
 
 
-def derived_lines(keys: Sequence[str], kind: Literal["learner", "spare"], name: str) -> str:
+def evaluator_token(key: str, name: str) -> str:
+    """Evaluator `name`'s credential: it reads the global model and posts evaluations."""
+    return derive_token(key, "evaluator", name)
+
+
+def derived_lines(keys: Sequence[str], kind: Derived, name: str) -> str:
     """A credential file's content for `name`: one line per job key, in the keys' order, so a
     key rotation ("new\nold") rotates every derived credential the same way."""
     return "\n".join(derive_token(k, kind, name) for k in keys)

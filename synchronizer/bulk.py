@@ -24,7 +24,8 @@ and client CA), each with the main port's contract and `{"error", "detail"}` bod
   spare's, and `Synchronizer.submit` checks that the update's learner is the credential's), the
   same refusals before a byte of the body is read (401, 403, 421, 413 on a declared
   Content-Length over the fragment's limit);
-- `GET /v1/fragments/{p}`: the served fragment with its `X-DDiLoCo-Version` header, for any
+- `GET /v1/fragments/{p}` (`?held=<token>`: a delta from the learner's copy, broadcast.py):
+  the served fragment with its `X-DDiLoCo-Version` header, for any
   valid credential (401 without one), 421 from a shard that does not own p, 422 for a fragment
   that does not exist, 409 before the job is initialized (`Synchronizer.fragment`, as the main
   port answers). A GET with a body is 400.
@@ -70,6 +71,7 @@ import socket
 import ssl
 import threading
 import time
+import urllib.parse
 from collections import Counter
 from http import HTTPStatus
 from typing import Any, Final
@@ -80,7 +82,7 @@ from ddiloco.synchronizer.auth import Principal, Tokens, authenticate
 from ddiloco.synchronizer.buffers import BODIES
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.errors import Refusal, SyncError
-from ddiloco.synchronizer.protocol import API_PREFIX, CONTENT_TYPE, VERSION_HEADER
+from ddiloco.synchronizer.protocol import API_PREFIX, CONTENT_TYPE, HELD_QUERY, VERSION_HEADER
 from ddiloco.synchronizer.service import Synchronizer
 
 log = logging.getLogger(__name__)
@@ -120,6 +122,14 @@ _NOT_CRLF: Final = re.compile(rb"(?<!\r)\n|\r(?!\n)|\n[ \t]")
 """A bare LF, a bare CR, or a line folded onto the one before (obs-fold)."""
 _QUOTED: Final = re.compile(r":? *(bytearray\(|b'|b\").*", re.DOTALL)
 """The request's own bytes that h11 quotes in an error (from there to the end)."""
+
+
+def _held(target: str) -> str | None:
+    """A download's `held` query parameter (broadcast.py: the token of the learner's copy),
+    the last one given as on the main port; None when absent."""
+    _, _, query = target.partition("?")
+    values = urllib.parse.parse_qs(query).get(HELD_QUERY, [])
+    return values[-1] if values else None
 
 
 class Refused(Exception):
@@ -484,7 +494,8 @@ class UploadServer:
         docstring): the connection ends, as a send error."""
         if req.headers.get("content-length", "0") != "0" or "transfer-encoding" in req.headers:
             raise bad_request("a GET has no body")
-        version, payload = self.sync.fragment(p)  # the buffer is held until it is sent
+        held = _held(req.target)
+        version, payload = self.sync.fragment(p, held)  # the buffer is held until it is sent
         head = response_head(
             200,
             len(payload),
@@ -575,7 +586,7 @@ class UploadServer:
                 close=True,
                 www_authenticate="Bearer",
             )
-        if principal.kind == "spare" and method == "POST":  # a spare may read, not update
+        if not principal.trains() and method == "POST":  # a spare, an evaluator: readers
             raise Refused(
                 403, Refusal.FORBIDDEN, f"{principal} has no learner slot to update for", close=True
             )

@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import urllib.parse
 from collections.abc import Sequence
 from typing import Final, TypeVar
 
@@ -31,12 +32,16 @@ import pycurl
 import torch
 from pydantic import BaseModel
 
-from ddiloco.synchronizer import codec
+from ddiloco.synchronizer import broadcast, codec
 from ddiloco.synchronizer.auth import StaticTokens, Tokens
+from ddiloco.synchronizer.broadcast import Download, Held
 from ddiloco.synchronizer.protocol import (
     API_PREFIX,
     CONTENT_TYPE,
+    HELD_QUERY,
     VERSION_HEADER,
+    EvaluationReport,
+    EvaluationStatus,
     Heartbeat,
     HeartbeatResponse,
     InitResponse,
@@ -355,14 +360,29 @@ class SyncClient:
         return InitResponse.model_validate_json(body)
 
     def fragment(self, p: int) -> tuple[int, dict[str, torch.Tensor]]:
-        """Global fragment p and its version. From the bulk port (`sendmsg`) the tensors are
-        views of the one buffer the body was read into, theirs alone; through libcurl they are
-        decoded from the joined body."""
-        _, headers, body = self.request("GET", f"{API_PREFIX}/fragments/{p}")
+        """Global fragment p and its version, whole, in whatever broadcast encoding the
+        synchronizer serves (broadcast.py): float tensors, or float32 ones dequantized."""
+        version, got = self.download(p)
+        return version, got.tensors
+
+    def download(self, p: int, held: Held | None = None) -> tuple[int, Download]:
+        """Global fragment p, its version and (delta encodings) its token; `held`: the
+        learner's copy of p, for a delta from it (broadcast.py). From the bulk port
+        (`sendmsg`) a float fragment's tensors are views of the one buffer the body was read
+        into, theirs alone; through libcurl they are decoded from the joined body; a
+        quantized one is dequantized into float32 tensors of its own. A delta for a copy the
+        learner does not hold (`broadcast.StaleBase`) is fetched again whole."""
+        path = f"{API_PREFIX}/fragments/{p}"
+        if held is not None:
+            path += "?" + urllib.parse.urlencode({HELD_QUERY: held.token})
+        _, headers, body = self.request("GET", path)
         version = int(headers[VERSION_HEADER.lower()])
-        if isinstance(body, bytearray):
-            return version, codec.tensor_views(body, codec.read_header(body))
-        return version, codec.decode(body)
+        try:
+            return version, broadcast.read(body, held)
+        except broadcast.StaleBase:
+            if held is None:
+                raise
+            return self.download(p)
 
     def upload(self, meta: UpdateMeta, delta: dict[str, torch.Tensor]) -> UpdateResponse:
         return self.post_update(meta.fragment, codec.encode(delta, metadata=meta.to_metadata()))
@@ -384,6 +404,10 @@ class SyncClient:
     def model_spec(self) -> ModelSpec:
         """What the job trains (GET /v1/model)."""
         return self._json("GET", "/model", None, ModelSpec)
+
+    def evaluation(self, report: EvaluationReport) -> EvaluationStatus:
+        """Post an evaluation of the global model (POST /v1/evaluations: an evaluator's)."""
+        return self._json("POST", "/evaluations", report, EvaluationStatus)
 
     def healthy(self) -> bool:
         try:

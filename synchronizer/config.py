@@ -24,7 +24,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from ddiloco.synchronizer.auth import StaticTokens, TokenFile, Tokens
-from ddiloco.synchronizer.protocol import MergeRule, UpdateEncoding
+from ddiloco.synchronizer.protocol import BroadcastEncoding, MergeRule, UpdateEncoding
 
 DEFAULT_PORT = 8470
 
@@ -129,6 +129,25 @@ class SyncSettings(BaseSettings):
     """Serve Prometheus metrics on GET /metrics (docs/operations.md "Metrics"). False
     (`DDILOCO_METRICS=0`): every instrument is a no-op and /metrics answers 404."""
 
+    # --- checkpoints outside the job, and a job started from one (checkpoints.py) ---
+    checkpoint_dest: str | None = Field(None, min_length=1, max_length=1024)
+    """Where periodic checkpoints go (`DDILOCO_CHECKPOINT_DEST`): a local directory (a volume
+    that outlives the job) or an fsspec URL (s3://bucket/prefix; credentials from the
+    environment, as s3fs reads them). None: no checkpoints."""
+    checkpoint_every_versions: int = Field(0, ge=0)
+    """Write a checkpoint once the global version (the sum of the fragments') moved this
+    much since the last attempt; 0: not by versions."""
+    checkpoint_every_seconds: float = Field(0.0, ge=0.0)
+    """Write a checkpoint this many seconds after the last attempt, if anything was merged
+    since; 0: not by time."""
+    checkpoint_keep: int = Field(3, ge=1)
+    """The newest checkpoints kept under `checkpoint_dest`; older ones are deleted."""
+    init_from: str | None = Field(None, min_length=1, max_length=1024)
+    """`DDILOCO_INIT_FROM` (`--init-from`): on a fresh state dir, start the global model from
+    this checkpoint (Theta, outer momentum, versions), checkpoint destination (its
+    `latest`) or plain model directory (Theta; its layout from the first learner); a path or
+    an fsspec URL. Ignored once the state dir is initialized."""
+
     # --- rounds (quorum and the adaptive grace window, the paper's Eq. 3) ---
     quorum: int = Field(1, ge=1)
     """K: merge a fragment as soon as this many learners contributed to it."""
@@ -213,8 +232,14 @@ class SyncSettings(BaseSettings):
     max_norm_ratio: float = Field(100.0, gt=1.0)
     """Refuse an update whose norm exceeds this multiple of the recent median norm (kept in
     the fragment file, so it too survives a restart)."""
-    broadcast_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Precision of global fragments served to learners."""
+    broadcast_encoding: BroadcastEncoding = "float32"
+    """How merged fragments are served to learners (synchronizer/broadcast.py): `float32`,
+    `bfloat16`, `int8` (blockwise absmax codes of Theta, a float32 scale per 128 values),
+    `int8-delta` or `int4-delta` (the difference from the served copy the learner holds,
+    quantized so that its error is carried into the next one: a learner that follows every
+    merge holds what the synchronizer serves bit for bit, within half a quantization step of
+    Theta; one that missed a version, or after a restart, gets it whole in float32). The delta
+    encodings keep a float32 copy of each fragment's served copy beside Theta."""
     update_encodings: Annotated[list[UpdateEncoding], NoDecode] = Field(
         default_factory=lambda: ["float32", "bfloat16"], min_length=1
     )
@@ -259,6 +284,23 @@ class SyncSettings(BaseSettings):
             raise ValueError(
                 f"DDILOCO_SHARD={self.shard} is out of range for DDILOCO_SHARDS={self.shards}: "
                 f"give 0 <= shard < shards"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _checkpoints(self) -> SyncSettings:
+        if self.checkpoint_dest and not (
+            self.checkpoint_every_versions or self.checkpoint_every_seconds
+        ):
+            raise ValueError(
+                "DDILOCO_CHECKPOINT_DEST is set but neither DDILOCO_CHECKPOINT_EVERY_VERSIONS "
+                "nor DDILOCO_CHECKPOINT_EVERY_SECONDS: set one or both"
+            )
+        if self.shards > 1 and (self.checkpoint_dest or self.init_from):
+            raise ValueError(
+                "checkpoints (DDILOCO_CHECKPOINT_DEST) and DDILOCO_INIT_FROM are not supported "
+                f"with DDILOCO_SHARDS={self.shards}: a checkpoint holds every fragment, a shard "
+                "only its own; run one synchronizer to checkpoint or resume"
             )
         return self
 

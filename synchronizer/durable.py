@@ -186,8 +186,9 @@ class Durable:
             done = replay(self.fragments[p], spec, self.store.pending(p).read(), journaled)
             if done.merges:
                 fs = self.fragments[p] = done.state
-                self.payloads.retire(p, self.served[p][1])
-                self.served[p] = self._encode(p, fs)
+                for view in self.served[p].views():
+                    self.payloads.retire(p, view)
+                self.served[p] = self._encode(p, fs)  # a delta encoding's copy: from Theta
                 self.store.save_fragment(p, fs)
                 self.file_versions[p] = fs.version
                 self.journals[p].compact(fs.version)

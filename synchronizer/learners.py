@@ -127,7 +127,8 @@ class Learners:
                 raise SyncError(
                     Refusal.CONFLICT,
                     f"layout digest {req.layout_digest} differs from the "
-                    f"job's {digest}: same model, P and fragment rule on every learner",
+                    f"job's {digest}: same model, P and fragment rule on every learner"
+                    f"{self.origin_note()}",
                 )
             rec = self.learners.get(req.learner_id)
             if rec is None:
@@ -161,6 +162,7 @@ class Learners:
             rec.data_position = min(MAX_DATA_POSITION, resume + req.data_reserve)
             slot_steps = rec.slot_steps  # where the slot's LR schedule resumes
             finished = self.finished()
+            merged = self.tokens_merged()
             self.dirty.add(req.learner_id)
         # durable before the answer: an incarnation (and a data position) is never handed
         # out twice
@@ -182,8 +184,11 @@ class Learners:
             shards=self.settings.shards,
             owned=list(self.owned),
             upload_port=self.upload_port,
+            broadcast_encoding=self.settings.broadcast_encoding,
             slot_steps=slot_steps,
             finished=finished,
+            total_tokens=self.budget.total,
+            tokens_merged=merged,
         )
 
     def _check_lists(self, hb: Heartbeat) -> None:
@@ -237,7 +242,10 @@ class Learners:
                 and steps[p] > 0
             ]
             return HeartbeatResponse(
-                versions=self.versions(), requested=requested, finished=self.finished()
+                versions=self.versions(),
+                requested=requested,
+                finished=self.finished(),
+                tokens_merged=self.tokens_merged(),
             )
 
     @staticmethod

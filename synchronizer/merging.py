@@ -20,6 +20,7 @@ import logging
 import statistics
 from collections.abc import Sequence
 
+from ddiloco.synchronizer.broadcast import Broadcast
 from ddiloco.synchronizer.buffers import POOL
 from ddiloco.synchronizer.contribution import Contribution
 from ddiloco.synchronizer.durable import DURABLES, Durable, give_back
@@ -120,7 +121,8 @@ class Merging(Durable):
             ].first():  # installed: served, and what posts are checked against
                 new.norms = fs.norms  # the guard's history, with the posts admitted meanwhile
                 self.fragments[p] = new
-                self.payloads.retire(p, self.served[p][1])
+                for view in self.served[p].views():
+                    self.payloads.retire(p, view)
                 self.served[p] = served
                 with self.lock:
                     self.merging[p] = {}
@@ -211,7 +213,7 @@ class Merging(Durable):
         phases: dict[str, float] | None = None,
         summed: RoundSum | None = None,
         segments: Sequence[PendingLog] = (),
-    ) -> tuple[MergeOutcome | None, FragmentState, tuple[int, memoryview], bool]:
+    ) -> tuple[MergeOutcome | None, FragmentState, Broadcast, bool]:
         """The next state of fragment p from `taken`, durable, and its served encoding;
         `fs` and the contributions are only read. Durable as a merge journal record (True
         last), or (False) in the fragment file, written here: then the caller holds
@@ -249,7 +251,9 @@ class Merging(Durable):
             outcome is not None and outcome.streamed,
         )  # fmt: skip
         try:
-            served = self._encode(p, new)  # beside the fsyncs: the cores while the disk works
+            # beside the fsyncs: the cores while the disk works; a delta encoding's delta from
+            # the version served now (one merge of p at a time: it stays served meanwhile)
+            served = self._encode(p, new, self.served[p])
         except BaseException:
             self._abandon(p, persisting, journaled, outcome)
             raise
@@ -257,7 +261,8 @@ class Merging(Durable):
         try:
             durable_at, parts = persisting.result()
         except Exception:
-            self.payloads.retire(p, served[1])  # never served
+            for view in served.views():  # never served
+                self.payloads.retire(p, view)
             give_back(outcome)
             raise
         phases["encode"], phases["durable"] = t2 - t1, max(0.0, durable_at - t2)

@@ -61,8 +61,6 @@ STALENESS: Final = (0, 1, 2, 3, 4, 6, 8, 16, 32)
 BYTES: Final = tuple(float(1 << k) for k in range(10, 34, 2))  # 1 KiB .. 8 GiB, x4
 ENCODINGS: Final = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
 """Safetensors dtype -> the `encoding` label (codec.ST_DTYPES are the wire dtypes)."""
-BROADCAST_ENCODINGS: Final = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-
 
 QUANTIZED_CODES: Final = {"I8": "int8", "U8": "int4"}
 """The safetensors dtype of a quantized update's codes -> its label (synchronizer/wire.py:
@@ -122,6 +120,7 @@ class SyncMetrics:
             self.grace_window = self.merge_contributors = self.update_staleness = NOOP
             self.update_bytes = self.updates_accepted = self.learner_tokens_merged = NOOP
             self.bytes_received = self.bytes_served = NOOP
+            self.checkpoints = NOOP
             return
         r = self.registry
         frag = ["fragment"]
@@ -225,6 +224,12 @@ class SyncMetrics:
         )
         self.bytes_served: Any = Counter(
             "ddiloco_bytes_served", "Fragment bytes out, by wire encoding", ["encoding"], registry=r
+        )
+        self.checkpoints: Any = Counter(
+            "ddiloco_checkpoints",
+            "Checkpoint attempts (synchronizer/checkpoints.py), by outcome: written or failed",
+            ["outcome"],
+            registry=r,
         )
         r.register(StatusCollector(status))
         r.register(ProtocolCollector(self))
@@ -358,6 +363,24 @@ class StatusCollector(Collector):
                 "ddiloco_job_remaining_seconds",
                 "Time until the token budget is merged, at the recent merged-token rate",
                 value=s.estimated_remaining_seconds,
+            )
+        if s.evaluation is not None:  # an evaluator posted one (evaluations.py)
+            ev = s.evaluation
+            yield GaugeMetricFamily(
+                "ddiloco_eval_loss", "Held-out loss of the global model, latest", value=ev.loss
+            )
+            yield GaugeMetricFamily(
+                "ddiloco_eval_perplexity", "e^ddiloco_eval_loss", value=ev.perplexity
+            )
+            yield GaugeMetricFamily(
+                "ddiloco_eval_global_version",
+                "Global version the latest eval loss was measured at",
+                value=ev.global_version,
+            )
+            yield GaugeMetricFamily(
+                "ddiloco_eval_timestamp_seconds",
+                "When the latest evaluation arrived (Unix time)",
+                value=ev.time,
             )
         live = GaugeMetricFamily("ddiloco_learners_live", "Learners heard from recently")
         live.add_metric([], sum(1 for learner in s.learners if learner.alive))

@@ -14,10 +14,11 @@ Bulk payloads are safetensors bytes (never pickle). Control messages are JSON:
     POST /v1/heartbeat               Heartbeat              -> HeartbeatResponse
     GET  /v1/model                   -> ModelSpec (what the init upload said the job trains)
     GET  /v1/status                  -> Status
+    POST /v1/evaluations             EvaluationReport (an evaluator's)   -> EvaluationStatus
     GET  /healthz, GET /metrics
 
-Every /v1 call carries `Authorization: Bearer <credential>`: the job key, or a learner's or
-spare's credential derived from it (auth.py; docs/protocol.md).
+Every /v1 call carries `Authorization: Bearer <credential>`: the job key, or a learner's,
+spare's or evaluator's credential derived from it (auth.py; docs/protocol.md).
 """
 
 from __future__ import annotations
@@ -49,6 +50,20 @@ UpdateEncoding = Literal["float32", "bfloat16", "int8", "int4"]
 blockwise absmax codes with float32 scales. float16 stays readable as a float dtype of an old
 sender, but is not a job's encoding."""
 UPDATE_ENCODINGS: Final[tuple[str, ...]] = ("float32", "bfloat16", "int8", "int4")
+
+BroadcastEncoding = Literal["float32", "bfloat16", "int8", "int8-delta", "int4-delta"]
+"""How the synchronizer serves merged fragments (synchronizer/broadcast.py): float tensors,
+int8 codes of Theta, or int8 / int4 deltas from the version a learner holds."""
+BROADCAST_ENCODINGS: Final[tuple[str, ...]] = (
+    "float32",
+    "bfloat16",
+    "int8",
+    "int8-delta",
+    "int4-delta",
+)
+HELD_QUERY: Final = "held"
+"""GET /v1/fragments/{p}?held=<token>: the token of the fragment the learner holds (the
+`ddiloco.served` metadata of its last download), for a delta from it (broadcast.py)."""
 
 MergeRule = Literal["rda", "mean"]
 """How a fragment's contributions combine: radial-directional averaging, or the weighted mean."""
@@ -170,12 +185,21 @@ class JoinResponse(_Msg):
     upload_port: int | None = None
     """The port of this synchronizer's upload listener (`SyncSettings.upload_port`, bulk.py)
     on the host the learner reached it by; None: post updates to the main port."""
+    broadcast_encoding: str = "float32"
+    """How fragments are served (`SyncSettings.broadcast_encoding`, broadcast.py): with a
+    delta encoding a joiner names the copy it holds already (its own initial values) by
+    their content, and needs no download of a version 0 that equals them."""
     slot_steps: int = 0
     """Where this slot's inner LR schedule resumes: the highest `Heartbeat.slot_step` any
     incarnation of this learner id reported (durable in the ledger). A replacement starts
     its warm-up and decay there, not at 0."""
     finished: bool = False
     """The job's token budget is merged (`Status.finished`): a joiner stops at once."""
+    total_tokens: int = 0
+    """The job's token budget in merged tokens (0: none): with `tokens_merged`, where the
+    learners' LR schedule stands (learner/schedule.py)."""
+    tokens_merged: int = 0
+    """The tokens behind merged contributions now (`Status.tokens_merged`)."""
 
 
 class InitResponse(_Msg):
@@ -272,6 +296,9 @@ class HeartbeatResponse(_Msg):
     finished: bool = False
     """The job's token budget is merged (`Status.finished`): hand over what is pending,
     let the uploads drain and exit 0. Updates still arriving are accepted and merged."""
+    tokens_merged: int = 0
+    """The tokens behind merged contributions now: the job's progress through its budget
+    (`JoinResponse.total_tokens`), which the learners' LR schedule follows."""
 
 
 class LearnerStatus(_Msg):
@@ -332,6 +359,42 @@ class FragmentStatus(_Msg):
     """The shard that owns (merges and serves) this fragment."""
 
 
+MAX_EVAL_LOSS: Final = 700.0
+"""The largest eval loss (nats per token) an evaluation may report: its perplexity, e^loss,
+is then still a finite float (e^709.8 is the largest). A larger one is refused as absurd."""
+
+
+class EvaluationReport(_Msg):
+    """One measurement of the global model on the held-out set (POST /v1/evaluations), by
+    an evaluator (`ddiloco evaluate`, learner/evaluate.py)."""
+
+    loss: float = Field(ge=0.0, le=MAX_EVAL_LOSS)
+    """Mean cross-entropy of the global model on the held-out set, nats per token."""
+    global_version: Count
+    """The global version (sum of fragment versions) of the model measured; at most the
+    synchronizer's own (a single synchronizer refuses one from the future)."""
+    tokens: Count = 0
+    """Held-out tokens the loss is the mean over."""
+
+
+class EvaluationStatus(_Msg):
+    """The latest evaluation the synchronizer was sent (`Status.evaluation`), kept in its
+    state directory so that it survives a restart."""
+
+    loss: float
+    """Held-out loss of the global model, nats per token."""
+    perplexity: float
+    """e^loss."""
+    global_version: int
+    """The global version the loss was measured at."""
+    tokens: int = 0
+    """Held-out tokens behind the loss."""
+    time: float
+    """When the synchronizer received it, Unix seconds."""
+    evaluator: str = ""
+    """Who sent it: the evaluator's name (its credential's), or "job" for the job key."""
+
+
 class Status(_Msg):
     initialized: bool
     global_version: int
@@ -377,3 +440,6 @@ class Status(_Msg):
     finished: bool = False
     """`tokens_merged` reached `total_tokens`: the job is done (derived from the durable
     fragment counts, so it holds across restarts)."""
+    evaluation: EvaluationStatus | None = None
+    """The latest held-out evaluation of the global model an evaluator posted (None before
+    any)."""

@@ -18,7 +18,7 @@ import contextlib
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, Final
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
@@ -31,6 +31,8 @@ from ddiloco.synchronizer.protocol import (
     API_PREFIX,
     CONTENT_TYPE,
     VERSION_HEADER,
+    EvaluationReport,
+    EvaluationStatus,
     Heartbeat,
     HeartbeatResponse,
     InitResponse,
@@ -219,7 +221,8 @@ ERRORS: Final[dict[int | str, dict[str, Any]]] = {
     code: {"model": ErrorBody, "description": why}
     for code, why in {
         401: "unauthorized: missing or wrong bearer token",
-        403: "forbidden: the credential does not speak for that learner",
+        403: "forbidden: the credential does not speak for that learner, or may not use "
+        "this route (an evaluator's, a spare's)",
         404: "unknown_learner: POST /v1/join first",
         408: "timeout: the body stopped arriving",
         409: "not_initialized, stale or conflict",
@@ -261,7 +264,7 @@ async def join(req: JoinRequest, sync: SyncDep, who: PrincipalDep) -> JoinRespon
 
 @v1.put("/init", openapi_extra=_binary_body("safetensors of the initial model, layout metadata"))
 async def init(request: Request, sync: SyncDep, who: PrincipalDep) -> InitResponse:
-    if who.kind == "spare":
+    if not who.trains():  # a spare or an evaluator: readers of the model
         raise SyncError(Refusal.FORBIDDEN, f"{who} may not initialize the job's model")
     return await asyncio.to_thread(sync.init, await read_body(request, sync.body_limit(None)))
 
@@ -271,8 +274,10 @@ async def init(request: Request, sync: SyncDep, who: PrincipalDep) -> InitRespon
     response_class=Response,
     responses={200: {"content": {CONTENT_TYPE: {}}, "description": "the global fragment"}},
 )
-async def fragment(p: int, sync: SyncDep) -> Response:
-    version, body = await asyncio.to_thread(sync.fragment, p)
+async def fragment(p: int, sync: SyncDep, held: Annotated[str | None, Query()] = None) -> Response:
+    """The served fragment p; `held`: the token of the copy the learner holds (broadcast.py),
+    for a delta from it where the encoding has one."""
+    version, body = await asyncio.to_thread(sync.fragment, p, held)
     return Response(body, media_type=CONTENT_TYPE, headers={VERSION_HEADER: str(version)})
 
 
@@ -282,7 +287,7 @@ async def fragment(p: int, sync: SyncDep) -> Response:
 )
 async def update(p: int, request: Request, sync: SyncDep, who: PrincipalDep) -> UpdateResponse:
     sync.check_owner(p)  # a misdirected update is refused before its body is read (421)
-    if who.kind == "spare":  # before the body: a spare has no slot to speak for yet
+    if not who.trains():  # before the body: a spare or an evaluator has no slot
         raise SyncError(Refusal.FORBIDDEN, f"{who} has no learner slot to update for")
     body = await read_body(request, sync.body_limit(p))
     return await asyncio.to_thread(sync.submit, body, p, who)
@@ -319,3 +324,14 @@ async def model(sync: SyncDep) -> ModelSpec:
 @v1.get("/status")
 async def status(sync: SyncDep) -> Status:
     return await asyncio.to_thread(sync.status)
+
+
+@v1.post("/evaluations")
+async def evaluation(
+    report: EvaluationReport, sync: SyncDep, who: PrincipalDep
+) -> EvaluationStatus:
+    """An evaluator's held-out loss of the global model (evaluations.py): kept durably as the
+    latest, shown in /v1/status and /metrics. Job key or evaluator credential only."""
+    versions = sync.versions() if sync.layout is not None else None
+    sync.evaluations.check(report, who, versions, sync.settings.shards)
+    return await asyncio.to_thread(sync.evaluations.record, report, who)

@@ -1,5 +1,6 @@
-"""What downloads get: each fragment's safetensors bytes in the broadcast dtype, encoded
-into buffers that are reused once no download holds them.
+"""The buffers downloads are served from: each fragment's safetensors bytes in a float dtype
+(`encode`) or as quantized codes (`encode_codes`, broadcast.py's encodings), encoded into
+buffers that are reused once no download holds them.
 
     served = Served("bfloat16", fragments=4)
     view = served.encode(p, fs.params)     # a memoryview of the whole payload
@@ -25,19 +26,23 @@ import threading
 
 import torch
 
-from ddiloco.synchronizer import codec, split
+from ddiloco.synchronizer import codec, split, wire
+from ddiloco.synchronizer.quant import Quantized
 
 __all__ = ["Served"]
 
 KEEP = 2
-"""Retired buffers kept per fragment (a slow download holds one; the next merge takes the other)."""
+"""Retired buffers kept per fragment and payload kind (a slow download holds one; the next
+merge takes the other). A delta encoding serves two kinds per version (broadcast.py)."""
 
 
 class Served:
     """Encodes fragments in `dtype` into recycled buffers; thread-safe."""
 
-    def __init__(self, dtype: str, fragments: int = 0, ways: int = 1) -> None:
+    def __init__(self, dtype: str, fragments: int = 0, ways: int = 1, kinds: int = 1) -> None:
         self.dtype = codec.WIRE_DTYPES[dtype]
+        self.keep = KEEP * kinds
+        """Retired buffers kept per fragment: `KEEP` per kind of payload a version serves."""
         self.ways = ways
         """Pieces a large tensor's conversion is split into (split.py)."""
         self.spares: list[list[bytearray]] = [[] for _ in range(fragments)]
@@ -68,6 +73,34 @@ class Served:
                 del out
         return memoryview(buf)
 
+    def encode_codes(
+        self, p: int, codes: dict[str, Quantized], metadata: dict[str, str] | None = None
+    ) -> memoryview:
+        """The payload of quantized tensors (broadcast.py): each `name`'s codes, flat, and
+        its scales as `name#scales` (wire.py's layout), into a recycled buffer too."""
+        parts: dict[str, torch.Tensor] = {}
+        for name, q in codes.items():
+            parts[name] = q.codes
+            parts[name + wire.SCALES_SUFFIX] = q.scales
+        entries = [(name, parts[name].dtype, tuple(parts[name].shape)) for name in sorted(parts)]
+        head, offsets = codec.header_bytes(entries, metadata)
+        size = len(head) + (offsets[-1][1] if offsets else 0)
+        buf = self._idle(p, size)
+        if buf is None:
+            buf = bytearray(size)
+        else:
+            self.reused += 1
+        buf[: len(head)] = head
+        for (name, dtype, _), (begin, end) in zip(entries, offsets, strict=True):
+            if end > begin:
+                out = torch.frombuffer(
+                    buf, dtype=dtype, count=(end - begin) // dtype.itemsize,
+                    offset=len(head) + begin,
+                )  # fmt: skip
+                out.copy_(parts[name].reshape(-1))
+                del out
+        return memoryview(buf)
+
     def prime(self, p: int, tensors: dict[str, torch.Tensor]) -> int:
         """Give fragment p `KEEP` idle buffers of its payload's size, every page touched,
         so its first merges encode into them (prime.py); returns how many."""
@@ -83,7 +116,7 @@ class Served:
             torch.frombuffer(buf, dtype=torch.uint8).fill_(0)  # calloc's pages: touch them
             with self.lock:
                 self.spares[p].append(buf)
-                del self.spares[p][:-KEEP]
+                del self.spares[p][: -self.keep]
         return max(0, want)
 
     def retire(self, p: int, view: memoryview | bytes) -> None:
@@ -95,7 +128,7 @@ class Served:
         with self.lock:
             spares = self.spares[p]
             spares.append(buf)
-            del spares[:-KEEP]
+            del spares[: -self.keep]
 
     def _idle(self, p: int, size: int) -> bytearray | None:
         with self.lock:

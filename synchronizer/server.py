@@ -40,6 +40,7 @@ import uvicorn
 from ddiloco.cli.errors import usage_errors
 from ddiloco.synchronizer import tls
 from ddiloco.synchronizer.config import SyncSettings
+from ddiloco.synchronizer.protocol import BROADCAST_ENCODINGS
 from ddiloco.synchronizer.shards import check_state_dir
 
 log = logging.getLogger(__name__)
@@ -94,10 +95,38 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "a comma list; default float32 and bfloat16)",
     )
     ap.add_argument(
+        "--broadcast-encoding",
+        choices=list(BROADCAST_ENCODINGS),
+        help="how merged fragments are served (env DDILOCO_BROADCAST_ENCODING; default float32; "
+        "int8-delta / int4-delta: quantized deltas from the copy a learner holds)",
+    )
+    ap.add_argument(
         "--total-tokens",
         type=int,
         help="the job's budget in merged tokens: finished once merged (env DDILOCO_TOTAL_TOKENS,"
         " default 0: none)",
+    )
+    ap.add_argument(
+        "--init-from",
+        help="on a fresh state dir, start from this checkpoint, checkpoint destination or model "
+        "directory, a path or URL (env DDILOCO_INIT_FROM; synchronizer/checkpoints.py)",
+    )
+    ap.add_argument(
+        "--checkpoint-dest",
+        help="write periodic checkpoints here, a directory or URL (env DDILOCO_CHECKPOINT_DEST)",
+    )
+    ap.add_argument(
+        "--checkpoint-every-versions",
+        type=int,
+        help="a checkpoint per this many global versions (env DDILOCO_CHECKPOINT_EVERY_VERSIONS)",
+    )
+    ap.add_argument(
+        "--checkpoint-every-seconds",
+        type=float,
+        help="a checkpoint per this many seconds (env DDILOCO_CHECKPOINT_EVERY_SECONDS)",
+    )
+    ap.add_argument(
+        "--checkpoint-keep", type=int, help="checkpoints kept (env DDILOCO_CHECKPOINT_KEEP, 3)"
     )
     ap.add_argument("--http1", action="store_true", help="serve HTTP/1.1 only (comparison runs)")
     ap.add_argument(
@@ -148,7 +177,13 @@ def main(argv: list[str] | None = None) -> int:
             "shard": args.shard,
             "shards": args.shards,
             "update_encodings": args.update_encoding,
+            "broadcast_encoding": args.broadcast_encoding,
             "total_tokens": args.total_tokens,
+            "init_from": args.init_from,
+            "checkpoint_dest": args.checkpoint_dest,
+            "checkpoint_every_versions": args.checkpoint_every_versions,
+            "checkpoint_every_seconds": args.checkpoint_every_seconds,
+            "checkpoint_keep": args.checkpoint_keep,
             "grace": False if args.no_grace else None,
             "tls_cert_file": args.tls_cert,
             "tls_key_file": args.tls_key,
@@ -161,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         settings.tokens()  # refuse a missing or empty token file now, by name
         Path(settings.state_dir).mkdir(parents=True, exist_ok=True)  # else at startup, traced
         check_state_dir(settings)  # another shard's (or another S's) state dir: one line
+        if settings.init_from and not (Path(settings.state_dir) / "layout.json").exists():
+            from ddiloco.synchronizer.checkpoints import check_source
+
+            check_source(settings.init_from)  # not there, or not a checkpoint: one line
     import torch
 
     from ddiloco.synchronizer.app import create_app  # torch: after the settings are checked

@@ -39,18 +39,22 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from ddiloco.synchronizer import codec, ledger, shards
+import torch
+
+from ddiloco.synchronizer import broadcast, checkpoints, codec, ledger, shards
+from ddiloco.synchronizer.broadcast import Broadcast
 from ddiloco.synchronizer.budget import Budget
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.contribution import Contribution
 from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
+from ddiloco.synchronizer.evaluations import Evaluations
 from ddiloco.synchronizer.journal import MergeJournal
 from ddiloco.synchronizer.learners import Learners
 from ddiloco.synchronizer.ledger import LearnerRecord
 from ddiloco.synchronizer.locks import FragmentLock, MergeGate
 from ddiloco.synchronizer.merge import MergePolicy
 from ddiloco.synchronizer.merging import Merging
-from ddiloco.synchronizer.metrics import BROADCAST_ENCODINGS, SyncMetrics
+from ddiloco.synchronizer.metrics import SyncMetrics
 from ddiloco.synchronizer.pending import PendingLog
 from ddiloco.synchronizer.prime import prime
 from ddiloco.synchronizer.protocol import (
@@ -125,9 +129,10 @@ class Synchronizer(Updates, Learners, Merging):
         self.merging: list[dict[str, Contribution]] = []
         """Per fragment, the contributions a merge has taken and not yet installed: their
         high-water marks still count (a re-send of one is a duplicate)."""
-        self.served: list[tuple[int, memoryview]] = []
-        """Per fragment, the version served and its payload (served.py's buffers)."""
-        self.payloads = Served(s.broadcast_dtype, ways=s.merge_ways())
+        self.served: list[Broadcast] = []
+        """Per fragment, the version served and its payloads (broadcast.py; served.py's
+        buffers): `served[p][0]` is its version."""
+        self.payloads = self._payloads(0)
         self.journals: list[MergeJournal] = []
         """Per fragment, the merges its file does not hold yet (journal.py)."""
         self.file_versions: list[int] = []
@@ -164,6 +169,8 @@ class Synchronizer(Updates, Learners, Merging):
         """Called when durability cannot be kept (a failed fsync): ends the process."""
         self.budget = Budget(s.total_tokens)
         """The job's token budget and the recent merged-token rate (budget.py)."""
+        self.evaluations = Evaluations(self.store)
+        """The latest evaluation of the global model an evaluator posted (evaluations.py)."""
         self.metrics = SyncMetrics(self.status, enabled=s.metrics)
         """Prometheus instruments, observed below as things happen (metrics.py)."""
         self.started = clock()
@@ -198,6 +205,26 @@ class Synchronizer(Updates, Learners, Merging):
                 self.versions(),
                 replayed,
             )
+        self.origin: str | None = checkpoints.origin(s.state_dir)
+        """The `--init-from` the job's global model started from (None: a learner's init)."""
+        self.seed: dict[str, torch.Tensor] | None = None
+        """An `--init-from` model directory's parameters, until the first init upload gives
+        their layout (checkpoints.py)."""
+        if self.layout is None and s.init_from:
+            checkpoints.start_from(self, s.init_from)
+        self.checkpointer: checkpoints.Checkpointer | None = None
+        """Writes periodic checkpoints to `checkpoint_dest` (checkpoints.py), when set."""
+        if s.checkpoint_dest:
+            self.checkpointer = checkpoints.Checkpointer(
+                s.checkpoint_dest,
+                every_versions=s.checkpoint_every_versions,
+                every_seconds=s.checkpoint_every_seconds,
+                keep=s.checkpoint_keep,
+                version=lambda: sum(self.versions()),
+                snapshot=lambda: checkpoints.take_snapshot(self),
+                counted=checkpoints.counted_by(self.metrics),
+                clock=clock,
+            ).start()
 
     # ---- setup -------------------------------------------------------------------
     def _rounds(self, n: int) -> Rounds[Contribution]:
@@ -217,9 +244,7 @@ class Synchronizer(Updates, Learners, Merging):
         self.frag_locks = [FragmentLock() for _ in fragments]
         self.merge_locks = [threading.Lock() for _ in fragments]
         self.merging = [{} for _ in fragments]
-        self.payloads = Served(
-            self.settings.broadcast_dtype, len(fragments), self.settings.merge_ways()
-        )
+        self.payloads = self._payloads(len(fragments))
         self.served = [self._encode(p, fs) for p, fs in enumerate(fragments)]
         self.rounds = self._rounds(len(fragments))
         n = len(fragments)
@@ -245,12 +270,23 @@ class Synchronizer(Updates, Learners, Merging):
         assert self.layout is not None
         return RoundSum(self.policy, self.policy.rule_for(self.layout.fragments[p]))
 
-    def _encode(self, p: int, fs: FragmentState) -> tuple[int, memoryview]:
-        return fs.version, self.payloads.encode(p, fs.params)
+    def _payloads(self, n: int) -> Served:
+        """Buffers for n fragments' served payloads (two kinds a version for a delta
+        encoding: the delta and the whole)."""
+        encoding = self.settings.broadcast_encoding
+        kinds = 2 if encoding in broadcast.DELTAS else 1
+        return Served(broadcast.whole_dtype(encoding), n, self.settings.merge_ways(), kinds)
+
+    def _encode(self, p: int, fs: FragmentState, prev: Broadcast | None = None) -> Broadcast:
+        """Fragment p's served payloads of `fs` (broadcast.py): a delta encoding's delta from
+        `prev`, the version served before; without it, its served copy restarts from Theta."""
+        return broadcast.encode(
+            self.payloads, self.settings.broadcast_encoding, p, fs.version, fs.params, prev
+        )
 
     def versions(self) -> list[int]:
         """Published versions: durable on disk and served (a merge in progress is not)."""
-        return [version for version, _ in self.served]
+        return [served.version for served in self.served]
 
     def init(self, payload: bytes) -> InitResponse:
         header = codec.read_header(payload)
@@ -259,31 +295,59 @@ class Synchronizer(Updates, Learners, Merging):
         with self.lock:
             if self.layout is not None:
                 if layout.digest() != self.layout.digest():
-                    raise SyncError(Refusal.CONFLICT, "already initialized with a different layout")
+                    raise SyncError(
+                        Refusal.CONFLICT,
+                        f"already initialized with a different layout{self.origin_note()}",
+                    )
                 return InitResponse(
                     created=False, layout_digest=self.layout.digest(), versions=self.versions()
                 )
-            owners = shards.owners(layout, self.settings)
-            owned = [p for p, o in enumerate(owners) if o == self.settings.shard]
-            fragments = shards.initial_owned(layout, owned, payload, header)
-            for p in owned:
-                self.store.save_fragment(p, fragments[p])
-            shards.save_state_dir(self.settings)
-            if model is not None:
-                self.store.save_model(model)
-            self.store.save_layout(layout)  # written last: its presence means "initialized"
-            self.layout = layout
-            self.model = model
-            self.owners, self.owned = owners, owned
-            self._adopt(fragments)
-            log.info(
-                "Initialized global model fragments=%d digest=%s", len(fragments), layout.digest()
-            )
+            if self.seed is not None:  # the parameters of --init-from's model directory
+                fragments = checkpoints.seeded(self, layout)
+                self.seed = None
+            else:
+                owners = shards.owners(layout, self.settings)
+                owned = [p for p, o in enumerate(owners) if o == self.settings.shard]
+                fragments = shards.initial_owned(layout, owned, payload, header)
+            self.initialize(layout, model, fragments)
             return InitResponse(
                 created=True, layout_digest=layout.digest(), versions=self.versions()
             )
 
-    def fragment(self, p: int) -> tuple[int, memoryview]:
+    def initialize(
+        self, layout: Layout, model: ModelSpec | None, fragments: list[FragmentState]
+    ) -> None:
+        """Make `fragments` the job's global model (an init upload's, or a checkpoint's,
+        checkpoints.py): durable in the state dir, then adopted. The caller holds the lock
+        or runs before the app serves."""
+        owners = shards.owners(layout, self.settings)
+        owned = [p for p, o in enumerate(owners) if o == self.settings.shard]
+        for p in owned:
+            self.store.save_fragment(p, fragments[p])
+        shards.save_state_dir(self.settings)
+        if model is not None:
+            self.store.save_model(model)
+        self.store.save_layout(layout)  # written last: its presence means "initialized"
+        self.layout = layout
+        self.model = model
+        self.owners, self.owned = owners, owned
+        self.origin = checkpoints.origin(self.settings.state_dir)
+        self._adopt(fragments)
+        log.info("Initialized global model fragments=%d digest=%s", len(fragments), layout.digest())
+
+    def origin_note(self) -> str:
+        """What a layout refusal adds when the global model came from `--init-from`."""
+        if self.origin is None:
+            return ""
+        return (
+            f" (this job's model was initialized from --init-from {self.origin}: the learners"
+            " must train that model, with its P and fragment rule)"
+        )
+
+    def fragment(self, p: int, held: str | None = None) -> tuple[int, memoryview]:
+        """Fragment p's served version and the payload for a learner holding `held` (the
+        token of its last download, broadcast.py): the delta from it when the encoding has
+        one and `held` names the version before, else the whole fragment."""
         if self.layout is None:
             raise SyncError(
                 Refusal.NOT_INITIALIZED, "no global model yet: the first learner uploads it"
@@ -293,12 +357,12 @@ class Synchronizer(Updates, Learners, Merging):
                 Refusal.INVALID, f"fragment {p} does not exist (0..{len(self.fragments) - 1})"
             )
         self.check_owner(p)
-        version, body = self.served[p]
+        served = self.served[p]
+        body, label = served.body(held)
         with self.lock:
             self.totals["bytes_down"] += len(body)
-        encoding = BROADCAST_ENCODINGS[self.settings.broadcast_dtype]
-        self.metrics.bytes_served.labels(encoding).inc(len(body))
-        return version, body
+        self.metrics.bytes_served.labels(label).inc(len(body))
+        return served.version, body
 
     def check_owner(self, p: int) -> None:
         """Refuse (421, naming the owner) a fragment another shard owns; pure and lock-free,
@@ -389,10 +453,13 @@ class Synchronizer(Updates, Learners, Merging):
                 progress=self.budget.progress(tokens_merged),
                 estimated_remaining_seconds=self.budget.remaining_seconds(tokens_merged, now),
                 finished=self.budget.finished(tokens_merged),
+                evaluation=self.evaluations.latest(),
             )
 
     def close(self) -> None:
         """Write every fragment file that trails its served version, then close the files."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
         if self.snapshots is not None:
             self.snapshots.close()
             for p in self.owned:

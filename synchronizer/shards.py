@@ -198,7 +198,7 @@ def merge_statuses(statuses: Sequence[Status]) -> Status:
     (budget.py): the job is finished as soon as any shard is (each shard's count estimates
     the job's, and learners stop on the first shard's `finished`), its progress is then 1,
     else the merged fragments' tokens over the budget; the time left is the shortest any
-    shard estimates."""
+    shard estimates. The evaluation is the latest any shard holds (evaluators post to shard 0)."""
     if not statuses:
         raise ValueError("merge_statuses needs at least one shard's status")
     if len(statuses) == 1:
@@ -265,6 +265,11 @@ def merge_statuses(statuses: Sequence[Status]) -> Status:
         if total_tokens and (finished or estimates)
         else None,
         finished=finished,
+        evaluation=max(
+            (s.evaluation for s in statuses if s.evaluation is not None),
+            key=lambda e: e.time,
+            default=None,
+        ),
     )
 
 
@@ -329,6 +334,10 @@ class ShardClients:
     def model_spec(self) -> Any:
         """What the job trains (every shard got the same init upload: shard 0's)."""
         return self.clients[0].model_spec()
+
+    def evaluation(self, report: Any) -> Any:
+        """Post an evaluation to shard 0, which keeps the job's (`merge_statuses`)."""
+        return self.clients[0].evaluation(report)
 
     def healthy(self) -> bool:
         return all(c.healthy() for c in self.clients)

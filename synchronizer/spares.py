@@ -54,9 +54,9 @@ class SpareAssignment(BaseModel):
     learner_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
     """The slot's learner id, `<group>-<index>`."""
     learner_index: int = Field(ge=0, le=1 << 20)
-    """The slot's data shard."""
+    """The slot's data part."""
     num_learners: int = Field(ge=1, le=1 << 20)
-    """The number of data shards."""
+    """The number of data parts."""
     group: str | None = Field(None, max_length=63)
     """The slot's learner group."""
     slot: int | None = Field(None, ge=0, le=1 << 20)

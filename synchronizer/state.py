@@ -2,6 +2,8 @@
 
     <state_dir>/layout.json                 fragment layout, written once at init
     <state_dir>/model.json                  what the job trains (ModelSpec), written at init
+    <state_dir>/evaluation.json             the latest evaluation an evaluator posted
+                                            (evaluations.py), with its format version
     <state_dir>/fragment-0003.safetensors   Theta_p, momentum b_p, version, stats, high-water marks
     <state_dir>/pending-0003.000007.log     updates of p accepted since its last merge (the WAL),
                                             in segments; `pending-0003.log` is an older one's
@@ -37,7 +39,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import torch
 from safetensors import safe_open
@@ -47,10 +49,12 @@ from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.direct import write_direct
 from ddiloco.synchronizer.ledgerdb import LedgerDB
 from ddiloco.synchronizer.pending import _fsync_dir
-from ddiloco.synchronizer.protocol import Layout, ModelSpec
+from ddiloco.synchronizer.protocol import EvaluationStatus, Layout, ModelSpec
 from ddiloco.synchronizer.segments import FragmentLog
 
 Tensors = dict[str, torch.Tensor]
+EVALUATION_FORMAT: Final = 1
+"""The format version of evaluation.json."""
 Order = tuple[int, int]
 """(incarnation, learner_step): the position of an update among one learner's of a fragment."""
 
@@ -136,6 +140,26 @@ class StateStore:
         tmp = self.root / ".model.json.tmp"
         tmp.write_text(model.model_dump_json())
         _replace(tmp, self.root / "model.json")
+
+    def load_evaluation(self) -> EvaluationStatus | None:
+        """The latest evaluation saved, None if none; a file of another format than
+        `EVALUATION_FORMAT` is refused (ValueError naming it)."""
+        path = self.root / "evaluation.json"
+        if not path.exists():
+            return None
+        saved = json.loads(path.read_text())
+        if not isinstance(saved, dict) or saved.get("format") != EVALUATION_FORMAT:
+            raise ValueError(
+                f"{path} is not an evaluation of format {EVALUATION_FORMAT}: remove it (it "
+                "holds only the latest evaluation, which the evaluator sends again)"
+            )
+        return EvaluationStatus.model_validate(saved["evaluation"])
+
+    def save_evaluation(self, evaluation: EvaluationStatus) -> None:
+        tmp = self.root / ".evaluation.json.tmp"
+        body = {"format": EVALUATION_FORMAT, "evaluation": evaluation.model_dump(mode="json")}
+        tmp.write_text(json.dumps(body, sort_keys=True))
+        _replace(tmp, self.root / "evaluation.json")
 
     def save_fragment(self, p: int, fs: FragmentState) -> None:
         tensors = {f"param/{k}": v for k, v in fs.params.items()}

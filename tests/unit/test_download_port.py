@@ -24,7 +24,7 @@ import torch
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.streaming import Streamer
 from ddiloco.learner.uploads import with_port
-from ddiloco.synchronizer import bulk, codec, tls
+from ddiloco.synchronizer import broadcast, bulk, codec, tls
 from ddiloco.synchronizer.auth import StaticTokens, learner_token, spare_token
 from ddiloco.synchronizer.client import ClientTLS, SyncClient, SyncRefused, SyncUnavailable
 from ddiloco.synchronizer.protocol import (
@@ -34,6 +34,7 @@ from ddiloco.synchronizer.protocol import (
     JoinRequest,
     Layout,
     TensorSpec,
+    UpdateMeta,
 )
 from tests.conftest import TOKEN
 from tests.unit import test_upload_port as up
@@ -324,3 +325,205 @@ def test_a_learner_falls_back_to_the_main_port(make_sync_server, monkeypatch, ho
     assert version == 0 and torch.equal(tensors["w1"], up.TENSORS["w1"])
     sent(uploads, 1 if how == "turned_away" else 0)
     main.close()
+
+
+# ---- delta downloads (synchronizer/broadcast.py), on both ports --------------------------
+PORTS = ["main", "bulk"]
+
+
+def client_for(server, where: str, token: str = TOKEN) -> SyncClient:
+    if where == "main":
+        return SyncClient(server.url, token)
+    url = with_port(server.url, server.sync.upload_port)
+    return SyncClient(url, token, http2=False, sendmsg=True)
+
+
+def merge_once(server, p: int = 1, step: int = 10) -> int:
+    """One update of fragment p on the version served (K = 1): the next version, served."""
+    version = server.sync.versions()[p]
+    meta = UpdateMeta(
+        learner_id="l0", fragment=p, base_version=version, steps=10, tokens=100, learner_step=step
+    )
+    n = up.LAYOUT.fragments[p].tensors[0].shape[0]
+    boss = SyncClient(server.url, server.token)
+    try:
+        assert boss.upload(meta, {f"w{p}": torch.linspace(-0.5, 0.3, n)}).status == "accepted"
+    finally:
+        boss.close()
+    up.wait_for(lambda: server.sync.versions()[p] == version + 1)
+    return version + 1
+
+
+def raw_get(server, where: str, path: str, token: str = TOKEN) -> tuple[int, dict, bytes]:
+    """A GET of `path` as bytes: the main port through libcurl, the bulk port by hand."""
+    if where == "main":
+        c = SyncClient(server.url, token)
+        try:
+            status, headers, body = c.request("GET", path)
+        except SyncRefused as e:
+            return e.status, {}, b""
+        finally:
+            c.close()
+        return status, headers, bytes(body)
+    with up.connect(server.sync.upload_port) as sock:
+        head = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n\r\n"
+        sock.sendall(head.encode())
+        return up.answer(sock)
+
+
+def bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k].contiguous().view(torch.int32), b[k].contiguous().view(torch.int32))
+        for k in a
+    )
+
+
+@pytest.mark.parametrize("where", PORTS)
+def test_a_learner_following_deltas_holds_the_served_copy_bit_for_bit(
+    make_sync_server, where: str
+) -> None:
+    """int8-delta: a learner's credential reads the delta from the copy it names; a learner
+    fetching whole and the synchronizer's served copy hold the same bits; an unknown token
+    or one of a version missed gets the whole fragment (200, never an error)."""
+    server = up.ready(make_sync_server, broadcast_encoding="int8-delta")
+    follower = client_for(server, where, learner_token(TOKEN, "l0"))
+    joiner = client_for(server, where, spare_token(TOKEN, "pod-0"))
+    try:
+        version, got = follower.download(1)
+        assert version == 0 and got.token is not None
+        assert torch.equal(got.tensors["w1"], up.TENSORS["w1"])
+        for step in range(3):
+            version = merge_once(server, step=10 * (step + 2))
+            before = follower.bytes_down
+            v, got = follower.download(1, broadcast.Held(str(got.token), got.tensors))
+            delta_bytes = follower.bytes_down - before
+            assert v == version
+            served = server.sync.served[1]
+            assert served.delta is not None and delta_bytes == len(served.delta)
+            assert got.token == served.token and bits_equal(got.tensors, served.held)
+            assert not torch.equal(got.tensors["w1"], server.sync.fragments[1].params["w1"])
+            v, whole = joiner.download(1)
+            assert v == version and whole.token == got.token
+            assert bits_equal(whole.tensors, got.tensors)
+        paths = {
+            "unknown": f"/v1/fragments/1?held={'9' * 20}.3",
+            "missed": f"/v1/fragments/1?held={served.base.rsplit('.', 1)[0]}.1",
+            "none": "/v1/fragments/1",
+        }
+        for why, path in paths.items():
+            status, headers, body = raw_get(server, where, path)
+            assert status == 200, why
+            assert body == bytes(served.whole), why
+            assert int(headers[VERSION_HEADER.lower()]) == version
+        status, _, body = raw_get(server, where, f"/v1/fragments/1?held={served.base}")
+        assert status == 200 and body == bytes(served.delta)
+    finally:
+        follower.close()
+        joiner.close()
+
+
+@pytest.mark.parametrize("where", PORTS)
+def test_a_stale_held_copy_is_fetched_again_whole(make_sync_server, where: str) -> None:
+    """A learner that missed versions names its old copy: the synchronizer answers the whole
+    fragment, and the client ends with the copy every follower holds."""
+    server = up.ready(make_sync_server, broadcast_encoding="int4-delta")
+    c = client_for(server, where, learner_token(TOKEN, "l1"))
+    try:
+        _, old = c.download(1)
+        for step in range(3):
+            merge_once(server, step=10 * (step + 2))
+        version, got = c.download(1, broadcast.Held(str(old.token), old.tensors))
+        served = server.sync.served[1]
+        assert version == 3 and got.token == served.token
+        assert bits_equal(got.tensors, served.held)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("where", PORTS)
+def test_a_delta_request_to_the_wrong_shard_is_421(make_sync_server, where: str) -> None:
+    servers = [
+        make_sync_server(
+            shard=i, shards=2, quorum=1, grace=False, upload_port=0,
+            broadcast_encoding="int8-delta",
+        )
+        for i in (0, 1)
+    ]  # fmt: skip
+    for server in servers:
+        boss = SyncClient(server.url, server.token)
+        boss.join(JoinRequest(learner_id="l0"))
+        boss.init(codec.encode(up.TENSORS, {LAYOUT_KEY: up.LAYOUT.model_dump_json()}))
+        boss.close()
+    server = servers[0]
+    other = next(p for p in range(4) if p not in server.sync.owned)
+    status, _, _ = raw_get(server, where, f"/v1/fragments/{other}?held=a.0")
+    assert status == 421
+    mine = server.sync.owned[0]
+    status, _, body = raw_get(server, where, f"/v1/fragments/{mine}?held=a.0")
+    assert status == 200 and body == bytes(server.sync.served[mine].whole)
+
+
+@pytest.mark.parametrize("where", PORTS)
+def test_a_stalled_download_does_not_hold_up_the_others(make_sync_server, where: str) -> None:
+    """A client that stops reading a 16 MB whole fragment mid-body: other learners' deltas
+    and whole downloads of it go on at once, on the same port."""
+    server = make_sync_server(
+        quorum=1, grace=False, upload_port=0, body_timeout_s=5.0, broadcast_encoding="int8-delta"
+    )
+    boss = SyncClient(server.url, server.token)
+    boss.join(JoinRequest(learner_id="l0"))
+    boss.init(codec.encode({"w": torch.ones(1 << 22)}, {LAYOUT_KEY: BIG.model_dump_json()}))
+    reader = client_for(server, where, learner_token(TOKEN, "l0"))
+    _, got = reader.download(0)
+    meta = UpdateMeta(
+        learner_id="l0", fragment=0, base_version=0, steps=10, tokens=100, learner_step=10
+    )
+    assert boss.upload(meta, {"w": torch.full((1 << 22,), 0.01)}).status == "accepted"
+    up.wait_for(lambda: server.sync.versions()[0] == 1)
+    boss.close()
+    port = int(server.url.rsplit(":", 1)[1]) if where == "main" else server.sync.upload_port
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    sock.settimeout(10)
+    sock.connect(("127.0.0.1", port))
+    try:
+        sock.sendall(get(0))
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")  # then nothing more is read
+        t0 = time.monotonic()
+        version, after = reader.download(0, broadcast.Held(str(got.token), got.tensors))
+        _, whole = client_for(server, where).download(0)
+        assert time.monotonic() - t0 < 4.0  # well before the stalled one is cut off
+        assert version == 1 and bits_equal(after.tensors, whole.tensors)
+        assert bits_equal(after.tensors, server.sync.served[0].held)
+    finally:
+        sock.close()
+        reader.close()
+
+
+def test_a_learner_holds_its_initial_values_and_follows_deltas(make_sync_server) -> None:
+    """int8-delta: a learner whose initial values are the job's version 0 downloads none of
+    them (answers of no tensors), then each merge as a delta through the bulk port, and holds
+    the served copy bit for bit."""
+    server = up.ready(make_sync_server, broadcast_encoding="int8-delta")
+    s = streamer(server)
+    got = s.fetch_all()
+    assert s.broadcast_encoding == "int8-delta"
+    assert all(torch.equal(t[f"w{p}"], up.TENSORS[f"w{p}"]) for p, _, t in got)
+    assert server.sync.totals["bytes_down"] < 4 * 200  # no tensor bytes went down
+    ports: dict = {}
+    main = SyncClient(server.url, server.token)
+    try:
+        for step in range(2):
+            version = merge_once(server, step=10 * (step + 2))
+            before = server.sync.totals["bytes_down"]
+            v, tensors = s._fetch(0, main, 1, ports)
+            served = server.sync.served[1]
+            assert v == version and bits_equal(tensors, served.held)
+            assert served.delta is not None
+            assert server.sync.totals["bytes_down"] - before == len(served.delta)
+            assert s.held[1].token == served.token
+        sent(server.server.config.app.state.uploads, 6)
+    finally:
+        main.close()
+        for c in ports.values():
+            c.close()
