@@ -11,7 +11,8 @@ Field names are the Python spelling of the camelCase YAML keys (`learner_groups`
 `learnerGroups`). Each field's docstring becomes its CRD description: say the unit and the
 paper's symbol (Douillard et al. 2026) there. Validation that needs more than one field lives in
 CEL rules (`x-kubernetes-validations`) so the apiserver refuses a bad job before the
-operator sees it; `validate()` below repeats the same checks for bodies that skipped them.
+operator sees it; `validate()` below evaluates those same rules (rules.py, cel-python) for
+bodies that skipped them: each rule is written once.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ MANAGED_BY_US: Final = "ddiloco.dev/operator"
 MAX_JOB_NAME: Final = 39
 MAX_SHARDS: Final = 64  # synchronizer.shards
 UpdateEncoding = Literal["float32", "bfloat16", "int8", "int4"]
+BroadcastEncoding = Literal["float32", "bfloat16", "int8", "int8-delta", "int4-delta"]
 """How learners encode the deltas they send (synchronizer/protocol.py's UpdateEncoding)."""
 MAX_GROUP_NAME: Final = 16
 MAX_GROUPS: Final = 16
@@ -130,6 +132,51 @@ class Toleration(_Model):
     """For NoExecute: how long the pod stays bound after the taint appears (seconds)."""
 
 
+DECAY_RULE: Final = (
+    "!has(self.schedule) || !has(self.schedule.decay) || self.schedule.decay == 'constant' || "
+    "(has(self.totalTokens) && self.totalTokens > 0) || has(self.maxSteps) || has(self.maxTokens)"
+)
+DECAY_MESSAGE: Final = (
+    "training.schedule.decay decays over a budget: set training.totalTokens (or maxSteps or "
+    "maxTokens), or use decay constant"
+)
+ENTRY_SETTINGS_MESSAGE: Final = (
+    "training.tokenizer and training.sequenceLength are not used with training.modelEntry: "
+    "the entry builds its own data"
+)
+
+
+class InnerOptimizer(_Model):
+    """The learners' inner optimizer, AdamW; an unset field keeps the learner's default."""
+
+    learning_rate: float | None = Field(None, gt=0, le=10)
+    """Peak learning rate (the learner's default: 3e-3)."""
+    weight_decay: float | None = Field(None, ge=0, le=10)
+    """Decoupled weight decay (default 0.1)."""
+    beta1: float | None = Field(None, ge=0, lt=1)
+    """First-moment decay (default 0.9)."""
+    beta2: float | None = Field(None, ge=0, lt=1)
+    """Second-moment decay (default 0.95)."""
+    gradient_clip: float | None = Field(None, ge=0, le=1e6)
+    """Clip the gradient norm to this; 0 disables (default 1.0)."""
+
+
+class Schedule(_Model):
+    """The inner learning rate over time: a warm-up over each slot's steps (a replacement
+    resumes its slot's), then constant or a decay over the job's budget, which every learner
+    follows alike (the job's merged tokens against totalTokens, else maxSteps or maxTokens)."""
+
+    warmup_steps: int | None = Field(None, ge=1, le=10_000_000)
+    """Linear warm-up, in inner steps of the slot (the learner's default: 20)."""
+    decay: Literal["constant", "cosine", "wsd"] = "constant"
+    """constant; cosine to minRatio of the peak over the budget; or wsd: the peak until the
+    last decayFraction of the budget, then linearly to minRatio of it."""
+    decay_fraction: float | None = Field(None, gt=0, le=1)
+    """The last fraction of the budget over which wsd decays (default 0.2)."""
+    min_ratio: float | None = Field(None, ge=0, le=1)
+    """Where a decay ends, as a fraction of the peak (default 0.1)."""
+
+
 class Training(_Model):
     """What every learner trains, and how often it talks to the synchronizer."""
 
@@ -154,6 +201,15 @@ class Training(_Model):
                     "rule": "self.overlapSteps < self.innerSteps",
                     "message": "training.overlapSteps (tau) must be less than training.innerSteps (H)",
                 },
+                {
+                    "rule": DECAY_RULE,
+                    "message": DECAY_MESSAGE,
+                },
+                {
+                    "rule": "!has(self.modelEntry) || (!has(self.tokenizer) && "
+                    "!has(self.sequenceLength))",
+                    "message": ENTRY_SETTINGS_MESSAGE,
+                },
             ]
         }
     )
@@ -174,8 +230,33 @@ class Training(_Model):
     """P: number of fragments the parameters are split into; must divide H."""
     overlap_steps: int = Field(2, ge=1, le=100_000)
     """tau: steps a learner keeps training while a fragment is being merged."""
-    inner_learning_rate: float | None = Field(None, gt=0)
-    """Peak inner optimizer (AdamW) learning rate; unset uses the learner's default."""
+    tokenizer: str | None = Field(None, min_length=1, max_length=1024, pattern=r"^/[^\s]*$")
+    """Absolute path, inside the learner pods, of a Hugging Face tokenizer (a directory or
+    tokenizer.json) for text, JSONL and Parquet data; unset: an hf: model directory's own,
+    else bytes. Not with modelEntry."""
+    data_field: str | None = Field(None, min_length=1, max_length=256)
+    """The text column of JSONL and Parquet data (the learner's default: text)."""
+    sequence_length: int | None = Field(None, ge=1, le=1 << 20)
+    """Tokens per training sequence; unset: the model's context length, the most it takes.
+    Not with modelEntry."""
+    batch_size: int | None = Field(None, ge=1, le=65_536)
+    """Sequences per micro-batch on each rank (the learner's default: 8)."""
+    gradient_accumulation: int = Field(1, ge=1, le=4096)
+    """Micro-batches per inner step: a step trains batchSize x gradientAccumulation sequences
+    per rank, with one optimizer step."""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """The forward pass in bf16 autocast or fp32 (parameters and optimizer stay fp32); auto:
+    bf16 on GPUs, fp32 on CPUs."""
+    parallel: Literal["ddp", "fsdp2"] = "ddp"
+    """How the ranks of one learner (gpusPerLearner > 1) train together: DDP, every GPU
+    holding the model, or FSDP2, the parameters sharded over them for a model one GPU cannot
+    hold."""
+    seed: int | None = Field(None, ge=0, le=(1 << 32) - 1)
+    """Seed of the initial model (the same on every learner) and of the data order."""
+    inner_optimizer: InnerOptimizer = Field(default_factory=InnerOptimizer)
+    """The inner AdamW's settings."""
+    schedule: Schedule = Field(default_factory=Schedule)
+    """The inner learning-rate schedule."""
     max_steps: int | None = Field(None, ge=1)
     """Step budget per learner (inner steps); unset means no step limit."""
     max_tokens: int | None = Field(None, ge=1)
@@ -184,13 +265,16 @@ class Training(_Model):
     """Time budget per learner pod (seconds of training); unset means no time limit."""
     init_from: str | None = Field(None, min_length=1, max_length=1024, pattern=r"^/[^\s]*$")
     """Absolute path, inside the learner pods, of a model directory to start from: its
-    safetensors weights (a previous job's `ddiloco export`, or a Hugging Face snapshot on a
-    volume mounted through the group's volumes and volumeMounts). Unset: a fresh init."""
+    safetensors weights (a previous job's `ddiloco export` or checkpoint, or a Hugging Face
+    snapshot on a volume mounted through the group's volumes and volumeMounts). Unset: a
+    fresh init. With one synchronizer shard it is the synchronizer's too (mount it there
+    through synchronizer.volumes and volumeMounts): from a checkpoint it resumes the outer
+    optimizer's momentum and the versions as well."""
     total_tokens: int = Field(0, ge=0)
     """The job's budget in merged tokens, counted by the synchronizer: once merged, every
     learner hands over and exits 0 and the job is Succeeded. 0: no budget (the job runs
     until it is deleted or every learner reaches its own limit)."""
-    data_shards: int | None = Field(None, ge=1, le=MAX_GROUPS * MAX_REPLICAS)
+    data_parts: int | None = Field(None, ge=1, le=MAX_GROUPS * MAX_REPLICAS)
     """Number of disjoint parts the training data is cut into; each learner slot trains one
     part, the same one for the slot's whole life (replacements included). Set it to the most
     learners the job will scale to: scaling within it never restarts a learner. Unset: the
@@ -587,9 +671,127 @@ class FailurePolicy(_Model):
     hot_spares: int = Field(0, ge=0, le=MAX_HOT_SPARES)
     """Idle learner pods kept started per learner group (image pulled, Python and torch
     imported, model built), holding no slot. When a slot's pod fails and its replacement is
-    due, a Ready spare of its group takes over the slot's identity (learner id, data shard)
+    due, a Ready spare of its group takes over the slot's identity (learner id, data part)
     within about a second instead of a cold start, and a new spare is started in the
     background. Without a Ready spare the slot is replaced by a new pod, as with 0."""
+
+
+CHECKPOINT_DEST_MESSAGE: Final = (
+    "set exactly one of checkpoints.path (a volume in the synchronizer pod) or checkpoints.url "
+    "(object storage)"
+)
+CHECKPOINT_PATH_MESSAGE: Final = "checkpoints.path must be an absolute path in the synchronizer pod"
+CHECKPOINT_OWNED_MESSAGE: Final = (
+    f"checkpoints.path is at or below a path the operator mounts ({', '.join(OWNED_MOUNT_PATHS)})"
+    ": those go with the job; mount your volume elsewhere through synchronizer.volumeMounts"
+)
+CHECKPOINT_PERIOD_MESSAGE: Final = "set checkpoints.everyVersions or checkpoints.everySeconds"
+CHECKPOINT_SHARDS_MESSAGE: Final = (
+    "checkpoints need synchronizer.shards 1: a checkpoint holds every fragment, a shard only "
+    "its own"
+)
+
+
+class Checkpoints(_Model):
+    """Periodic checkpoints the synchronizer writes outside the job (synchronizer/
+    checkpoints.py): each a model directory `from_pretrained` and `training.initFrom` load,
+    with the outer optimizer's state beside it, so a new job resumes from one. Deleting the
+    job never deletes them."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": "has(self.path) != has(self.url)", "message": CHECKPOINT_DEST_MESSAGE},
+                {
+                    "rule": "!has(self.path) || self.path.startsWith('/')",
+                    "message": CHECKPOINT_PATH_MESSAGE,
+                },
+                {
+                    "rule": f"!has(self.path) || !{_cel_list(OWNED_MOUNT_PATHS)}.exists(o, "
+                    "self.path == o || self.path.startsWith(o + '/'))",
+                    "message": CHECKPOINT_OWNED_MESSAGE,
+                },
+                {
+                    "rule": "(has(self.everyVersions) && self.everyVersions > 0) || "
+                    "(has(self.everySeconds) && self.everySeconds > 0)",
+                    "message": CHECKPOINT_PERIOD_MESSAGE,
+                },
+            ]
+        }
+    )
+
+    path: str | None = Field(None, min_length=1, max_length=1024, pattern=r"^\S+$")
+    """Absolute path in the synchronizer pod: a volume you mount through synchronizer.volumes
+    and synchronizer.volumeMounts (a claim of your own, so that it outlives the job).
+    Exclusive with url."""
+    url: str | None = Field(
+        None, min_length=1, max_length=1024, pattern=r"^[a-z][a-z0-9+.-]*://\S+$"
+    )
+    """Object storage, e.g. s3://bucket/prefix; credentials from the synchronizer's
+    environment (synchronizer.envFrom a Secret with AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+    and AWS_ENDPOINT_URL for an S3-compatible store). Exclusive with path."""
+    every_versions: int = Field(0, ge=0)
+    """A checkpoint each time the global version moves this much; 0: not by versions."""
+    every_seconds: float = Field(0, ge=0)
+    """A checkpoint this often (seconds) while merges happen; 0: not by time."""
+    keep: int = Field(3, ge=1, le=1000)
+    """The newest checkpoints kept; older ones are deleted."""
+
+    def dest(self) -> str:
+        """The synchronizer's DDILOCO_CHECKPOINT_DEST."""
+        return str(self.path or self.url)
+
+
+EVALUATION_PERIOD_MESSAGE: Final = "set evaluation.everyVersions or evaluation.everySeconds"
+EVALUATION_MUTUAL_MESSAGE: Final = (
+    "evaluation is not available with synchronizer.tls.mutual: the evaluator has no client "
+    "certificate of its own"
+)
+
+
+class Evaluation(PodTemplate):
+    """An evaluator: `ddiloco evaluate` in a pod of its own (Deployment `<job>-evaluator`),
+    which measures the global model's held-out loss and perplexity as it trains, with the
+    learners' model and data settings (`training`), and reports each result to the
+    synchronizer (status.evaluation, `kubectl get ddj` column Eval Loss, the ddiloco_eval_*
+    gauges). It only reads: merges never wait for it. Its credential (Secret
+    `<job>-evaluator-token`) reads the model and posts evaluations, nothing else. With the pod
+    template fields (`PodTemplate`): mount the data volume, set resources."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "(has(self.everyVersions) && self.everyVersions > 0) || "
+                    "!has(self.everySeconds) || self.everySeconds > 0",
+                    "message": EVALUATION_PERIOD_MESSAGE,
+                },
+            ]
+        }
+    )
+
+    data: str | None = Field(None, min_length=1, max_length=1024)
+    """The data whose held-out part is measured, a path in the evaluator's pod (split as the
+    learners split theirs: the tail of a token file, every 20th document); unset: the
+    learners' training.data, so the held-out set is exactly the one every learner holds out."""
+    every_versions: int = Field(0, ge=0, le=1_000_000)
+    """N: measure when the global version moved this many merges past the last measurement;
+    0: not by versions."""
+    every_seconds: float = Field(300.0, ge=0, le=7 * 86_400)
+    """T: measure when this many seconds passed since the last measurement and the model
+    changed; 0: not by time."""
+    eval_batches: int = Field(8, ge=1, le=100_000)
+    """Batches of held-out sequences per measurement (of training.batchSize sequences each)."""
+    tensorboard_dir: str | None = Field(None, min_length=1, max_length=1024, pattern=r"^/\S*$")
+    """Absolute path in the evaluator's pod (a volume you mount through volumes and
+    volumeMounts) where it writes TensorBoard event files (eval/loss, eval/perplexity);
+    unset: none."""
+    resources: Resources = Resources()
+    """Resources of the evaluator container (it holds one copy of the model, no optimizer)."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Node labels the evaluator pod requires."""
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
+    """Taints the evaluator pod tolerates."""
 
 
 # CEL: a field's value, or its default where unset (a job made before the field existed).
@@ -635,10 +837,10 @@ class JobSpec(_Model):
                     "message": "synchronizer.quorum must not exceed the total replicas of learnerGroups",
                 },
                 {
-                    "rule": "!has(self.training.dataShards) || "
-                    "self.learnerGroups.map(g, g.replicas).sum() <= self.training.dataShards",
+                    "rule": "!has(self.training.dataParts) || "
+                    "self.learnerGroups.map(g, g.replicas).sum() <= self.training.dataParts",
                     "message": "the total replicas of learnerGroups must not exceed "
-                    "training.dataShards: every learner slot needs its own data shard",
+                    "training.dataParts: every learner slot needs its own data part",
                 },
                 {
                     "rule": "has(self.managedBy) == has(oldSelf.managedBy) && "
@@ -675,6 +877,16 @@ class JobSpec(_Model):
                     f"|| self.managedBy == '{MANAGED_BY_US}'",
                     "message": MANAGED_BY_MESSAGE,
                 },
+                {
+                    "rule": f"!has(self.checkpoints) || {_SHARDS.format(x='self')} == 1",
+                    "message": CHECKPOINT_SHARDS_MESSAGE,
+                },
+                {
+                    "rule": "!has(self.evaluation) || !has(self.synchronizer) || "
+                    "!has(self.synchronizer.tls) || !has(self.synchronizer.tls.mutual) || "
+                    "!self.synchronizer.tls.mutual",
+                    "message": EVALUATION_MUTUAL_MESSAGE,
+                },
             ]
         }
     )
@@ -695,10 +907,21 @@ class JobSpec(_Model):
     """Learner groups, each in one cluster; names are unique."""
     failure_policy: FailurePolicy = FailurePolicy()
     """Replacement of failed learner pods."""
+    checkpoints: Checkpoints | None = None
+    """Periodic checkpoints of the global model and the outer state, written by the
+    synchronizer to your volume or bucket; unset: none."""
+    evaluation: Evaluation | None = None
+    """An evaluator pod measuring the global model's held-out loss as it trains; unset: none."""
     update_encoding: UpdateEncoding = "bfloat16"
     """How learners encode the updates they send: bfloat16, float32, or int8 / int4
     (blockwise absmax scales, with error feedback on the learner). The synchronizer accepts
-    only this encoding. Downloads stay bfloat16. Fixed for the job's life."""
+    only this encoding. Fixed for the job's life."""
+    broadcast_encoding: BroadcastEncoding = "int8-delta"
+    """How learners download merged fragments: float32, bfloat16, int8, or int8-delta /
+    int4-delta (the change since the copy the learner holds, quantized with its error carried
+    into the next: every learner holds what the synchronizer serves bit for bit; one that
+    missed a version gets it whole). int8-delta measured level with float32 at a quarter of
+    its bytes (bench/RESULTS.md, "Update encodings")."""
     suspend: bool = False
     """While true no learner pods run and the synchronizer is scaled to zero (Kueue sets it)."""
     managed_by: str | None = Field(None, min_length=3, max_length=63, pattern=MANAGED_BY)
@@ -770,8 +993,8 @@ class GroupStatus(_Model):
     """Learner pods that are Ready."""
     replaced: int = 0
     """Replacements made in this group since the job started."""
-    shards: list[int] = Field(default_factory=list)
-    """Data shard of each slot, by slot index (of status.dataShards): allocated once per slot,
+    parts: list[int] = Field(default_factory=list)
+    """Data part of each slot, by slot index (of status.dataParts): allocated once per slot,
     kept by its replacements, freed when the slot is scaled away."""
     slot_replacements: list[int] = Field(default_factory=list)
     """Replacement pods made for each slot, by slot index; empty while none was replaced."""
@@ -824,6 +1047,19 @@ class SynchronizerStatus(_Model):
     """Shard pods that are available (the StatefulSet's availableReplicas)."""
 
 
+class EvaluationStatus(_Model):
+    """The latest evaluation of the global model, as the synchronizer holds it."""
+
+    loss: float
+    """Held-out loss of the global model, nats per token (`kubectl get ddj`, column Eval Loss)."""
+    perplexity: float
+    """e^loss."""
+    global_version: int
+    """The global version it was measured at."""
+    time: str = Field(json_schema_extra={"format": "date-time"})
+    """When the synchronizer received it."""
+
+
 class JobStatus(_Model):
     """Observed state, written only by the operator."""
 
@@ -853,9 +1089,9 @@ class JobStatus(_Model):
     replacement limit first; status.groups has every slot's counts."""
     unhealthy_slots: int | None = None
     """Slots that are not healthy, in all groups (status.slots lists up to 32 of them)."""
-    data_shards: int | None = None
-    """Data shards the training data is cut into (spec.training.dataShards, or the total
-    replicas when the job started); every learner trains shard groups[].shards[i] of these."""
+    data_parts: int | None = None
+    """Data parts the training data is cut into (spec.training.dataParts, or the total
+    replicas when the job started); every learner trains part groups[].parts[i] of these."""
     synchronizer: SynchronizerStatus | None = None
     """The synchronizer's endpoint and readiness."""
     global_version: int | None = None
@@ -877,6 +1113,8 @@ class JobStatus(_Model):
     estimated_remaining_seconds: int | None = Field(None, ge=0)
     """Seconds until training.totalTokens are merged at the recent merged-token rate
     (`kubectl get ddj`, column Remaining); 0 once reached, unset before a rate is known."""
+    evaluation: EvaluationStatus | None = None
+    """The latest held-out evaluation of the global model (spec.evaluation's evaluator)."""
 
 
 class DecoupledDiLoCoJob(_Model):
@@ -949,75 +1187,16 @@ def known_status(status: dict[str, Any]) -> dict[str, Any]:
 
 
 def validate(spec: JobSpec) -> list[str]:
-    """The CEL rules again, in Python: problems of a spec the apiserver did not validate."""
-    problems = []
-    if spec.synchronizer.quorum > spec.total_replicas():
-        problems.append(
-            f"synchronizer.quorum ({spec.synchronizer.quorum}) exceeds the total "
-            f"replicas of learnerGroups ({spec.total_replicas()})"
-        )
-    if (spec.training.model is None) == (spec.training.model_entry is None):
-        problems.append("set exactly one of training.model or training.modelEntry")
-    if spec.training.model_entry is not None and spec.training.data is not None:
-        problems.append(
-            "training.data is not used with training.modelEntry: the entry loads its own data"
-        )
-    if spec.training.inner_steps % spec.training.fragments:
-        problems.append("training.innerSteps (H) must be a multiple of training.fragments (P)")
-    if spec.training.overlap_steps >= spec.training.inner_steps:
-        problems.append("training.overlapSteps (tau) must be less than training.innerSteps (H)")
-    problems += [
-        f"learner group {g.name} is in another cluster and needs a syncUrl"
-        for g in spec.learner_groups
-        if g.cluster is not None and g.sync_url is None
-    ]
-    problems += [
-        f"learner group {g.name}: {INSECURE_MESSAGE}"
-        for g in spec.learner_groups
-        if g.cluster is not None
-        and g.sync_url is not None
-        and not all(u.startswith("https://") for u in g.sync_url.split(","))
-        and not g.insecure
-    ]
-    problems += [
-        f"learner group {g.name}: {GPU_TWICE_MESSAGE}"
-        for g in spec.learner_groups
-        if g.gpus_per_learner and GPU_RESOURCE in {**g.resources.requests, **g.resources.limits}
-    ]
-    problems += [
-        f"learner group {g.name}: {SYNC_URLS_MESSAGE} (it lists "
-        f"{len(g.sync_url.split(','))} for {spec.synchronizer.shards})"
-        for g in spec.learner_groups
-        if g.sync_url is not None and len(g.sync_url.split(",")) != spec.synchronizer.shards
-    ]
-    tls = spec.synchronizer.tls
-    if tls.issuer == "cert-manager" and tls.issuer_ref is None:
-        problems.append("synchronizer.tls.issuer cert-manager needs synchronizer.tls.issuerRef")
-    shards = spec.training.data_shards
-    if shards is not None and spec.total_replicas() > shards:
-        problems.append(
-            f"the total replicas of learnerGroups ({spec.total_replicas()}) must not exceed "
-            f"training.dataShards ({shards}): every learner slot needs its own data shard"
-        )
+    """Problems of a spec the apiserver did not validate: the CRD's own CEL rules, evaluated
+    as the apiserver does (rules.py), then what the structural schema enforces by itself
+    (list-map keys are unique) and what the rules do not say (an IPv6 literal in
+    externalNames)."""
+    from ddiloco.operator import rules
+
+    problems = rules.problems(spec.model_dump(mode="json", by_alias=True, exclude_none=True))
     names = [g.name for g in spec.learner_groups]
     if len(set(names)) != len(names):
         problems.append("learnerGroups names must be unique")
-    if spec.synchronizer.shards > spec.training.fragments:
-        problems.append(
-            f"{SHARDS_FRAGMENTS_MESSAGE} ({spec.synchronizer.shards} shards for "
-            f"{spec.training.fragments} fragments)"
-        )
-    if not tls.enabled and any(
-        g.cluster is None and g.sync_url is not None and "https://" in g.sync_url
-        for g in spec.learner_groups
-    ):
-        problems.append(TLS_OFF_HTTPS_MESSAGE)
-    managed = spec.managed_by
-    if managed is not None and managed.startswith("ddiloco.dev/") and managed != MANAGED_BY_US:
-        problems.append(MANAGED_BY_MESSAGE)
-    for g in spec.learner_groups:
-        problems += template_problems(f"learnerGroups[{g.name}]", g)
-    problems += template_problems("synchronizer", spec.synchronizer)
     for name in spec.synchronizer.external_names:
         if ":" in name:
             try:
@@ -1026,35 +1205,4 @@ def validate(spec: JobSpec) -> list[str]:
                 problems.append(
                     f"synchronizer.externalNames: {name!r} is neither a DNS name nor an IP address"
                 )
-    return problems
-
-
-def template_problems(where: str, template: PodTemplate) -> list[str]:
-    """The CEL rules of the pod template fields again: each item that would replace what
-    the operator puts in the pod, named by its field (`where` names the template)."""
-    problems = [
-        f"{where}.env[{i}]: env {e.name} {ENV_OWNED_MESSAGE}"
-        for i, e in enumerate(template.env)
-        if e.name.startswith(OWNED_ENV_PREFIX)
-    ]
-    problems += [
-        f"{where}.volumes[{i}]: volume name {v.name} {VOLUME_OWNED_MESSAGE}"
-        for i, v in enumerate(template.volumes)
-        if v.name in OWNED_VOLUMES
-    ]
-    for i, m in enumerate(template.volume_mounts):
-        if m.name in OWNED_VOLUMES:
-            problems.append(
-                f"{where}.volumeMounts[{i}]: volumeMount name {m.name} {VOLUME_OWNED_MESSAGE}"
-            )
-        if any(m.mount_path == o or m.mount_path.startswith(o + "/") for o in OWNED_MOUNT_PATHS):
-            problems.append(
-                f"{where}.volumeMounts[{i}]: volumeMount mountPath {m.mount_path} "
-                f"{MOUNT_PATH_OWNED_MESSAGE}"
-            )
-    problems += [
-        f"{where}.initContainers[{i}]: initContainer name {c.name} {CONTAINER_OWNED_MESSAGE}"
-        for i, c in enumerate(template.init_containers)
-        if c.name in OWNED_CONTAINERS
-    ]
     return problems

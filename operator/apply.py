@@ -5,7 +5,7 @@
     why = foreign(api_client, job, action, timeout)  # after a create got 409: whose is it?
 
 Thin translations to kubernetes client calls; failures propagate as the client raises them
-(ApiException, connection errors), and runtime.py decides what they mean.
+(ApiException, connection errors), and act.py and cleanup.py decide what they mean.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
 from ddiloco.operator import api as ddapi
-from ddiloco.operator import builders, certs, tokens
+from ddiloco.operator import builders, certs, evaluator_workload, tokens
 from ddiloco.operator.plan import Action, Target
 
 Timeout: TypeAlias = float | tuple[float, float]  # seconds, or (connect, read)
@@ -41,7 +41,8 @@ def delete_job_objects(
 
     Only objects the job made: pods are selected by the job's uid, and each named object
     (the key and learner credentials Secrets; at home the synchronizer's StatefulSet,
-    Services and claims, and an older operator's Deployment and claim) is read first and
+    Services and claims, the evaluator's Deployment and credential, and an older operator's
+    Deployment and claim) is read first and
     deleted only if it carries the job's uid (label or ownerReference), with the uid it was
     read with as a precondition, so a same-named object of someone else's is never touched.
     The shards' claims go with the StatefulSet (its retention policy) and are deleted here
@@ -75,6 +76,16 @@ def delete_job_objects(
         named += [
             (apps.read_namespaced_stateful_set, apps.delete_namespaced_stateful_set, sync),
             (apps.read_namespaced_deployment, apps.delete_namespaced_deployment, sync),
+            (
+                apps.read_namespaced_deployment,
+                apps.delete_namespaced_deployment,
+                evaluator_workload.evaluator_name(job),
+            ),
+            (
+                core.read_namespaced_secret,
+                core.delete_namespaced_secret,
+                evaluator_workload.evaluator_token_secret_name(job),
+            ),
             (core.read_namespaced_service, core.delete_namespaced_service, sync),
             (
                 core.read_namespaced_service,
@@ -137,6 +148,7 @@ def foreign(
         "Service": core.read_namespaced_service,
         "PersistentVolumeClaim": core.read_namespaced_persistent_volume_claim,
         "StatefulSet": apps.read_namespaced_stateful_set,
+        "Deployment": apps.read_namespaced_deployment,
         "Certificate": lambda name, ns, **kw: _Meta(
             _certificate_api(client, "get", ns, name, kw["_request_timeout"])
         ),
@@ -169,15 +181,17 @@ def send(client: ApiClient, action: Action, timeout: Timeout) -> None:
         "Service": core.create_namespaced_service,
         "PersistentVolumeClaim": core.create_namespaced_persistent_volume_claim,
         "StatefulSet": apps.create_namespaced_stateful_set,
+        "Deployment": apps.create_namespaced_deployment,  # the evaluator's
     }
     replace = {
         "Secret": core.replace_namespaced_secret,
         "StatefulSet": apps.replace_namespaced_stateful_set,
+        "Deployment": apps.replace_namespaced_deployment,
     }
     delete = {
         "Pod": core.delete_namespaced_pod,
         "Secret": core.delete_namespaced_secret,
-        "Deployment": apps.delete_namespaced_deployment,  # an older operator's synchronizer
+        "Deployment": apps.delete_namespaced_deployment,  # the evaluator; an older synchronizer
     }
     if action.kind == "Certificate":  # cert-manager's, through the custom objects API
         verb = {"create": "create", "replace": "replace", "delete": "delete"}[action.verb]

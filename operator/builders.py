@@ -44,7 +44,7 @@ from collections.abc import Iterable
 from typing import Any, Final
 
 from ddiloco.operator import compute
-from ddiloco.operator.api import DecoupledDiLoCoJob, LearnerGroup, PodTemplate
+from ddiloco.operator.api import DecoupledDiLoCoJob, LearnerGroup, PodTemplate, Training
 
 SYNC_PORT: Final = 8470
 SYNC_UPLOAD_PORT: Final = 8471
@@ -69,9 +69,9 @@ LABEL_JOB_UID: Final = "ddiloco.dev/job-uid"
 LABEL_GROUP: Final = "ddiloco.dev/group"
 LABEL_SLOT: Final = "ddiloco.dev/slot"
 LABEL_LEARNER_ID: Final = "ddiloco.dev/learner-id"
-# A learner pod's data shard ("<shard>-of-<count>") and which incarnation of its slot it is (0
+# A learner pod's data part ("<shard>-of-<count>") and which incarnation of its slot it is (0
 # for the first pod, n for the n-th replacement): reconcile.py reads both back from the pod.
-LABEL_DATA_SHARD: Final = "ddiloco.dev/data-shard"
+LABEL_DATA_PART: Final = "ddiloco.dev/data-part"
 LABEL_ATTEMPT: Final = "ddiloco.dev/attempt"
 LABEL_COMPONENT: Final = "app.kubernetes.io/component"
 # Hot spares (failurePolicy.hotSpares, operator/spares.py): a spare pod carries role "spare"
@@ -464,6 +464,31 @@ def _files(
     return env, volumes, mounts
 
 
+def training_env(training: Training) -> dict[str, Any]:
+    """The learner settings `spec.training` sets (learner/config.py reads each); an unset
+    one is left out, so the learner's default applies."""
+    opt, sched = training.inner_optimizer, training.schedule
+    return {
+        "DDILOCO_TOKENIZER": training.tokenizer,
+        "DDILOCO_DATA_FIELD": training.data_field,
+        "DDILOCO_SEQ_LEN": training.sequence_length,
+        "DDILOCO_BATCH_SIZE": training.batch_size,
+        "DDILOCO_GRAD_ACCUM": training.gradient_accumulation,
+        "DDILOCO_PRECISION": training.precision,
+        "DDILOCO_PARALLEL": training.parallel,
+        "DDILOCO_SEED": training.seed,
+        "DDILOCO_INNER_LR": opt.learning_rate,
+        "DDILOCO_WEIGHT_DECAY": opt.weight_decay,
+        "DDILOCO_BETA1": opt.beta1,
+        "DDILOCO_BETA2": opt.beta2,
+        "DDILOCO_GRAD_CLIP": opt.gradient_clip,
+        "DDILOCO_WARMUP_STEPS": sched.warmup_steps,
+        "DDILOCO_LR_SCHEDULE": sched.decay,
+        "DDILOCO_DECAY_FRACTION": sched.decay_fraction,
+        "DDILOCO_MIN_LR_RATIO": sched.min_ratio,
+    }
+
+
 def _env(pairs: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"name": k, "value": str(v)} for k, v in pairs.items() if v is not None]
 
@@ -472,7 +497,7 @@ IMAGE_UID = 10001  # the non-root user of the project's Dockerfile
 
 
 def global_index(job: DecoupledDiLoCoJob, group: LearnerGroup, index: int) -> int:
-    """Position of a slot among all learners (groups in spec order): the data shard a fresh
+    """Position of a slot among all learners (groups in spec order): the data part a fresh
     job's allocation gives the slot. A running job's shards are in its status (reconcile.py)."""
     offset = 0
     for g in job.spec.learner_groups:
@@ -494,7 +519,7 @@ def build_learner_pod(
 ) -> dict[str, Any]:
     """One learner slot. restartPolicy Never: a failed pod is replaced whole, by the operator.
 
-    `shard` is (data shard, shard count), as reconcile.py allocated it for the slot; unset, a
+    `shard` is (data part, shard count), as reconcile.py allocated it for the slot; unset, a
     fresh job's allocation (`global_index` of the total replicas). `attempt` numbers the slot's
     pods (0, then one more per replacement). On failure the container's last log lines become
     its termination message (FallbackToLogsOnError), which the LearnerFailed event carries.
@@ -519,7 +544,7 @@ def build_learner_pod(
                 "DDILOCO_INIT_FROM": training.init_from,
                 "DDILOCO_H": training.inner_steps,
                 "DDILOCO_P": training.fragments,
-                "DDILOCO_INNER_LR": training.inner_learning_rate,
+                **training_env(training),
                 "DDILOCO_MAX_STEPS": training.max_steps,
                 "DDILOCO_MAX_TOKENS": training.max_tokens,
                 "DDILOCO_MAX_SECONDS": training.max_seconds,
@@ -537,7 +562,7 @@ def build_learner_pod(
             LABEL_GROUP: group.name,
             LABEL_SLOT: str(index),
             LABEL_LEARNER_ID: lid,
-            LABEL_DATA_SHARD: f"{shard[0]}-of-{shard[1]}",
+            LABEL_DATA_PART: f"{shard[0]}-of-{shard[1]}",
             LABEL_ATTEMPT: str(attempt),
         }
     )
@@ -582,7 +607,7 @@ def apply_template(template: PodTemplate, pod_spec: dict[str, Any]) -> None:
     is merged over the operator's, the rest is set. Nothing the operator set is replaced:
     the template's items that would (an env DDILOCO_*, a volume, mount or container of the
     operator's name, a mount at or below one of its paths) are refused before any pod is
-    built (api.template_problems, and CEL in the CRD)."""
+    built (the CRD's CEL rules, which the operator evaluates too: rules.py)."""
     container = pod_spec["containers"][0]
     if template.volumes:
         pod_spec["volumes"] = [
@@ -640,7 +665,7 @@ def build_spare_pod(
     name = spare_pod_name(job, group.name, serial)
     meta = pod["metadata"]
     meta["name"] = name
-    for key in (LABEL_SLOT, LABEL_LEARNER_ID, LABEL_DATA_SHARD, LABEL_ATTEMPT):
+    for key in (LABEL_SLOT, LABEL_LEARNER_ID, LABEL_DATA_PART, LABEL_ATTEMPT):
         meta["labels"].pop(key)
     meta["labels"].update({LABEL_ROLE: ROLE_SPARE, LABEL_SPARE: str(serial)})
     meta["annotations"] = {ANNOTATION_PROMOTED_AT: ""}  # the promotion's patch sets it

@@ -52,7 +52,7 @@ from urllib.parse import urlsplit
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 
-from ddiloco.operator import builders, tokens
+from ddiloco.operator import builders, evaluator_workload, tokens
 from ddiloco.operator import conditions as c
 from ddiloco.operator.api import DecoupledDiLoCoJob
 from ddiloco.operator.plan import (
@@ -202,9 +202,10 @@ class _Writer:
 
     def prune(self, also: set[str] | None = None) -> None:
         """Delete the job's TLS Secrets here that nothing wants any more (never the key nor
-        the learners' credentials: tokens.py keeps those; nor `also`, what another target
-        at the same place wants)."""
+        the learners' credentials: tokens.py keeps those; nor the evaluator's, which
+        evaluator_workload.py keeps; nor `also`, what another target at the same place wants)."""
         keep = self.wanted | (also or set()) | {builders.token_secret_name(self.job)}
+        keep.add(evaluator_workload.evaluator_token_secret_name(self.job))
         keep |= set(tokens.secret_names(self.job, self.tgt).values())
         for name, secret in sorted(self.view.secrets.items()):
             if name not in keep and secret.job_uid == self.job.uid:
@@ -448,7 +449,7 @@ def secret_names(job: DecoupledDiLoCoJob, tgt: Target, *, all_clients: bool = Fa
             slots[g.name] = max(slots.get(g.name, 0), g.replicas)
     for gs in job.status.groups:
         if tgt in status_targets(job, gs):
-            slots[gs.name] = max(slots.get(gs.name, 0), len(gs.shards), gs.desired)
+            slots[gs.name] = max(slots.get(gs.name, 0), len(gs.parts), gs.desired)
     names += [
         builders.client_secret_name(job, g, i) for g, n in sorted(slots.items()) for i in range(n)
     ]
@@ -457,7 +458,7 @@ def secret_names(job: DecoupledDiLoCoJob, tgt: Target, *, all_clients: bool = Fa
     hot = job.spec.failure_policy.hot_spares if job.spec is not None else 0
     had = {gs.name: gs for gs in job.status.groups if gs.spares or gs.promoted}
     spare_slots = {
-        g: max(n + 2 * hot, len(had[g].shards) + 2 * had[g].spares if g in had else 0)
+        g: max(n + 2 * hot, len(had[g].parts) + 2 * had[g].spares if g in had else 0)
         for g, n in slots.items()
         if hot or g in had
     }

@@ -75,6 +75,12 @@ PRINTER_COLUMNS: Final = [
         "jsonPath": ".status.estimatedRemainingSeconds",
         "description": "Estimated seconds until training.totalTokens are merged",
     },
+    {
+        "name": "Eval Loss",
+        "type": "number",
+        "jsonPath": ".status.evaluation.loss",
+        "description": "Held-out loss of the global model, as the evaluator last measured it",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

@@ -1,4 +1,5 @@
-"""The kopf handlers of the DecoupledDiLoCoJob operator: thin, the work is in runtime.py.
+"""The kopf handlers of the DecoupledDiLoCoJob operator: thin, the work is in runtime.py (the
+reconcile pass) and cleanup.py (the finalizer's deletion).
 
     ddiloco operator --all-namespaces          # production entry point (cli.py)
     kopf run -m ddiloco.operator.handlers -A   # the same handlers under kopf's own CLI
@@ -20,11 +21,12 @@ import kopf
 import prometheus_client
 
 from ddiloco.operator import api
+from ddiloco.operator.cleanup import CleanupPending
 from ddiloco.operator.clusters import home_api_client
 from ddiloco.operator.config import get_settings
 from ddiloco.operator.metrics import METRICS
 from ddiloco.operator.plan import Event
-from ddiloco.operator.runtime import CleanupPending, Runtime
+from ddiloco.operator.runtime import Runtime
 
 CFG = get_settings()
 

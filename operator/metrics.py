@@ -16,6 +16,12 @@ Series (labels namespace and job on each; the README's Metrics table lists them)
                                                        Preempted, OOMKilled, Error, Deleted ...)
     ddiloco_operator_replacement_seconds               histogram: a pod's failure seen -> its
                                                        replacement Running and Ready
+    ddiloco_operator_job_degraded{reason}              1 while the job's Degraded condition is
+                                                       True (reason: the condition's), else 0
+                                                       with reason "" (one series per job)
+    ddiloco_operator_job_eval_loss                     the job's latest held-out loss of the
+                                                       global model (status.evaluation), once
+                                                       its evaluator reported one
 
 Where the numbers come from: reconcile.py keeps every slot's books in the job status
 (slots.py), and the runtime writes a status before it acts on it. `after_pass` compares the
@@ -40,9 +46,9 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from ddiloco.operator import slots
+from ddiloco.operator import conditions, slots
 from ddiloco.operator.api import DecoupledDiLoCoJob, JobStatus
 from ddiloco.operator.plan import Observed
 
@@ -88,7 +94,20 @@ class OperatorMetrics:
             buckets=REPLACEMENT_BUCKETS,
             registry=self.registry,
         )
+        self.degraded = Gauge(
+            "ddiloco_operator_job_degraded",
+            "1 while the job's Degraded condition is True, labelled with its reason; else 0",
+            [*job, "reason"],
+            registry=self.registry,
+        )
+        self.eval_loss = Gauge(
+            "ddiloco_operator_job_eval_loss",
+            "The job's latest held-out loss of the global model (status.evaluation.loss)",
+            job,
+            registry=self.registry,
+        )
         self._lock = threading.Lock()
+        self._degraded: dict[str, str] = {}  # job uid -> the reason label its series has now
         self._causes: set[str] = set()
         # job uid -> (group, index) -> (failure time, epoch s; attempt that replaces it)
         self._pending: dict[str, dict[tuple[str, int], tuple[float, int]]] = {}
@@ -133,6 +152,10 @@ class OperatorMetrics:
         wrote (None: it wrote none, nothing changed), `obs` what it saw of the pods."""
         now = time.time() if now is None else now
         ns, name = job.namespace, job.name
+        self._export_degraded(job, after if after is not None else before)
+        evaluation = (after if after is not None else before).evaluation
+        if evaluation is not None:
+            self.eval_loss.labels(ns, name).set(evaluation.loss)
         with self._lock:
             pending = self._pending.setdefault(job.uid, {})
         if after is not None:
@@ -165,16 +188,33 @@ class OperatorMetrics:
                     self.replacement_seconds.labels(ns, name).observe(max(0.0, now - want[0]))
                     pending.pop(key)
 
+    def _export_degraded(self, job: DecoupledDiLoCoJob, status: JobStatus) -> None:
+        """One series per job: its Degraded condition as 1 (with the condition's reason) or 0
+        (reason ""), the previous reason's series removed when it changes."""
+        cond = conditions.get(status.conditions, conditions.DEGRADED)
+        on, reason = False, ""
+        if cond is not None and cond.status == "True":
+            on, reason = True, cond.reason if CAUSE.match(cond.reason) else "Other"
+        with self._lock:
+            old = self._degraded.get(job.uid)
+            self._degraded[job.uid] = reason
+        if old is not None and old != reason:
+            self.degraded.remove(job.namespace, job.name, old)
+        self.degraded.labels(job.namespace, job.name, reason).set(1 if on else 0)
+
     def forget(self, job: DecoupledDiLoCoJob) -> None:
         """A deleted job's series go with it (a long-lived operator sees many jobs)."""
         with self._lock:
             self._pending.pop(job.uid, None)
+            self._degraded.pop(job.uid, None)
         labels = {"namespace": job.namespace, "job": job.name}
         for metric in (
             self.reconciles,
             self.reconcile_duration,
             self.replacements,
             self.replacement_seconds,
+            self.degraded,
+            self.eval_loss,
         ):
             metric.remove_by_labels(labels)
 

@@ -4,8 +4,8 @@
     obs = Observed(now=..., clusters={target: ClusterView(pods=(...), token=...)}, ...)
 
 A `Target` is a cluster (the operator's own, or one reached through a kubeconfig Secret) and
-a namespace in it. runtime.py fills an `Observed` from the clusters, reconcile.py turns it
-into a `Plan`, and runtime.py sends the plan's `Action`s. Everything here is plain data: the
+a namespace in it. observe.py fills an `Observed` from the clusters, reconcile.py turns it
+into a `Plan`, and act.py sends the plan's `Action`s. Everything here is plain data: the
 unit tests build these by hand.
 """
 
@@ -93,7 +93,7 @@ class PodView:
     message: str | None = None  # the learner container's termination message: its last log lines
     exit_code: int | None = None
     attempt: int = 0  # which incarnation of its slot (builders.LABEL_ATTEMPT)
-    shard: tuple[int, int] | None = None  # (data shard, count) it trains; None: not labelled
+    shard: tuple[int, int] | None = None  # (data part, count) it trains; None: not labelled
     spare: bool = False  # a hot spare holding no slot (index -1); operator/spares.py
     serial: int | None = None  # born a hot spare: its serial (kept when promoted)
     promoted_at: str | None = None  # when a spare was promoted to its slot (ISO time)
@@ -132,7 +132,7 @@ class PodView:
             message=ended.get("message") or status.get("message") or None,
             exit_code=ended.get("exitCode"),
             attempt=_int(labels.get(builders.LABEL_ATTEMPT)) or 0,
-            shard=_shard(labels.get(builders.LABEL_DATA_SHARD)),
+            shard=_shard(labels.get(builders.LABEL_DATA_PART)),
             spare=spare,
             serial=_int(labels.get(builders.LABEL_SPARE)),
             promoted_at=(meta.get("annotations") or {}).get(builders.ANNOTATION_PROMOTED_AT),
@@ -193,7 +193,7 @@ class ClusterView:
     token: str | None = None
     problem: tuple[str, str] | None = None  # (condition reason, message): not reachable
     # the job's Secrets there, by name, each read by name (TLS material, the groups' learner
-    # credentials, the token with its rotation annotations); runtime.py reads them
+    # credentials, the token with its rotation annotations); observe.py reads them
     secrets: Mapping[str, SecretView] = field(default_factory=dict)
     server: str | None = None  # the API server URL it was observed at (no credentials)
 
@@ -221,6 +221,9 @@ class Observed:
     # message naming the object and quoting the apiserver), e.g. an exceeded ResourceQuota
     # (FailedCreate) or a name taken by an object the job did not make (NameConflict).
     refused: tuple[tuple[str, str], ...] = ()
+    # the evaluator's Deployment as read (spec.evaluation, evaluator_workload.py); None when
+    # there is none or the name is someone else's
+    evaluator: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -263,7 +266,7 @@ class Plan:
     status: JobStatus | None = None  # None: leave the status alone
     events: list[Event] = field(default_factory=list)
     # assignments of promoted spares to (re)send to the synchronizer; not actions (they
-    # do not make the runtime observe again): runtime.py sends each until it is delivered
+    # do not make the runtime observe again): act.py sends each until it is delivered
     assignments: list[Assignment] = field(default_factory=list)
 
 

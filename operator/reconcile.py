@@ -19,7 +19,7 @@ observed, so a crash between any two steps neither loses nor doubles a count. Pa
 logs) and the job Degraded. The LearnerFailed event quotes the pod's reason, exit code and last
 log lines (its termination message), so they outlive the pod. Spec changes reach new pods
 only (replacements and new slots), like a StatefulSet's OnDelete, with one exception: a
-re-shard (slots.py) restarts the learners whose data shard changed.
+new division of the data (slots.py) restarts the learners whose data part changed.
 """
 
 from __future__ import annotations
@@ -28,7 +28,16 @@ import dataclasses
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
-from ddiloco.operator import builders, names, slots, spares, sync_workload, syncstatus, tokens
+from ddiloco.operator import (
+    builders,
+    evaluator_workload,
+    names,
+    slots,
+    spares,
+    sync_workload,
+    syncstatus,
+    tokens,
+)
 from ddiloco.operator import conditions as c
 from ddiloco.operator.api import (
     DecoupledDiLoCoJob,
@@ -93,6 +102,7 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
     plan.events += [tok.event] if tok.event is not None else []
     tls = tls_plan(job, obs, plan)  # certificates and their Secrets (certs.py)
     _synchronizer(job, obs, plan, tls.revision)
+    plan.actions += evaluator_workload.evaluator_actions(job, obs, token)  # spec.evaluation
 
     sync_status, bad = syncstatus.checked(obs.sync_status)
     obs = dataclasses.replace(obs, sync_status=sync_status)
@@ -200,7 +210,7 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
         plan.events.append(
             Event(
                 "Normal",
-                "Resharded",
+                "DataRedivided",
                 f"The training data is now cut into {shard_count} shards; learner pods on "
                 "another shard are restarted on their new one",
             )
@@ -410,7 +420,7 @@ def _slot(
             )
         return rec, counted
     if pod.shard is not None and pod.shard != (rec.shard, shard_count) and pod.phase != "Succeeded":
-        # re-sharded: restart it on its new shard; not a failure (seen=False lets it go)
+        # the data divided again: restart it on its new part; not a failure (seen=False lets it go)
         plan.actions.append(Action("delete", tgt, "Pod", pod.name, uid=pod.uid))
         return rec.update(seen=False), counted
     return rec.update(seen=True), counted

@@ -1,5 +1,5 @@
 """Learner slot bookkeeping: one record per slot in memory, a few compact fields per group in
-the status, and the data shard each slot trains.
+the status, and the data part each slot trains.
 
     books = slots.decode(job.status.groups)          # {(group, index): Slot}
     count, reshard = slots.allocate_shards(job, books)
@@ -16,13 +16,13 @@ attempt number (label ddiloco.dev/attempt: 0 for the first pod, n for the n-th r
 A failure is recorded for the attempt `replacements`; a pod with a higher attempt is the
 replacement, and counting it sets `replacements` to its attempt.
 
-Data shards (DDILOCO_LEARNER_INDEX of DDILOCO_NUM_LEARNERS for the learner; learner/data.py
-cuts the corpus into that many contiguous parts). The count is fixed in `status.dataShards`
-when the job starts: `spec.training.dataShards`, else the total replicas then. Each slot gets
+Data parts (DDILOCO_LEARNER_INDEX of DDILOCO_NUM_LEARNERS for the learner; learner/data.py
+cuts the corpus into that many contiguous parts). The count is fixed in `status.dataParts`
+when the job starts: `spec.training.dataParts`, else the total replicas then. Each slot gets
 the lowest shard no other slot of the spec holds, once; its replacements keep it; scaling a
 slot away frees it for the next new slot. So two live learners never train the same shard,
 whatever the order of scaling. When that cannot hold (a scale-up past the count with
-dataShards unset, or a changed dataShards) the job re-shards: the count becomes the new value,
+dataParts unset, or a changed dataParts) the job divides the data again: the count becomes the new value,
 every slot gets shard = its position (groups in spec order), and every learner pod whose label
 says otherwise is deleted and recreated on its new shard (not counted as a failure).
 """
@@ -116,7 +116,7 @@ def decode(groups: Iterable[GroupStatus]) -> dict[tuple[str, int], Slot]:
         for f in g.failed_slots:
             failed.update(dict.fromkeys(parse_ranges(f.slots), f))
         count = max(
-            [len(g.shards), len(g.slot_replacements), *(i + 1 for i in live | failed.keys())]
+            [len(g.parts), len(g.slot_replacements), *(i + 1 for i in live | failed.keys())]
         )
         for i in range(count):
             f = failed.get(i)
@@ -128,7 +128,7 @@ def decode(groups: Iterable[GroupStatus]) -> dict[tuple[str, int], Slot]:
                 replacements=g.slot_replacements[i] if i < len(g.slot_replacements) else 0,
                 reason=f.reason if f else None,
                 time=f.time if f else None,
-                shard=g.shards[i] if i < len(g.shards) and g.shards[i] >= 0 else None,
+                shard=g.parts[i] if i < len(g.parts) and g.parts[i] >= 0 else None,
             )
     return books
 
@@ -143,7 +143,7 @@ def encode(group: GroupStatus, slots: Sequence[Slot]) -> GroupStatus:
     repl = [s.replacements for s in slots]
     return group.model_copy(
         update={
-            "shards": [-1 if s.shard is None else s.shard for s in slots],
+            "parts": [-1 if s.shard is None else s.shard for s in slots],
             "slot_replacements": repl if any(repl) else [],
             "live_slots": index_ranges(s.index for s in slots if s.seen),
             "failed_slots": [
@@ -197,18 +197,18 @@ def detail(slots: Iterable[Slot], limit: int) -> tuple[list[SlotStatus], int]:
     ], len(bad)
 
 
-# --------------------------------------------------------------------------- data shards
+# --------------------------------------------------------------------------- data parts
 
 
 def allocate_shards(
     job: DecoupledDiLoCoJob, books: dict[tuple[str, int], Slot]
 ) -> tuple[int, bool]:
-    """Give every slot of the spec a data shard (in `books`, in place); returns the shard
-    count and whether this pass re-shards (see the module docstring)."""
+    """Give every slot of the spec a data part (in `books`, in place); returns the shard
+    count and whether this pass divides the data again (see the module docstring)."""
     spec = job.spec
     wanted = [(g.name, i) for g in spec.learner_groups for i in range(g.replicas)]
-    total, asked = len(wanted), spec.training.data_shards
-    count = job.status.data_shards or asked or max(1, total)
+    total, asked = len(wanted), spec.training.data_parts
+    count = job.status.data_parts or asked or max(1, total)
     reshard = False
     if asked is not None and asked != count:
         count, reshard = asked, True

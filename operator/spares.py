@@ -5,7 +5,7 @@ take over a failed slot's identity instead of a cold start.
     spare = group_spares.take()                                 # a Ready one, or None
     spares.promote(job, group, tgt, slot, spare, shard, attempt, now, plan)
     spares.refill(job, group, tgt, group_spares, plan)         # keep hotSpares standing
-    delivered = spares.put_assignment(url, token, context, assignment, timeout)  # runtime.py
+    delivered = spares.put_assignment(url, token, context, assignment, timeout)  # act.py
 
 A spare pod (builders.build_spare_pod) is a learner pod without a slot: label
 `ddiloco.dev/role: spare`, a serial (`ddiloco.dev/spare`, also in its name), env
@@ -15,7 +15,7 @@ step; learner/spare.py), then turns Ready and long-polls the synchronizer's
 
 Promotion, when a slot's pod has failed and is gone and its replacement is due (the same
 backoff and limit as a new pod), and a Ready spare of the group stands by:
-  1. the spare's labels are patched to the slot's (slot, learner id, data shard, attempt + 1,
+  1. the spare's labels are patched to the slot's (slot, learner id, data part, attempt + 1,
      role learner; annotation `ddiloco.dev/promoted-at`), a JSON patch whose `test` ops make
      the pod's uid and its role "spare" preconditions: a spare deleted, replaced or promoted
      meanwhile is refused, never promoted twice;
@@ -146,7 +146,7 @@ def promote(
     labels = {
         builders.LABEL_SLOT: str(rec.index),
         builders.LABEL_LEARNER_ID: body["learner_id"],
-        builders.LABEL_DATA_SHARD: f"{shard[0]}-of-{shard[1]}",
+        builders.LABEL_DATA_PART: f"{shard[0]}-of-{shard[1]}",
         builders.LABEL_ATTEMPT: str(attempt),
     }
     patch: list[dict[str, Any]] = [
@@ -173,7 +173,7 @@ def promote(
                 "Normal",
                 PROMOTED,
                 f"Hot spare {spare.name} takes over slot {rec.id} after {rec.reason} "
-                f"(learner id {body['learner_id']}, data shard {shard[0]} of {shard[1]}, "
+                f"(learner id {body['learner_id']}, data part {shard[0]} of {shard[1]}, "
                 f"attempt {attempt})",
             ),
         )
@@ -257,7 +257,7 @@ def resend(
     plan: Plan,
 ) -> None:
     """The assignments of the group's promoted spares that are alive, from their labels
-    (runtime.py sends each until the synchronizer says it was delivered, `Resends` says
+    (act.py sends each until the synchronizer says it was delivered, `Resends` says
     when)."""
     for p in pods:
         if (
@@ -281,7 +281,7 @@ def resend(
 
 
 class Resends:
-    """When to send each undelivered assignment again (runtime.py keeps one per job): every
+    """When to send each undelivered assignment again (act.py keeps one per job): every
     pass while its promotion is young, then after RESEND_FIRST_S, doubling up to
     RESEND_MAX_S, so a synchronizer down for long is asked at a bounded rate, and a spare
     promoted while it was down gets its slot once it is back."""
@@ -310,7 +310,7 @@ class Resends:
             del self._next[uid]
 
 
-# --------------------------------------------------------------------------- I/O (runtime.py)
+# ------------------------------------------------------------------------------- I/O (act.py)
 
 
 def put_assignment(

@@ -21,6 +21,7 @@ the CRD's largest spec (tests/unit/test_operator_status.py measures it).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 from ddiloco.operator import builders
@@ -28,6 +29,7 @@ from ddiloco.operator import conditions as c
 from ddiloco.operator import slots as books
 from ddiloco.operator.api import (
     DecoupledDiLoCoJob,
+    EvaluationStatus,
     GroupStatus,
     JobStatus,
     SynchronizerStatus,
@@ -186,6 +188,8 @@ def summarize(
             numbers[key] = sync[key]
     numbers.update(derived(obs.sync_status))  # merged_work_ratio, live_learners
     numbers.update(_progress(job, obs.sync_status, budget_done))
+    if (evaluation := _evaluation(sync.get("evaluation"))) is not None:
+        numbers["evaluation"] = evaluation  # else the last one stands
     return old.model_copy(
         update={
             "phase": phase,
@@ -196,7 +200,7 @@ def summarize(
             "groups": groups,
             "slots": detail,
             "unhealthy_slots": unhealthy,
-            "data_shards": shard_count if shard_count is not None else old.data_shards,
+            "data_parts": shard_count if shard_count is not None else old.data_parts,
             "synchronizer": SynchronizerStatus(
                 endpoint=",".join(builders.shard_urls(job)),
                 ready=sync_ready,
@@ -249,6 +253,25 @@ def _progress(
         max(0, min(MAX_REMAINING_S, round(eta))) if isinstance(eta, int | float) else None
     )
     return out
+
+
+def _evaluation(found: Any) -> EvaluationStatus | None:
+    """The synchronizer's latest evaluation (`protocol.EvaluationStatus`, checked finite by
+    syncstatus.py) as the job status has it: loss and perplexity rounded to 4 significant
+    digits (the status changes only when the measurement does), the arrival time as an RFC
+    3339 date. None when there is none or it cannot be shown."""
+    if found is None or found.global_version < 0:
+        return None
+    try:
+        at = datetime.fromtimestamp(found.time, UTC)
+    except (OverflowError, OSError, ValueError):
+        return None
+    return EvaluationStatus(
+        loss=float(f"{found.loss:.4g}"),
+        perplexity=float(f"{found.perplexity:.4g}"),
+        global_version=found.global_version,
+        time=iso(at),
+    )
 
 
 def _bounded(message: str) -> str:

@@ -156,15 +156,35 @@ and merge"; `ddiloco local` sets the same). Its own default, 96, is 4H only for 
 
 def max_learners(job: DecoupledDiLoCoJob) -> int:
     """DDILOCO_MAX_LEARNERS, the most learner records the synchronizer keeps (a new learner id
-    beyond it is refused): twice the job's learner ids (its slots, or `training.dataShards`,
+    beyond it is refused): twice the job's learner ids (its slots, or `training.dataParts`,
     what it will scale to, if more, plus the hot spares) and a margin of 16, rounded up to a
     power of two so that scaling within it does not roll the synchronizer. A replaced slot
     reuses its id, so replacements need no room."""
     spec = job.spec
-    slots = max(spec.total_replicas(), spec.training.data_shards or 0)
+    slots = max(spec.total_replicas(), spec.training.data_parts or 0)
     spares = spec.failure_policy.hot_spares * len(spec.learner_groups)
     want = 2 * (slots + spares) + 16
     return 1 << (want - 1).bit_length()
+
+
+def checkpoint_env(job: DecoupledDiLoCoJob) -> dict[str, Any]:
+    """The synchronizer's checkpoint settings (`spec.checkpoints`), and `training.initFrom`,
+    which one synchronizer starts from (a checkpoint's outer state too; a sharded one leaves
+    it to the learners' init upload): synchronizer/checkpoints.py. Unset ones are left out,
+    so a job without them keeps the pod template it had."""
+    spec = job.spec
+    ckpt = spec.checkpoints
+    env: dict[str, Any] = {
+        "DDILOCO_INIT_FROM": spec.training.init_from if spec.synchronizer.shards == 1 else None
+    }
+    if ckpt is not None:
+        env |= {
+            "DDILOCO_CHECKPOINT_DEST": ckpt.dest(),
+            "DDILOCO_CHECKPOINT_EVERY_VERSIONS": ckpt.every_versions or None,
+            "DDILOCO_CHECKPOINT_EVERY_SECONDS": ckpt.every_seconds or None,
+            "DDILOCO_CHECKPOINT_KEEP": ckpt.keep,
+        }
+    return env
 
 
 def build_synchronizer_statefulset(
@@ -202,12 +222,14 @@ def build_synchronizer_statefulset(
                 "DDILOCO_COUNTER_CAP_STEPS": COUNTER_CAP_H * spec.training.inner_steps,
                 "DDILOCO_SHARDS": sync.shards,
                 "DDILOCO_UPDATE_ENCODINGS": spec.update_encoding,
+                "DDILOCO_BROADCAST_ENCODING": spec.broadcast_encoding,
                 # DDILOCO_MAX_TOKENS_PER_STEP keeps the synchronizer's default: the spec does
                 # not know a learner's batch size and sequence length (the preset does)
                 "DDILOCO_MAX_LEARNERS": max_learners(job),
                 # the job's budget in merged tokens; unset without one (0), so a job without
                 # a budget keeps the pod template it had
                 "DDILOCO_TOTAL_TOKENS": spec.training.total_tokens or None,
+                **checkpoint_env(job),
             }
         ),
         {

@@ -160,6 +160,7 @@ CHECKED_FIELDS: Final = (
     "progress",
     "estimated_remaining_seconds",
     "finished",
+    "evaluation",
 )
 
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Final
 
-from ddiloco.operator import builders
+from ddiloco.operator import builders, evaluator_workload
 from ddiloco.operator.api import DecoupledDiLoCoJob, LearnerGroup
 from ddiloco.operator.plan import (
     Action,
@@ -131,6 +131,8 @@ def _credentials_caught_up(job: DecoupledDiLoCoJob, obs: Observed, token: str | 
     """Every group's credentials Secret holds what the key `token` (the new key with the old
     one) derives; a group whose cluster cannot be seen has not caught up."""
     keys = lines(token)
+    if not evaluator_workload.caught_up(job, obs.clusters.get(home(job), ClusterView()), keys):
+        return False
     for group in job.spec.learner_groups:
         view = obs.clusters.get(target_of(job, group))
         if view is None or view.problem is not None:

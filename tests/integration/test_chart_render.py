@@ -53,7 +53,7 @@ def test_defaults_run_one_operator_for_all_namespaces(helm: c.Helm) -> None:
     ctr = container(docs)
     assert ctr["command"] == ["ddiloco", "operator"]
     assert ctr["args"] == ["--all-namespaces", "--liveness=http://0.0.0.0:8080/healthz"]
-    assert ctr["image"] == "ghcr.io/decoupled-diloco/ddiloco:0.1.0"
+    assert ctr["image"] == "ddiloco:0.1.0"  # what deploy/build-image.sh tags locally
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert ctr[probe]["httpGet"] == {"path": "/healthz", "port": "health"}, probe
     assert ctr["ports"] == [

@@ -54,7 +54,7 @@ def test_a_gpu_job_gets_its_gpus_shm_and_grace_and_the_scheduler_counts_them(
     cl: h.Clusters, operator: h.Operator
 ) -> None:
     body = h.job_manifest("gpus", [GROUP], failurePolicy={"hotSpares": 1, "backoffSeconds": 0.5})
-    body["spec"]["training"]["dataShards"] = 4  # scaling to 4 below restarts no learner
+    body["spec"]["training"]["dataParts"] = 4  # scaling to 4 below restarts no learner
     h.create_job(cl, body)
     job = h.wait_condition(cl, "gpus", "Ready", timeout=90)
     assert job["status"]["readyLearners"] == 3

@@ -131,12 +131,12 @@ def test_killing_the_operator_mid_reconcile_leaves_one_pod_per_slot(
 
 
 def test_scaling_a_group_adds_and_removes_slots(cl: h.Clusters, operator: h.Operator) -> None:
-    # within the declared shard count, so no learner is re-sharded (past it, every learner
+    # within the declared shard count, so no learner gets a new data part (past it, every learner
     # moves to a new shard: tests/integration/test_operator_status.py)
     job = h.create_job(
         cl,
         h.job_manifest(
-            "scale", [{"name": "a", "replicas": 2}], training={"model": "tiny", "dataShards": 4}
+            "scale", [{"name": "a", "replicas": 2}], training={"model": "tiny", "dataParts": 4}
         ),
     )
     h.wait_condition(cl, job, "Ready")
@@ -172,7 +172,7 @@ def test_scaling_a_group_adds_and_removes_slots(cl: h.Clusters, operator: h.Oper
         timeout=10,
     )
     job_down = h.wait_condition(cl, job, "Ready")
-    assert len(job_down["status"]["groups"][0]["shards"]) == 1
+    assert len(job_down["status"]["groups"][0]["parts"]) == 1
     assert job_down["status"]["groups"][0]["replaced"] == 0  # scaling is not a failure
 
 

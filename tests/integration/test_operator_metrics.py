@@ -90,15 +90,17 @@ def test_replacement_is_counted_timed_and_described(cl: h.Clusters, operator: h.
     # kubectl get ddj: the merged-work ratio and the live learners, from the synchronizer
     k8senv.wait_until("liveLearners", lambda: cl.job(job)["status"].get("liveLearners"), 20)
     table = cl.kubectl("get", "ddj", job).stdout.splitlines()
-    names = table[0].split()
-    assert names[-5:] == ["MERGED", "LIVE", "PROGRESS", "REMAINING", "AGE"], table
-    # columns by their header's offsets: a job without a token budget leaves two empty
-    starts = [table[0].index(f"{n} ") if n != "AGE" else table[0].rindex(n) for n in names]
+    header = table[0].replace("EVAL LOSS", "EVAL_LOSS")  # one column, of the same width
+    names = header.split()
+    assert names[-6:] == ["MERGED", "LIVE", "PROGRESS", "REMAINING", "EVAL_LOSS", "AGE"], table
+    # columns by their header's offsets: a job without a token budget leaves two empty, one
+    # without an evaluator a third
+    starts = [header.index(f"{n} ") if n != "AGE" else header.rindex(n) for n in names]
     cell = {
         n: table[1][a:b].strip() for n, a, b in zip(names, starts, [*starts[1:], None], strict=True)
     }
     assert cell["MERGED"] == "0.5" and cell["LIVE"] == "2", table
-    assert cell["PROGRESS"] == "" and cell["REMAINING"] == "", table
+    assert cell["PROGRESS"] == "" and cell["REMAINING"] == "" and cell["EVAL_LOSS"] == "", table
 
     before = operator.scrape()
     ok_before = sum(samples(before, "ddiloco_operator_reconciles_total", result="ok", **ours))

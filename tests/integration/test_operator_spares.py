@@ -206,10 +206,10 @@ def test_a_failed_slot_is_taken_over_by_its_groups_hot_spare(
         labels = pod.metadata.labels
         assert pod.metadata.uid == spare[cluster].metadata.uid  # the very same pod
         assert (labels[ROLE], labels[SLOT], labels[ATTEMPT]) == ("learner", index, "1")
-        assert labels["ddiloco.dev/data-shard"].endswith("-of-3")
+        assert labels["ddiloco.dev/data-part"].endswith("-of-3")
         assert pod.metadata.annotations["ddiloco.dev/promoted-at"]
-    assert home_pod.metadata.labels["ddiloco.dev/data-shard"] == "0-of-3"
-    assert remote_pod.metadata.labels["ddiloco.dev/data-shard"] == "2-of-3"
+    assert home_pod.metadata.labels["ddiloco.dev/data-part"] == "0-of-3"
+    assert remote_pod.metadata.labels["ddiloco.dev/data-part"] == "2-of-3"
     for cluster, name in failed.items():  # the failed pods went; no cold pod took their name
         k8senv.wait_until(
             f"{name} gone",

@@ -6,7 +6,7 @@
 - a job name no Service may have is refused by the CRD, with the rule's message;
 - an OOMKilled learner (kwok's container-failed stage, as a kubelet writes it) reads
   OOMKilled, with its exit code and last log lines, in the events that outlive the pod;
-- scaling keeps every learner's data shard unique: within spec.training.dataShards nobody
+- scaling keeps every learner's data part unique: within spec.training.dataParts nobody
   restarts, past an unset one every learner moves to its new shard;
 - the status of the CRD's largest spec, at its worst, is accepted by the apiserver.
 
@@ -53,7 +53,7 @@ def shards(cl: h.Clusters, cluster: str, job: str) -> dict[str, tuple[int, int, 
         if p.metadata.deletion_timestamp or p.status.phase != "Running":
             continue
         env = {e.name: e.value for e in p.spec.containers[0].env}
-        label = p.metadata.labels["ddiloco.dev/data-shard"]
+        label = p.metadata.labels["ddiloco.dev/data-part"]
         index, count = int(env["DDILOCO_LEARNER_INDEX"]), int(env["DDILOCO_NUM_LEARNERS"])
         assert label == f"{index}-of-{count}"
         out[p.metadata.labels["ddiloco.dev/learner-id"]] = (index, count, p.metadata.uid)
@@ -123,12 +123,12 @@ def test_an_oom_killed_learner_says_so_and_its_last_lines_outlive_it(
     assert after["status"]["groups"][0]["slotReplacements"] == [0, 1]
 
 
-def test_scaling_within_data_shards_keeps_every_learner_and_its_shard(
+def test_scaling_within_data_parts_keeps_every_learner_and_its_shard(
     cl: h.Clusters, operator: h.Operator
 ) -> None:
     groups = [{"name": "a", "replicas": 2}, {"name": "b", "replicas": 2}]
     job = h.create_job(
-        cl, h.job_manifest("shd", groups, training={"model": "tiny", "dataShards": 8})
+        cl, h.job_manifest("shd", groups, training={"model": "tiny", "dataParts": 8})
     )
     before = settled(cl, job, 4)
     assert {k: v[:2] for k, v in before.items()} == {
@@ -139,11 +139,11 @@ def test_scaling_within_data_shards_keeps_every_learner_and_its_shard(
     assert {k: after[k] for k in before} == before  # same pods, same shards
     assert after["a-2"][:2] == (4, 8)  # not b-0's 2
     status = cl.job(job)["status"]
-    assert status["dataShards"] == 8 and status["phase"] == "Running"
-    # past dataShards: refused by the CRD, before anything happens
+    assert status["dataParts"] == 8 and status["phase"] == "Running"
+    # past dataParts: refused by the CRD, before anything happens
     with pytest.raises(ApiException) as e:
         patch_spec(cl, job, {"learnerGroups": [{"name": "a", "replicas": 7}, groups[1]]})
-    assert "dataShards" in json.loads(e.value.body)["message"]
+    assert "dataParts" in json.loads(e.value.body)["message"]
 
 
 def test_a_scale_up_past_the_shard_count_moves_every_learner_to_a_unique_shard(
@@ -163,9 +163,9 @@ def test_a_scale_up_past_the_shard_count_moves_every_learner_to_a_unique_shard(
     assert sorted(v[0] for v in after.values()) == [0, 1, 2, 3, 4]  # unique
     assert all(after[k][2] != before[k][2] for k in before)  # restarted on the new shard
     status = cl.job(job)["status"]
-    assert status["dataShards"] == 5
+    assert status["dataParts"] == 5
     assert all(g["replaced"] == 0 for g in status["groups"])  # not failures
-    assert events(cl, job, "Resharded")
+    assert events(cl, job, "DataRedivided")
 
 
 def test_the_largest_spec_at_its_worst_status_is_accepted(cl: h.Clusters) -> None:

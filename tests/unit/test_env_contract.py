@@ -45,7 +45,22 @@ FULL: dict[str, Any] = {
         "innerSteps": 48,
         "fragments": 8,
         "overlapSteps": 3,
-        "innerLearningRate": 0.00025,
+        "tokenizer": "/models/tokenizer",
+        "dataField": "content",
+        "sequenceLength": 96,
+        "batchSize": 12,
+        "gradientAccumulation": 4,
+        "precision": "bf16",
+        "parallel": "fsdp2",
+        "seed": 7,
+        "innerOptimizer": {
+            "learningRate": 0.00025,
+            "weightDecay": 0.05,
+            "beta1": 0.85,
+            "beta2": 0.99,
+            "gradientClip": 0.5,
+        },
+        "schedule": {"warmupSteps": 300, "decay": "wsd", "decayFraction": 0.3, "minRatio": 0.05},
         "maxSteps": 5000,
         "maxTokens": 10_000_000_000,
         "maxSeconds": 7200.5,
@@ -90,6 +105,7 @@ FULL: dict[str, Any] = {
     ],
     "failurePolicy": {"maxReplacementsPerSlot": 3, "backoffSeconds": 2, "maxBackoffSeconds": 60},
     "updateEncoding": "int8",
+    "broadcastEncoding": "int4-delta",
     "managedBy": api.MANAGED_BY_US,
 }
 MINIMAL: dict[str, Any] = {
@@ -102,6 +118,10 @@ ENTRY: dict[str, Any] = {
     "training": {"modelEntry": "ddiloco.learner.examples:char_mlp", "innerSteps": 12},
 }
 SPECS = {"full": FULL, "minimal": MINIMAL, "model-entry": ENTRY}
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 def make_job(spec: dict[str, Any]) -> api.DecoupledDiLoCoJob:
@@ -291,7 +311,23 @@ def expected_learner(
         "init_from": t.init_from,
         "h": t.inner_steps,
         "num_fragments": t.fragments,
-        "inner_lr": t.inner_learning_rate or default.inner_lr,
+        "tokenizer": t.tokenizer,
+        "data_field": t.data_field or default.data_field,
+        "seq_len": t.sequence_length,
+        "batch_size": t.batch_size or default.batch_size,
+        "grad_accum": t.gradient_accumulation,
+        "precision": t.precision,
+        "parallel": t.parallel,
+        "seed": default.seed if t.seed is None else t.seed,
+        "inner_lr": t.inner_optimizer.learning_rate or default.inner_lr,
+        "weight_decay": _or(t.inner_optimizer.weight_decay, default.weight_decay),
+        "beta1": _or(t.inner_optimizer.beta1, default.beta1),
+        "beta2": _or(t.inner_optimizer.beta2, default.beta2),
+        "grad_clip": _or(t.inner_optimizer.gradient_clip, default.grad_clip),
+        "warmup_steps": t.schedule.warmup_steps or default.warmup_steps,
+        "lr_schedule": t.schedule.decay,
+        "decay_fraction": _or(t.schedule.decay_fraction, default.decay_fraction),
+        "min_lr_ratio": _or(t.schedule.min_ratio, default.min_lr_ratio),
         "max_steps": t.max_steps or 0,
         "max_tokens": t.max_tokens or 0,
         "max_seconds": t.max_seconds or 0.0,
@@ -321,7 +357,7 @@ def test_each_learner_reads_what_the_operator_meant(job: api.DecoupledDiLoCoJob)
         assert grace == group.termination_grace_period_seconds
         assert grace / 2 <= cfg.drain_s <= grace - 5, (grace, cfg.drain_s)
         indices.append(cfg.learner_index)
-    # data shards: every slot its own, none left out
+    # data parts: every slot its own, none left out
     assert indices == list(range(job.spec.total_replicas()))
 
 
@@ -351,6 +387,7 @@ def test_the_synchronizer_reads_what_the_operator_meant(
         "shard": 0,
         "shards": sync.shards,
         "update_encodings": [job.spec.update_encoding],  # only the job's encoding
+        "broadcast_encoding": job.spec.broadcast_encoding,
         "total_tokens": t.total_tokens,
     }
     assert {k: getattr(settings, k) for k in want} == want
@@ -429,7 +466,11 @@ def test_the_builders_emit_only_strings_the_receivers_round_trip() -> None:
     # str() of a float must parse back to the same float on both sides (no rounding on the way)
     spec = {
         **FULL,
-        "training": {**FULL["training"], "innerLearningRate": 1 / 3, "maxSeconds": 1e-3},
+        "training": {
+            **FULL["training"],
+            "innerOptimizer": {"learningRate": 1 / 3},
+            "maxSeconds": 1e-3,
+        },
     }
     job = make_job(spec)
     cfg = learner_config(job, learner_pods(job)[0][2])

@@ -223,7 +223,8 @@ def compute_field(alias: str) -> str:
 def test_gpus_named_twice_are_refused_with_one_clear_sentence() -> None:
     job = make_job(gpusPerLearner=2, resources={"limits": {"nvidia.com/gpu": 2}})
     (problem,) = api.validate(job.spec)
-    assert "learner group a" in problem and "gpusPerLearner" in problem and "once" in problem
+    assert problem.startswith("learnerGroups[a]: ") and "gpusPerLearner" in problem
+    assert "once" in problem
 
 
 def test_the_crd_carries_the_bounds_the_pattern_and_the_rule() -> None:

@@ -87,6 +87,7 @@ def test_crd_has_names_columns_status_and_rules() -> None:
         "Live",
         "Progress",
         "Remaining",
+        "Eval Loss",
         "Age",
     ]
     props = version["schema"]["openAPIV3Schema"]["properties"]
@@ -138,6 +139,8 @@ def test_minimal_job_parses_with_defaults() -> None:
         ({"training": {}}, "exactly one"),
         # a model entry loads its own data (learner/task.py): training.data would change nothing
         ({"training": {"modelEntry": "a.b:c", "data": "/data/x.bin"}}, "training.data"),
+        ({"training": {"model": "tiny", "schedule": {"decay": "wsd"}}}, "decays over a budget"),
+        ({"training": {"modelEntry": "a.b:c", "sequenceLength": 9}}, "training.sequenceLength"),
         (
             {
                 "learnerGroups": [

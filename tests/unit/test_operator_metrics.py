@@ -123,6 +123,18 @@ def test_a_slot_at_the_limit_starts_no_clock() -> None:
     assert op.value("ddiloco_operator_replacements_total", cause="Evicted") is None
 
 
+def test_the_degraded_condition_is_one_series_per_job_with_its_reason() -> None:
+    op = Operator(make_job(limit=0))
+    op.tick(T0, learner(op.job, 0), learner(op.job, 1))
+    assert op.value("ddiloco_operator_job_degraded", reason="") == 0.0
+    failed = learner(op.job, 0, phase="Failed", ready=False, reason="Evicted")
+    op.tick(T0 + timedelta(seconds=2), failed, learner(op.job, 1))  # no replacement left
+    assert op.value("ddiloco_operator_job_degraded", reason="ReplacementLimitReached") == 1.0
+    assert op.value("ddiloco_operator_job_degraded", reason="") is None  # the old series went
+    op.metrics.forget(op.job)
+    assert "ddiloco_operator_job_degraded{" not in _scrape_text(op.metrics)
+
+
 def test_reconciles_are_counted_by_result_and_timed() -> None:
     m = OperatorMetrics()
     with m.reconciling("ns", "tiny"):
@@ -175,6 +187,8 @@ def test_the_endpoint_serves_the_operator_series_only() -> None:
             "ddiloco_operator_reconcile_duration_seconds",
             "ddiloco_operator_replacements",
             "ddiloco_operator_replacement_seconds",
+            "ddiloco_operator_job_degraded",
+            "ddiloco_operator_job_eval_loss",
         }
         assert (
             'ddiloco_operator_reconciles_total{job="tiny",namespace="ns",result="ok"} 1.0' in text

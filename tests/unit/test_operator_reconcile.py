@@ -459,7 +459,7 @@ def test_scaling_adds_and_removes_the_highest_slots() -> None:
     down = down.model_copy(update={"status": job.status})
     down, plan = step(down, observe(down, home_pods, remote_pods))
     assert verbs(plan) == [("delete", "Pod", "tiny-home-1")]
-    assert [len(g.shards) for g in down.status.groups] == [1, 1]
+    assert [len(g.parts) for g in down.status.groups] == [1, 1]
     assert down.status.slots == []
     assert not plan.events  # removing a slot is not a failure
 

@@ -105,7 +105,7 @@ def test_a_spare_pod_is_a_learner_pod_without_a_slot() -> None:
     labels = spare["metadata"]["labels"]
     assert labels[builders.LABEL_ROLE] == "spare" and labels[builders.LABEL_SPARE] == "3"
     assert labels[builders.LABEL_GROUP] == "a" and labels[builders.LABEL_JOB_UID] == "uid-1"
-    for key in (builders.LABEL_SLOT, builders.LABEL_LEARNER_ID, builders.LABEL_DATA_SHARD):
+    for key in (builders.LABEL_SLOT, builders.LABEL_LEARNER_ID, builders.LABEL_DATA_PART):
         assert key not in labels
     env, slot_env = env_of(spare), env_of(slot)
     assert env["DDILOCO_SPARE"] == "1"
@@ -306,12 +306,12 @@ def test_a_failed_slot_is_handed_to_the_ready_spare_and_a_new_spare_follows() ->
     slot0 = builders.learner_pod_name(job, "a", 0)
     ns.fail(slot0)
     job, plans = run(job, ns, T0 + timedelta(seconds=10))
-    # the spare, the same pod, now holds slot 0: labels, attempt 1, the slot's data shard
+    # the spare, the same pod, now holds slot 0: labels, attempt 1, the slot's data part
     labels = ns.pods[spare]["metadata"]["labels"]
     assert ns.pods[spare]["metadata"]["uid"] == uid
     assert (labels[builders.LABEL_ROLE], labels[builders.LABEL_SLOT]) == ("learner", "0")
     assert labels[builders.LABEL_LEARNER_ID] == "a-0" and labels[builders.LABEL_ATTEMPT] == "1"
-    assert labels[builders.LABEL_DATA_SHARD] == "0-of-2"
+    assert labels[builders.LABEL_DATA_PART] == "0-of-2"
     assert ns.pods[spare]["metadata"]["annotations"][builders.ANNOTATION_PROMOTED_AT]
     assert slot0 not in ns.pods  # the failed pod went, and no cold replacement was made
     events = [e for p in plans for e in p.events]

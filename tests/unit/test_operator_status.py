@@ -1,5 +1,5 @@
 """The status tells the truth: readiness, phase, failure reasons, valid names,
-unique data shards under scaling, and a status that fits etcd at the CRD's largest spec.
+unique data parts under scaling, and a status that fits etcd at the CRD's largest spec.
 
     .venv/bin/pytest tests/unit/test_operator_status.py
 
@@ -302,7 +302,7 @@ def test_the_crd_refuses_a_name_that_is_no_dns_label() -> None:
     assert any(str(api.MAX_JOB_NAME) in r["rule"] for r in rules)
 
 
-# --------------------------------------------------------------------------- data shards
+# --------------------------------------------------------------------------- data parts
 
 
 def shard_table(job: DecoupledDiLoCoJob, pods: dict[str, PodView]) -> dict[str, tuple[int, int]]:
@@ -316,7 +316,7 @@ def shard_table(job: DecoupledDiLoCoJob, pods: dict[str, PodView]) -> dict[str, 
 def test_the_issue_case_a_new_slot_never_takes_a_shard_in_use() -> None:
     # a: 2, b: 2 -> a: 3. With positions, the new a-2 got index 2 while b-0 kept 2.
     groups = [{"name": "a", "replicas": 2}, {"name": "b", "replicas": 2}]
-    job = make_job(groups, training={"model": "tiny", "dataShards": 8})
+    job = make_job(groups, training={"model": "tiny", "dataParts": 8})
     pods: dict[str, PodView] = {}
     job = settle(job, pods)
     before = shard_table(job, pods)
@@ -326,14 +326,14 @@ def test_the_issue_case_a_new_slot_never_takes_a_shard_in_use() -> None:
     after = shard_table(job, pods)
     assert {k: after[k] for k in before} == before  # nobody moved, nobody restarted
     assert after["a-2"] == (4, 8)
-    assert job.status.data_shards == 8 and job.status.groups[0].shards == [0, 1, 4]
+    assert job.status.data_parts == 8 and job.status.groups[0].parts == [0, 1, 4]
 
 
 def test_scaling_keeps_shards_unique_and_stable_whatever_the_order() -> None:
     rng = random.Random(12)
     job = make_job(
         [{"name": "a", "replicas": 2}, {"name": "b", "replicas": 1}, {"name": "c", "replicas": 1}],
-        training={"model": "tiny", "dataShards": 12},
+        training={"model": "tiny", "dataParts": 12},
     )
     pods: dict[str, PodView] = {}
     job = settle(job, pods)
@@ -375,14 +375,14 @@ def test_a_scale_up_past_the_shard_count_reshards_without_counting_failures() ->
     job = make_job([{"name": "a", "replicas": 2}, {"name": "b", "replicas": 1}])
     pods: dict[str, PodView] = {}
     job = settle(job, pods)
-    assert job.status.data_shards == 3
+    assert job.status.data_parts == 3
     assert shard_table(job, pods) == {"a-0": (0, 3), "a-1": (1, 3), "b-0": (2, 3)}
     job = with_spec(job, learnerGroups=[{"name": "a", "replicas": 3}, {"name": "b", "replicas": 1}])
     job, plan = step(job, observe(job, tuple(pods.values())))
-    assert "Resharded" in [e.reason for e in plan.events]
+    assert "DataRedivided" in [e.reason for e in plan.events]
     run_pods(job, pods, plan)
     job = settle(job, pods)
-    assert job.status.data_shards == 4
+    assert job.status.data_parts == 4
     assert shard_table(job, pods) == {"a-0": (0, 4), "a-1": (1, 4), "a-2": (2, 4), "b-0": (3, 4)}
     assert all(g.replaced == 0 for g in job.status.groups) and job.status.slots == []
     assert cond(job, c.READY) == ("True", c.JOB_READY)
@@ -410,8 +410,8 @@ def test_a_replacement_keeps_its_slots_shard() -> None:
     assert job.status.groups[0].slot_replacements == [0, 1, 0]
 
 
-def test_dataShards_below_the_replicas_is_invalid() -> None:
-    job = make_job([{"name": "a", "replicas": 3}], training={"model": "tiny", "dataShards": 2})
+def test_dataParts_below_the_replicas_is_invalid() -> None:
+    job = make_job([{"name": "a", "replicas": 3}], training={"model": "tiny", "dataParts": 2})
     out, _ = step(job, observe(job))
     assert out.status.phase == "Invalid"
 

@@ -842,7 +842,7 @@ def test_the_job_s_tls_secrets_are_named_ahead_so_none_is_listed() -> None:
     scaled = mutual.model_copy(
         update={
             "status": api.JobStatus.model_validate(
-                {"groups": [{"name": "home", "cluster": "local", "shards": [0, 1, 2]}]}
+                {"groups": [{"name": "home", "cluster": "local", "parts": [0, 1, 2]}]}
             )
         }
     )
