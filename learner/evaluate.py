@@ -246,9 +246,14 @@ def main(argv: list[str] | None = None) -> int:
             init_from=cfg.init_from,
             seq_len=cfg.seq_len,
             eval_batches=args.eval_batches,
-            initial=False,
+            initial=True,  # the model every learner starts from, measured before any merge
         )
         torch.set_num_threads(args.threads)  # the evaluator sets 1 for `ddiloco local`'s thread
+    log.info(
+        "Evaluated the starting model (%s): loss %.4f",
+        f"init from {cfg.init_from}" if cfg.init_from else cfg.model_entry or cfg.model,
+        evaluator.initial_loss,
+    )
     log.info(
         "Evaluating %s (model %s, data %s) every %s versions / %s s, %d held-out tokens each",
         cfg.sync_url,

@@ -24,6 +24,7 @@ import contextlib
 import importlib.util
 import ipaddress
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -740,3 +741,240 @@ def test_a_sharded_job_trains_on_two_synchronizer_pods(run: Run) -> None:
         lambda: run.kubectl("get", "pvc", "-o", "name", check=False).find(SHARDED) < 0 or None,
         timeout=120,
     )
+
+
+# ---- your model on your data: a fine-tune from a claim, to its budget, and resumed ----------
+TUNE = "tune"
+TUNE_SEQ, TUNE_BATCH, TUNE_EVAL_BATCHES = 64, 4, 4
+EVALUATED = re.compile(r"Evaluated global version (\d+): loss ([\d.]+)")
+STARTED = re.compile(r"Evaluated the starting model \(([^)]*)\): loss ([\d.]+)")
+
+
+def pretrained_and_corpus(root: Path) -> tuple[Path, Path]:
+    """A user's model directory and corpus: a tiny Llama trained a little on the corpus's
+    training documents (its weights are not any seed's init), saved with `save_pretrained`
+    beside its tokenizer, and a Parquet dataset of the standard library's sources."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from ddiloco.learner import corpus as corpus_rules
+    from ddiloco.learner import hf
+    from ddiloco.learner.data import stdlib_files
+
+    docs = [
+        d
+        for source in stdlib_files()[:60]
+        for d in source.read_text(errors="replace").split("\n\n\n")
+        if d.strip()
+    ]
+    corpus = root / "corpus"
+    corpus.mkdir(parents=True)
+    pq.write_table(pa.table({"text": docs}), corpus / "part-0.parquet")
+    shipped = hf.SHIPPED["llama-tiny"]
+    tok = AutoTokenizer.from_pretrained(str(shipped))
+    # trained on training documents only: every 20th is held out (learner/corpus.py), and a
+    # model that saw them would start with an eval loss no fine-tune could match
+    train = [d for k, d in enumerate(docs[:400]) if k % corpus_rules.EVAL_EVERY]
+    ids = torch.tensor([t for d in train for t in tok(d)["input_ids"]], dtype=torch.long)
+    torch.manual_seed(5)
+    net = AutoModelForCausalLM.from_config(LlamaConfig.from_pretrained(str(shipped)))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        starts = torch.randint(0, len(ids) - TUNE_SEQ - 1, (8,), generator=g)
+        w = torch.stack([ids[s : s + TUNE_SEQ + 1] for s in starts])
+        hf.causal_lm_loss(net, w[:, :-1].contiguous(), w[:, 1:].contiguous()).backward()
+        opt.step()
+        opt.zero_grad()
+    model = root / "model"
+    net.save_pretrained(str(model), safe_serialization=True)
+    tok.save_pretrained(str(model))
+    return model, corpus
+
+
+def held_out_loss(model_dir: Path, corpus: Path) -> float:
+    """The held-out loss `ddiloco evaluate` measures, of a model directory, here."""
+    from ddiloco.learner.task import build_task
+
+    task = build_task(
+        preset=f"hf:{model_dir}", data=str(corpus), tokenizer=str(model_dir),
+        batch_size=TUNE_BATCH, seq_len=TUNE_SEQ, eval_only=True,
+    )  # fmt: skip
+    return float(task.eval_loss(task.model, batches=TUNE_EVAL_BATCHES))
+
+
+def user_claim(r: Run, name: str, path: Path) -> None:
+    """A claim of the user's, on a volume of theirs (a host directory of the real node): not
+    the job's, so deleting a job leaves it and what is on it."""
+    pv = f"{r.ns}-{name}"[:63]
+    r.api("POST", "/api/v1/persistentvolumes", {
+        "metadata": {"name": pv},
+        "spec": {
+            "capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"],
+            "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+            "hostPath": {"path": str(path)}, "claimRef": {"namespace": r.ns, "name": name},
+        },
+    })  # fmt: skip
+    r.api("POST", f"/api/v1/namespaces/{r.ns}/persistentvolumeclaims", {
+        "metadata": {"name": name},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"], "storageClassName": "", "volumeName": pv,
+            "resources": {"requests": {"storage": "1Gi"}},
+        },
+    })  # fmt: skip
+
+
+def tune_job(r: Run, name: str, total_tokens: int, init_from: str | None) -> dict[str, Any]:
+    # the user's claims: the model and corpus, and the checkpoints (a new job starts from one,
+    # so every pod that builds the model mounts them)
+    data = {
+        "volumes": [
+            {"name": "data", "persistentVolumeClaim": {"claimName": "tune-data"}},
+            {"name": "ckpt", "persistentVolumeClaim": {"claimName": "tune-checkpoints"}},
+        ],
+        "volumeMounts": [
+            {"name": "data", "mountPath": "/data", "readOnly": True},
+            {"name": "ckpt", "mountPath": "/checkpoints", "readOnly": True},
+        ],
+    }
+    training: dict[str, Any] = {
+        "model": "hf:/data/model", "data": "/data/corpus", "tokenizer": "/data/model",
+        "sequenceLength": TUNE_SEQ, "batchSize": TUNE_BATCH, "innerSteps": 16, "fragments": 2,
+        "overlapSteps": 1, "innerOptimizer": {"learningRate": 3e-3},
+        "schedule": {"warmupSteps": 5, "decay": "cosine", "minRatio": 0.1},
+        "totalTokens": total_tokens,
+    }  # fmt: skip
+    if init_from is not None:
+        training["initFrom"] = init_from
+    return {
+        "apiVersion": "ddiloco.dev/v1alpha1",
+        "kind": "DecoupledDiLoCoJob",
+        "metadata": {"name": name},
+        "spec": {
+            "image": r.image, "imagePullPolicy": "Never", "training": training,
+            "synchronizer": {
+                "quorum": 1, "storage": {"size": "1Gi"},
+                "volumes": [{"name": "ckpt",
+                             "persistentVolumeClaim": {"claimName": "tune-checkpoints"}}],
+                "volumeMounts": [{"name": "ckpt", "mountPath": "/checkpoints"}],
+            },
+            "checkpoints": {"path": f"/checkpoints/{name}", "everyVersions": 4, "keep": 2},
+            "evaluation": {"everyVersions": 2, "evalBatches": TUNE_EVAL_BATCHES, **data},
+            "learnerGroups": [
+                {"name": "a", "replicas": 1, **data},
+                {"name": "b", "replicas": 1, **data},
+            ],
+        },
+    }  # fmt: skip
+
+
+def run_to_succeeded(r: Run, body: dict[str, Any], timeout: float = 480) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    r.plane.kubectl("home", "-n", r.ns, "apply", "-f", "-", input=yaml.safe_dump(body))
+
+    def succeeded() -> dict[str, Any] | None:
+        job = r.get("ddj", name)
+        return job if job.get("status", {}).get("phase") == "Succeeded" else None
+
+    try:
+        return k8senv.wait_until(f"job {name} Succeeded", succeeded, timeout=timeout)
+    except TimeoutError:  # what it was doing instead, for whoever reads the failure
+        print(json.dumps(r.get("ddj", name).get("status"), indent=1))
+        for p in r.get("pods", "-l", f"ddiloco.dev/job={name}")["items"]:
+            pod = p["metadata"]["name"]
+            print(f"--- {pod}: {p['status'].get('phase')}")
+            print(r.kubectl("logs", pod, "--all-containers", "--tail=25", check=False))
+        raise
+
+
+def evaluations(r: Run, job: str) -> tuple[float, list[tuple[int, float]]]:
+    """The starting model's loss as the job's evaluator measured it (what every learner
+    starts from), and (global version, loss) of every measurement it logged since."""
+    out = r.kubectl("logs", f"deployment/{job}-evaluator", "--tail=-1", check=False)
+    started = STARTED.search(out)
+    assert started is not None, out[-2000:]
+    return float(started[2]), [(int(m[1]), float(m[2])) for m in EVALUATED.finditer(out)]
+
+
+def test_a_user_fine_tunes_their_model_on_their_data_and_a_second_job_resumes(
+    run: Run, tmp_path: Path
+) -> None:
+    """A platform team's job, start to finish: their pretrained model and Parquet corpus on a
+    claim of theirs, mounted through the pod template fields; the first evaluation is the
+    saved model's own loss (not a random init's); the job runs to totalTokens and Succeeds;
+    its checkpoint, on another claim of theirs, loads with `from_pretrained`, evaluates lower
+    than the start and outlives the job; a second job started from it resumes there."""
+    import os
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    root = Path("/tmp/ddiloco-test") / f"{run.ns}-tune"
+    shutil.rmtree(root, ignore_errors=True)
+    model, corpus = pretrained_and_corpus(root / "data")
+    ckpt = root / "checkpoints"
+    ckpt.mkdir(parents=True)
+    os.chown(ckpt, 10001, 10001)  # the image's user writes there
+    for f in [root, *root.rglob("*")]:  # readable by the image's user, as a shared volume is
+        if f != ckpt:
+            f.chmod(0o755 if f.is_dir() else 0o644)
+    start = held_out_loss(model, corpus)
+    user_claim(run, "tune-data", root / "data")
+    user_claim(run, "tune-checkpoints", ckpt)
+
+    t0 = time.monotonic()
+    budget = 2 * 250 * TUNE_BATCH * TUNE_SEQ  # about 250 steps of each learner
+    run_to_succeeded(run, tune_job(run, TUNE, budget, None))
+    run.figures["tune_apply_to_succeeded_s"] = round(time.monotonic() - t0, 1)
+    first, measured = evaluations(run, TUNE)
+    assert first == pytest.approx(start, abs=2e-4)  # the user's model, not a random init
+    assert measured, "no evaluation of the global model"
+
+    def evaluated_at_the_end() -> dict[str, Any] | None:
+        st = run.get("ddj", TUNE)["status"]
+        ev = st.get("evaluation") or {}
+        return (
+            st
+            if st.get("globalVersion") and ev.get("globalVersion") == st["globalVersion"]
+            else None
+        )
+
+    # the evaluator measures the last version too (it moved past the last measurement), and
+    # the operator copies it into the status within a poll
+    status = k8senv.wait_until("the final version's evaluation in the status",
+                               evaluated_at_the_end, timeout=180)  # fmt: skip
+    assert status["evaluation"]["loss"] < start, status["evaluation"]
+    assert status.get("progressPercentage", 0) >= 100, status
+    learners = run.get("pods", "-l", f"ddiloco.dev/job={TUNE},{LEARNER_LABEL}")["items"]
+    assert sorted(p["status"]["phase"] for p in learners) == ["Succeeded", "Succeeded"]
+
+    pointer = ckpt / TUNE / "latest"
+    if not pointer.exists():  # say why, from the synchronizer's log
+        log = run.kubectl("logs", f"{TUNE}-synchronizer-0", "--tail=-1", check=False)
+        pytest.fail("no checkpoint written:\n" + "\n".join(
+            line for line in log.splitlines() if "heckpoint" in line or "rror" in line
+        )[-4000:])  # fmt: skip
+    latest = pointer.read_text().strip()
+    exported = ckpt / TUNE / latest
+    net = AutoModelForCausalLM.from_pretrained(str(exported))  # what a user loads
+    assert net.config.hidden_size == 64
+    tuned = held_out_loss(exported, corpus)
+    assert tuned < start - 0.01, (tuned, start)
+    manifest = json.loads((exported / "ddiloco_checkpoint.json").read_text())
+
+    run.kubectl("delete", "ddj", TUNE, "--wait=true", "--timeout=120s", timeout=150)
+    assert (exported / "model.safetensors").exists()  # the job's deletion left the user's claim
+
+    # a second job starts from the checkpoint: the synchronizer from its outer state, and the
+    # evaluator's first measurement is the checkpoint's loss, at the checkpoint's version
+    resumed = f"{TUNE}-2"
+    body = tune_job(run, resumed, budget + 2 * 40 * TUNE_BATCH * TUNE_SEQ,
+                    f"/checkpoints/{TUNE}/{latest}")  # fmt: skip
+    run_to_succeeded(run, body)
+    first, again = evaluations(run, resumed)
+    assert first == pytest.approx(tuned, abs=2e-4)  # it started from the checkpoint
+    versions = sum(f["version"] for f in manifest["fragments"])
+    assert again and min(v for v, _ in again) >= versions, (again, manifest["fragments"])
+    run.kubectl("delete", "ddj", resumed, "--wait=true", "--timeout=120s", timeout=150)

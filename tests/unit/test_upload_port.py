@@ -218,6 +218,9 @@ def test_body_reads_wait_while_a_merge_computes(make_sync_server, merge_first: b
         assert answers == ([] if merge_first else ["accepted"])
     poster.join(10)
     assert answers == ["accepted"]
+    deadline = time.time() + 5  # the port counts an upload once its answer is sent
+    while uploads_of(server) < 1 and time.time() < deadline:
+        time.sleep(0.01)
     assert uploads_of(server) == 1
     up.close()
     c.close()
