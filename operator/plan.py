@@ -15,7 +15,7 @@ import base64
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from ddiloco.operator import builders
 from ddiloco.operator.api import DecoupledDiLoCoJob, JobStatus, LearnerGroup, SecretKeyRef
@@ -97,6 +97,10 @@ class PodView:
     spare: bool = False  # a hot spare holding no slot (index -1); operator/spares.py
     serial: int | None = None  # born a hot spare: its serial (kept when promoted)
     promoted_at: str | None = None  # when a spare was promoted to its slot (ISO time)
+    blocked: str | None = None
+    """Why a pod that is not running cannot start, as the kubelet or the scheduler says: a
+    missing Secret or ConfigMap (CreateContainerConfigError), an image it cannot pull, a
+    claim that does not exist (Unschedulable). None: nothing stands in its way."""
 
     @classmethod
     def from_k8s(cls, pod: Mapping[str, Any]) -> PodView | None:
@@ -136,7 +140,34 @@ class PodView:
             spare=spare,
             serial=_int(labels.get(builders.LABEL_SPARE)),
             promoted_at=(meta.get("annotations") or {}).get(builders.ANNOTATION_PROMOTED_AT),
+            blocked=_blocked(status, conds.get("PodScheduled", {})),
         )
+
+
+BLOCKING_WAITS: Final = frozenset(
+    {
+        "CreateContainerConfigError",  # a Secret or ConfigMap (env, envFrom) that is not there
+        "CreateContainerError",
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "RunContainerError",
+    }
+)
+"""Waiting reasons of a container that will not start until the user changes something."""
+
+
+def _blocked(status: Mapping[str, Any], scheduled: Mapping[str, Any]) -> str | None:
+    """`PodView.blocked`: a container (init containers first) waiting for a reason in
+    BLOCKING_WAITS, or the pod unschedulable (a missing claim, no node that fits)."""
+    for key in ("initContainerStatuses", "containerStatuses"):
+        for cs in status.get(key) or []:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in BLOCKING_WAITS:
+                return f"{waiting['reason']}: {waiting.get('message') or cs.get('name', '')}"
+    if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
+        return f"Unschedulable: {scheduled.get('message') or 'no node fits'}"
+    return None
 
 
 def _terminated(status: Mapping[str, Any]) -> dict[str, Any]:

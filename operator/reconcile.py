@@ -178,6 +178,8 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
                 finished += 1
             elif pod is not None and pod.ready and not pod.terminating and pod.phase == "Running":
                 ready += 1
+            elif pod is not None and pod.blocked and not pod.terminating:
+                not_ready.append(f"{sid} ({pod.blocked[:200]})")  # what to fix, in the status
             else:
                 not_ready.append(sid)
             if rec.failed and rec.replacements >= limit and not job.spec.suspend:

@@ -492,3 +492,72 @@ def test_index_ranges_round_trip() -> None:
         assert slots.parse_ranges(text) == idx
     assert slots.index_ranges(range(512)) == "0-511"
     assert slots.index_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+@pytest.mark.parametrize(
+    ("status", "says"),
+    [
+        (  # envFrom a Secret that is not there: the kubelet's own words
+            {
+                "phase": "Pending",
+                "containerStatuses": [
+                    {
+                        "name": "learner",
+                        "state": {
+                            "waiting": {
+                                "reason": "CreateContainerConfigError",
+                                "message": 'secret "s3-credentials" not found',
+                            }
+                        },
+                    }
+                ],
+            },
+            'a-0 (CreateContainerConfigError: secret "s3-credentials" not found)',
+        ),
+        (  # a volume from a claim that does not exist: the scheduler's
+            {
+                "phase": "Pending",
+                "conditions": [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": '0/1 nodes are available: persistentvolumeclaim "corpus" '
+                        "not found.",
+                    }
+                ],
+            },
+            'a-0 (Unschedulable: 0/1 nodes are available: persistentvolumeclaim "corpus" '
+            "not found.)",
+        ),
+        (  # an init container of the user's image that cannot be pulled
+            {
+                "phase": "Pending",
+                "initContainerStatuses": [
+                    {
+                        "name": "fetch",
+                        "state": {"waiting": {"reason": "ImagePullBackOff", "message": "back-off"}},
+                    }
+                ],
+            },
+            "a-0 (ImagePullBackOff: back-off)",
+        ),
+    ],
+    ids=["secret", "claim", "image"],
+)
+def test_a_pod_that_cannot_start_says_why_in_the_job_status(
+    status: dict[str, Any], says: str
+) -> None:
+    job = make_job([{"name": "a", "replicas": 1}])
+    job, plan = step(job, observe(job))
+    (body,) = created(plan)
+    pod = as_pod(job, body, "u-a0", **status)
+    job, _ = step(job, observe(job, (pod,)))
+    ready = c.get(job.status.conditions, c.LEARNERS_READY)
+    assert ready is not None and ready.status == "False"
+    assert says in ready.message, ready.message
+    # a pod that is merely starting is just waited for
+    starting = as_pod(job, body, "u-a0", phase="Pending", conditions=[])
+    job, _ = step(job, observe(job, (starting,)))
+    ready = c.get(job.status.conditions, c.LEARNERS_READY)
+    assert ready is not None and ready.message.endswith("waiting for a-0")
