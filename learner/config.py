@@ -219,7 +219,7 @@ class LearnerConfig(BaseSettings):
     upload port (`upload_url`). Control
     calls (long-poll heartbeats, downloads) always use HTTP/2. uvicorn's zttp advertises a fixed
     64 KiB receive window, which halves bulk upload throughput against HTTP/1.1 on the same
-    server (bench/http2_upload.py: 0.11 vs 0.23 GB/s for 64 MiB on the 2-core machine)."""
+    server (bench/RESULTS.md, "TLS: upload throughput")."""
     upload_url: str = ""
     """Where fragment uploads go. "" (default): each shard's upload port, which it names at
     join (synchronizer/bulk.py: HTTP/1.1 read straight into the update's buffer), on the host

@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 
 
 def digest(fs: FragmentState) -> str:
-    """XXH3-64 over Theta's and then the momentum's bytes, by tensor name (~10 GB/s)."""
+    """XXH3-64 over Theta's and then the momentum's bytes, by tensor name."""
     h = xxhash.xxh3_64()
     for tensors in (fs.params, fs.momentum):
         for name in sorted(tensors):

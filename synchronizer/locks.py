@@ -18,10 +18,10 @@ a merge waits for the holder only: plain acquirers wait while anyone waits in `f
         ...
     gate.wait()             # an upload port's body read, before each chunk (bulk.py)
 
-On 2 cores a merge's 50 ms of arithmetic shared the cores with sixteen connections' socket
-copies (kernel time, outside any CPU slot) and took 0.65-0.78 s at p99 at 0.5-0.8 GB/s.
-While a merge computes, the reads wait at their next chunk (TCP holds the senders back) for
-at most `max_wait_s`: compute p99 0.23 s side by side (`SyncSettings.merge_first`).
+On few cores a merge's arithmetic shares them with many connections' socket copies (kernel
+time, outside any CPU slot), which stretched its tail many times over. While a merge
+computes, the reads wait at their next chunk (TCP holds the senders back) for at most
+`max_wait_s` (`SyncSettings.merge_first`; bench/RESULTS.md, "How ingest reached its figure").
 """
 
 from __future__ import annotations

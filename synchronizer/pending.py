@@ -73,8 +73,8 @@ class PendingLog:
     """Append-only, fsynced log of one fragment's accepted, not yet merged updates.
 
     A record is an 8-byte length, a 4-byte checksum, the payload. The checksum is the low
-    32 bits of XXH3-64 (`xxhash`: 9 GB/s here, the GIL released, against zlib's crc32 at
-    1.7 GB/s, which was 11% of the synchronizer's busy time under `bench/sync_ingest.py`),
+    32 bits of XXH3-64 (`xxhash`: several times faster than zlib's crc32, the GIL released;
+    crc32 was a visible share of the synchronizer's busy time under `bench/sync_ingest.py`),
     flagged by the length's top bit; a record without the flag (an older synchronizer's) is
     checked with zlib's crc32, so an upgrade replays the log it finds.
 

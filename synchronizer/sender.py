@@ -9,8 +9,8 @@ Why not libcurl for this one request (bench/RESULTS.md, "Figures behind the code
 body of several buffers (`codec.pieces`: the safetensors header, then each tensor's own memory) to
 libcurl through a Python read callback that returns bytes, so every chunk is copied twice in user
 space (the slice into bytes, then into libcurl's upload buffer) before the kernel's copy into the
-socket; at 1 GB/s that was a fifth of the machine's two cores, beside the synchronizer it shares
-them with. Here the head and the parts go to `socket.sendmsg`, the kernel reading each part where it
+socket; at the synchronizer's ingest rate that took a large share of the cores it shares with
+the synchronizer. Here the head and the parts go to `socket.sendmsg`, the kernel reading each part where it
 lies (over TLS the ssl module encrypts each piece from its own memory). A download is the same in
 reverse: libcurl hands a body to Python in 16 KiB bytes chunks to be joined (and safetensors'
 loader copies it twice more); here the body goes by `recv_into` into one buffer of its declared

@@ -101,8 +101,8 @@ class Updates:
         # checksum. At most `cpu_slots` uploads measure and checksum at once (`cpu`): a merge
         # is not one runnable thread of sixteen. A quantized update is dequantized once into
         # float32 of `POOL` for its norm and its round-sum term (passes.py, stream.py), with
-        # no slot: dequantizing is where its ingest spends its cores (one slot for it cut
-        # int4's capacity from 0.34 to 0.20 GB/s here); it waits between chunks while a merge
+        # no slot: dequantizing is where its ingest spends its cores (a slot for it cut
+        # int4's capacity by more than a third); it waits between chunks while a merge
         # computes instead (`merge_first`, locks.py). The round keeps only its codes.
         delta = wire.decode_update(payload, header, spec, self.accepted)  # views of payload
         dense = None
