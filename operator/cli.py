@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     # kopf's liveness endpoint is served by aiohttp, whose access log at INFO is one line per
     # probe (two every 10 s under the chart's probes): it buried what the operator did.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    logging.getLogger("ddiloco.operator").info(
+    logging.getLogger(__name__).info(
         "Starting the operator: namespaces=%s resync=%ss status_url=%s",
         namespaces or "all",
         cfg.resync_seconds,
