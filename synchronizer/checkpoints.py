@@ -24,8 +24,9 @@ newest are kept even where a new job's versions start below an old one's in the 
                                            and never read
 
 then `DEST/latest` (the name, one line) once the checkpoint is whole, then deletes all but
-the newest `checkpoint_keep` checkpoints (directories with a checkpoint's name, partial ones
-included, and staging directories a killed writer left; nothing else under DEST is touched). DEST is a local directory (a volume: the
+the newest `checkpoint_keep` whole checkpoints (with their manifest), deleting older ones,
+partial ones older than the newest whole one, and staging directories a killed writer left
+(nothing else under DEST is touched: a partial checkpoint never counts toward the number kept). DEST is a local directory (a volume: the
 checkpoint is staged in `DEST/.partial-<name>` and renamed into place) or any fsspec URL
 (s3:// through s3fs: staged in a local temporary directory, then uploaded file by file,
 the manifest last). A write that fails (an unwritable directory, an object store that is
@@ -339,11 +340,16 @@ def listed(dest: str) -> list[str]:
 
 
 def prune(dest: str, keep: int) -> list[str]:
-    """Delete all but the newest `keep` checkpoints under `dest`; return the names deleted.
-    Only directories named like a checkpoint go."""
+    """Keep the newest `keep` *whole* checkpoints under `dest` (those with a manifest) and
+    delete the older ones, and every partial one older than the newest whole one (a failed
+    upload never pushes out a checkpoint that can be read); return the names deleted. Only
+    directories named like a checkpoint go."""
     names = listed(dest)
     fs, root = _fs(dest)
-    gone = names[: max(0, len(names) - keep)]
+    whole = [n for n in names if fs.isfile(_join(root, f"{n}/{MANIFEST}"))]
+    kept = set(whole[-keep:]) if keep > 0 else set()
+    newest = whole[-1] if whole else None
+    gone = [n for n in names if n not in kept and (n in whole or (newest and n < newest))]
     for name in gone:
         fs.rm(f"{root.rstrip('/')}/{name}", recursive=True)
     if _is_local(fs):  # a writer killed while staging (this one is done with its own)

@@ -186,6 +186,27 @@ def test_retention_keeps_the_newest_and_touches_nothing_else(tmp_path: Path) -> 
     assert json.loads((dest / names[-1] / checkpoints.MANIFEST).read_text())["global_version"] == 8
 
 
+def test_a_failed_upload_never_pushes_out_a_whole_checkpoint(tmp_path: Path) -> None:
+    sync = make(tmp_path / "state")
+    init(sync)
+    dest = tmp_path / "ckpt"
+    try:
+        merge_round(sync, 10)
+        snap = checkpoints.take_snapshot(sync)
+        assert snap is not None
+        whole = str(checkpoints.write_checkpoint(snap, str(dest), keep=1).name)
+    finally:
+        sync.close()
+    # newer ones whose manifest never landed (uploads that failed midway), and an older one
+    newer = ["29991231T000000.000000Z-v000000000099", "29991231T000001.000000Z-v000000000100"]
+    for name in [*newer, "20000101T000000.000000Z-v000000000001"]:
+        (dest / name).mkdir()
+    gone = checkpoints.prune(str(dest), keep=1)
+    assert gone == ["20000101T000000.000000Z-v000000000001"]  # the partial behind the whole
+    assert (dest / whole / checkpoints.MANIFEST).is_file()  # kept: the one that can be read
+    assert all((dest / n).is_dir() for n in newer)  # left for a later pass
+
+
 def test_a_partial_or_foreign_checkpoint_is_never_taken(tmp_path: Path) -> None:
     sync = make(tmp_path / "state")
     init(sync)
