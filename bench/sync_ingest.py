@@ -72,9 +72,10 @@ import torch
 
 from ddiloco.learner.uploads import with_port
 from ddiloco.local.processes import free_port
-from ddiloco.synchronizer import codec, wire
+from ddiloco.synchronizer import broadcast, codec, wire
 from ddiloco.synchronizer.client import SyncClient, SyncRefused, SyncUnavailable
 from ddiloco.synchronizer.protocol import (
+    HELD_QUERY,
     LAYOUT_KEY,
     FragmentSpec,
     Heartbeat,
@@ -175,6 +176,8 @@ class Learner:
     versions: list[int] = field(default_factory=list)
     step: int = 0
     joined: threading.Event = field(default_factory=threading.Event)
+    delta: bool = False
+    """The synchronizer serves a delta encoding: downloads name the copy held."""
 
 
 ROUND_TRIP = ("rt-h2", "rt-up")
@@ -192,10 +195,24 @@ def heartbeat(client: SyncClient, hb: Heartbeat) -> HeartbeatResponse:
     return HeartbeatResponse.model_validate_json(answer)
 
 
-def fetch(client: SyncClient, p: int) -> tuple[int, int]:
+def fetch(client: SyncClient, p: int, held: dict[int, Any] | None = None) -> tuple[int, int]:
     """Download fragment p as the learner's client does, up to its bytes (version, size):
-    the tensors' decoding is the learner's cost, and the same either way."""
-    _, headers, body = client.request("GET", f"/v1/fragments/{p}")
+    the tensors' decoding is the learner's cost, and the same either way. `held` (a delta
+    broadcast encoding): the copy of each fragment this client holds, named in the request
+    so that the synchronizer answers the delta from it, and updated from the answer as a
+    learner updates its own (broadcast.read: decoding a delta is the learner's cost too)."""
+    path = f"/v1/fragments/{p}"
+    if held is not None and p in held:
+        path += f"?{HELD_QUERY}={held[p].token}"
+    _, headers, body = client.request("GET", path)
+    if held is not None:
+        try:
+            got = broadcast.read(body, held.get(p))
+        except broadcast.StaleBase:  # a delta for a copy this client no longer holds
+            held.pop(p, None)
+            return fetch(client, p, held)
+        if got.token is not None:
+            held[p] = broadcast.Held(got.token, got.tensors)
     return int(headers["x-ddiloco-version"]), len(body)
 
 
@@ -224,6 +241,7 @@ def download_loop(
             for u, j in zip(urls, shared.joins, strict=True)
         ]
     have = list(shared.versions)
+    held: dict[int, Any] | None = {} if shared.delta else None
     try:
         while not stop.is_set():
             for s, c in enumerate(mains):
@@ -254,14 +272,14 @@ def download_loop(
                     try:
                         if port is not None:
                             try:
-                                version, size = fetch(port, q)
+                                version, size = fetch(port, q, held)
                                 t.down_via_port += 1
                             except SyncRefused as e:
                                 if e.status not in (404, 405):
                                     raise
                                 ports[s] = port = None  # a port that takes uploads only
                         if port is None:
-                            version, size = fetch(c, q)
+                            version, size = fetch(c, q, held)
                         t.down_bytes += size
                     except (SyncUnavailable, SyncRefused):
                         t.down_errors += 1
@@ -448,6 +466,9 @@ class Arm:
     bodies: str = "parts"
     """How the clients post a body: its parts (header, data), `joined` into one buffer, or
     its parts through libcurl's read callback (`curl`: the client before sender.py)."""
+    down: str = ""
+    """The synchronizer's `--broadcast-encoding` ("": its default, which a synchronizer
+    of an older commit also has)."""
 
     @property
     def name(self) -> str:
@@ -455,7 +476,8 @@ class Arm:
         lag = f" L={self.lag}" if self.lag is not None else ""
         server = f" [{self.server}]" if self.server else ""
         bodies = f" {self.bodies}" if self.bodies != "parts" else ""
-        return f"{self.transport} {self.encoding} S={self.shards}{lag}{paced}{bodies}{server}"
+        down = f" down={self.down}" if self.down else ""
+        return f"{self.transport} {self.encoding} S={self.shards}{lag}{paced}{bodies}{down}{server}"
 
 
 def start_shard(
@@ -476,6 +498,8 @@ def start_shard(
         cmd += ["--shard", str(i), "--shards", str(arm.shards)]
     if arm.lag is not None:
         cmd += ["--snapshot-lag", str(arm.lag)]
+    if arm.down:
+        cmd += ["--broadcast-encoding", arm.down]
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}", log
 
@@ -514,7 +538,8 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
         ]
         stop = threading.Event()
         tallies = [Tally() for _ in range(args.learners)]
-        shared = [Learner() if arm.transport in ROUND_TRIP else None for _ in tallies]
+        delta = arm.down.endswith("-delta")
+        shared = [Learner(delta=delta) if arm.transport in ROUND_TRIP else None for _ in tallies]
         threads = [
             threading.Thread(
                 target=client_loop,
@@ -613,6 +638,7 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
         "snapshot_lag": arm.lag,
         "state_on": args.state_on,
         "server": arm.server,
+        "down": arm.down,
         "accepted_gbps": acc_bytes / wall / 1e9,
         "egress_gbps": down_bytes / wall / 1e9,
         "downloads": downloads,
@@ -799,27 +825,27 @@ def round_trip_table(rows: list[dict[str, Any]]) -> str:
     CPU per GB moved both ways, and per GB downloaded: its CPU less what the same server's
     upload-only arm spent per GB accepted times this arm's accepted GB (an estimate: what the
     uploads cost alone)."""
-    by = {(r["transport"], r["encoding"], r["shards"], r["server"]): r for r in rows}
+    by = {(r["transport"], r["encoding"], r["shards"], r["server"], r["down"]): r for r in rows}
     head = (
-        f"{'arm':<30} {'in GB/s':>7} {'out GB/s':>8} {'merge/s':>7} {'cover':>6} "
+        f"{'arm':<36} {'in GB/s':>7} {'out GB/s':>8} {'merge/s':>7} {'cover':>6} "
         f"{'CPU s/GB moved':>14} {'CPU s/GB in':>11} {'CPU s/GB out (est)':>18} {'load':>5}"
     )
     lines = [head]
-    for (transport, enc, shards, server), r in by.items():
-        base = by.get(("up", enc, shards, server))
+    for (transport, enc, shards, server, _), r in by.items():
+        base = by.get(("up", enc, shards, server, ""))
         out = None
         if transport in ROUND_TRIP and base and base["cpu_s_per_gb"] and r["down_gb"]:
             uploads = base["cpu_s_per_gb"] * r["accepted_gb"]
             out = (r["server_cpu_s"] - uploads) / r["down_gb"]
         lines.append(
-            f"{r['arm']:<30} {r['accepted_gbps']:7.3f} {r['egress_gbps']:8.3f} "
+            f"{r['arm']:<36} {r['accepted_gbps']:7.3f} {r['egress_gbps']:8.3f} "
             f"{r['merges_per_s']:7.2f} {fmt(r['download_cover'], '6.2f')} "
             f"{fmt(r['cpu_s_per_gb_moved'], '14.2f')} {fmt(r['cpu_s_per_gb'], '11.2f')} "
             f"{fmt(out, '18.2f')} {r['load']:5.1f}"
         )
         if r["downloads"]:
             lines.append(
-                f"{'':<30} {r['downloads']} downloads, {r['downloads_via_port']} from the bulk "
+                f"{'':<36} {r['downloads']} downloads, {r['downloads_via_port']} from the bulk "
                 f"port, {r['download_errors']} errors"
             )
     return "\n".join(lines)
@@ -883,6 +909,13 @@ def main(argv: list[str] | None = None) -> int:
         "synchronizers side by side, the same clients); empty: this interpreter",
     )
     ap.add_argument(
+        "--downloads",
+        default="",
+        help="the synchronizer's broadcast encodings for the round-trip arms, comma-separated "
+        "(float32, bfloat16, int8, int8-delta, int4-delta; empty: its default); the server "
+        "labelled old in --servers (an older commit) runs only the default",
+    )
+    ap.add_argument(
         "--bodies",
         default="parts",
         help="how clients post a body, comma-separated: parts (header and data, not "
@@ -892,8 +925,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.pythons = dict(x.split("=", 1) for x in args.servers.split(",")) if args.servers else {}
     lags = [int(x) for x in args.snapshot_lag.split(",")] if args.snapshot_lag else [None]
+    downs = args.downloads.split(",") if args.downloads else [""]
     arms = [
-        Arm(t, e, int(s), float(o), lag, server, bodies)
+        Arm(t, e, int(s), float(o), lag, server, bodies, d if t in ROUND_TRIP else "")
+        for d in downs
         for o in args.offered.split(",")
         for lag in lags
         for bodies in args.bodies.split(",")
@@ -901,6 +936,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in args.shards.split(",")
         for e in args.encodings.split(",")
         for t in args.arms.split(",")
+        if not (d and server == "old") and (t in ROUND_TRIP or d == downs[0])
     ]
     for a in arms:
         if (
