@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -55,23 +56,9 @@ class Served:
     ) -> memoryview:
         """The safetensors payload of `tensors` in the broadcast dtype."""
         entries = [(name, self.dtype, tuple(tensors[name].shape)) for name in sorted(tensors)]
-        head, offsets = codec.header_bytes(entries, metadata)
-        size = len(head) + (offsets[-1][1] if offsets else 0)
-        buf = self._idle(p, size)
-        if buf is None:
-            buf = bytearray(size)
-        else:
-            self.reused += 1
-        buf[: len(head)] = head
-        for (name, _, _), (begin, end) in zip(entries, offsets, strict=True):
-            if end > begin:
-                out = torch.frombuffer(
-                    buf, dtype=self.dtype, count=(end - begin) // self.dtype.itemsize,
-                    offset=len(head) + begin,
-                )  # fmt: skip
-                split.copy_(out, tensors[name], self.ways)  # in pieces (split.py)
-                del out
-        return memoryview(buf)
+        return self._payload(
+            p, entries, metadata, lambda name, out: split.copy_(out, tensors[name], self.ways)
+        )  # in pieces (split.py)
 
     def encode_codes(
         self, p: int, codes: dict[str, Quantized], metadata: dict[str, str] | None = None
@@ -83,6 +70,19 @@ class Served:
             parts[name] = q.codes
             parts[name + wire.SCALES_SUFFIX] = q.scales
         entries = [(name, parts[name].dtype, tuple(parts[name].shape)) for name in sorted(parts)]
+        return self._payload(
+            p, entries, metadata, lambda name, out: out.copy_(parts[name].reshape(-1))
+        )
+
+    def _payload(
+        self,
+        p: int,
+        entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        metadata: dict[str, str] | None,
+        fill: Callable[[str, torch.Tensor], object],
+    ) -> memoryview:
+        """A safetensors payload of `entries` in an idle buffer of fragment p (or a new one):
+        the header, then `fill(name, out)` writes each tensor into its flat view `out`."""
         head, offsets = codec.header_bytes(entries, metadata)
         size = len(head) + (offsets[-1][1] if offsets else 0)
         buf = self._idle(p, size)
@@ -97,7 +97,7 @@ class Served:
                     buf, dtype=dtype, count=(end - begin) // dtype.itemsize,
                     offset=len(head) + begin,
                 )  # fmt: skip
-                out.copy_(parts[name].reshape(-1))
+                fill(name, out)
                 del out
         return memoryview(buf)
 
