@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from operator_helpers import crd_fixture  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -56,8 +57,10 @@ def test_the_docs_mark_their_cluster_commands() -> None:
     ids=[f"{d.name}:{b.strip().splitlines()[0][:30]}" for d, b in BLOCKS],
 )
 def test_every_cluster_block_runs(
-    k8s: Any, k8s_namespace: str, tmp_path: Path, doc: Path, block: str
+    k8s: Any, k8s_namespace: str, crd_installed: None, tmp_path: Path, doc: Path, block: str
 ) -> None:
+    """`crd_installed`: the CRD as the other tests apply it (server-side), so that helm meets
+    it installed and leaves it alone, as on a cluster where it already is."""
     home = k8s.clusters["home"]
     kubeconfig = tmp_path / "kubeconfig"
     shutil.copyfile(home.kubeconfig, kubeconfig)
