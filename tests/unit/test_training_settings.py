@@ -90,3 +90,19 @@ def test_the_logged_lr_follows_warm_up_then_the_cosine_over_max_steps(
         1e-3 * min(1.0, (k + 1) / 2) * 0.5 * (1 + math.cos(math.pi * k / 10)) for k in range(10)
     ]
     assert lrs == pytest.approx(want)
+
+
+def test_the_inner_optimizers_settings_reach_adamw(
+    make_sync_server: Callable[..., SyncServer], tmp_path: Path
+) -> None:
+    losses = {}
+    for name, kw in {
+        "default": {},
+        "set": {"beta1": 0.5, "beta2": 0.6, "weight_decay": 0.9},
+    }.items():
+        server = make_sync_server(quorum=1, grace=False)
+        records = run(server, tmp_path / name, "o", inner_lr=1e-2, warmup_steps=1, max_steps=3,
+                      **kw)  # fmt: skip
+        losses[name] = [r["loss"] for r in steps(records)]
+    assert losses["default"][0] == losses["set"][0]  # the same start, the same first batch
+    assert losses["default"][2] != losses["set"][2]  # then AdamW's betas and decay differ
