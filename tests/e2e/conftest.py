@@ -10,8 +10,10 @@ finally:
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +21,35 @@ import pytest
 
 from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port
 from ddiloco.synchronizer.client import SyncClient
+
+
+def ddiloco_run(
+    *args: str, env: Mapping[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """A `ddiloco` subprocess to its end, with os.environ plus `env`, one torch thread."""
+    return subprocess.run(
+        ddiloco_command(*args),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        check=False,
+    )
+
+
+def one_line_error(
+    done: subprocess.CompletedProcess[str], prog: str, code: int | None = None
+) -> str:
+    """The single `ddiloco <prog>: error: ...` line of a failed run: exit status `code`, or
+    any non-zero one when None, and no traceback."""
+    if code is None:
+        assert done.returncode != 0, done.stdout[-2000:]
+    else:
+        assert done.returncode == code, (done.returncode, done.stderr[-2000:])
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"ddiloco {prog}: error: "), lines
+    return lines[0]
 
 
 @dataclass

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import time
 import uuid
 from collections.abc import Callable
@@ -33,7 +32,9 @@ import s3server
 
 from ddiloco.learner import prepared
 from ddiloco.learner.data import stdlib_files
-from ddiloco.local.processes import ddiloco_command, terminate_all
+from ddiloco.local.processes import terminate_all
+from tests.e2e.conftest import ddiloco_run as run
+from tests.e2e.conftest import one_line_error
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -161,27 +162,6 @@ def write_corpus(path: Path) -> Path:
             for doc in source.read_text(errors="replace").split("\n\n\n"):
                 f.write(json.dumps({"text": doc}) + "\n")
     return path
-
-
-def run(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """A `ddiloco` subprocess with os.environ plus env."""
-    return subprocess.run(
-        ddiloco_command(*args),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
-        check=False,
-    )
-
-
-def one_line_error(done: subprocess.CompletedProcess[str], prog: str) -> str:
-    """The single `ddiloco <prog>: error: ...` line of a failed run (non-zero exit)."""
-    assert done.returncode != 0, done.stdout[-2000:]
-    assert "Traceback" not in done.stderr, done.stderr[-3000:]
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"ddiloco {prog}: error: "), lines
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

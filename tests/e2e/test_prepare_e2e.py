@@ -15,9 +15,7 @@ line: a model whose vocabulary is too small for the dataset's tokenizer, another
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +26,9 @@ import pytest
 
 from ddiloco.learner import hf
 from ddiloco.learner.data import stdlib_files
-from ddiloco.local.processes import ddiloco_command, terminate_all
+from ddiloco.local.processes import terminate_all
+from tests.e2e.conftest import ddiloco_run as run
+from tests.e2e.conftest import one_line_error
 from tests.e2e.test_resume_data import draws, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -50,25 +50,6 @@ def corpus(root: Path) -> Path:
             f.write(json.dumps({"text": doc}) + "\n")
     pq.write_table(pa.table({"text": docs[half:]}), root / "b.parquet")
     return root
-
-
-def run(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ddiloco_command(*args),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
-        check=False,
-    )
-
-
-def one_line_error(done: subprocess.CompletedProcess[str], prog: str, code: int = 2) -> str:
-    assert done.returncode == code, (done.returncode, done.stderr[-2000:])
-    assert "Traceback" not in done.stderr, done.stderr[-3000:]
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"ddiloco {prog}: error: "), lines
-    return lines[0]
 
 
 def test_learners_train_from_a_prepared_dataset_and_a_replacement_resumes_it(
@@ -149,7 +130,9 @@ def test_refusals_are_one_line(tmp_path: Path) -> None:
     learner = ["learner", "--sync-url", "http://127.0.0.1:9", "--learner-id", "l0"]
     token = {"DDILOCO_TOKEN": "t"}
 
-    line = one_line_error(run(*learner, "--data", str(prep), "--model", "tiny", **token), "learner")
+    line = one_line_error(
+        run(*learner, "--data", str(prep), "--model", "tiny", env=token), "learner", 2
+    )
     assert "258 ids" in line and "vocab_size is 256" in line and "hf-" in line
     bytes_prep = tmp_path / "bytes"
     assert run("prepare", str(source), "--out", str(bytes_prep), "--quiet").returncode == 0
@@ -162,16 +145,17 @@ def test_refusals_are_one_line(tmp_path: Path) -> None:
             "hf:llama-tiny",
             "--tokenizer",
             TOKENIZER,
-            **token,
+            env=token,
         ),
         "learner",
+        2,
     )
     assert "bytes-v1" in line and "--tokenizer is hf-" in line
-    line = one_line_error(run(*learner, "--data", str(tmp_path / "gone"), **token), "learner")
+    line = one_line_error(run(*learner, "--data", str(tmp_path / "gone"), env=token), "learner", 2)
     assert str(tmp_path / "gone") in line
 
     (prep / "manifest.json").unlink()  # as if its writer had died before the end
-    line = one_line_error(run(*learner, "--data", str(prep), **token), "learner")
+    line = one_line_error(run(*learner, "--data", str(prep), env=token), "learner", 2)
     assert "no manifest.json" in line
 
     with socket.socket() as s:  # a loopback port nothing listens on
@@ -184,17 +168,17 @@ def test_refusals_are_one_line(tmp_path: Path) -> None:
         "AWS_REGION": "us-east-1",
     }
     start = time.monotonic()
-    done = run(*learner, "--data", "s3://bucket/corpus", **token, **s3)
+    done = run(*learner, "--data", "s3://bucket/corpus", env={**token, **s3})
     line = one_line_error(done, "learner", code=1)
     assert time.monotonic() - start < 40  # seconds, not minutes of retries
     assert "s3://bucket/corpus" in line and "s3-secret-value" not in done.stderr
 
-    line = one_line_error(run("prepare", str(tmp_path / "none"), "--out", str(prep)), "prepare")
+    line = one_line_error(run("prepare", str(tmp_path / "none"), "--out", str(prep)), "prepare", 2)
     assert str(tmp_path / "none") in line
-    line = one_line_error(run("prepare", str(source), "--out", "/proc/forbidden"), "prepare")
+    line = one_line_error(run("prepare", str(source), "--out", "/proc/forbidden"), "prepare", 2)
     assert "/proc/forbidden" in line
-    line = one_line_error(run("prepare", str(source), "--out", str(bytes_prep)), "prepare")
+    line = one_line_error(run("prepare", str(source), "--out", str(bytes_prep)), "prepare", 2)
     assert "already holds a prepared dataset" in line
-    done = run("prepare", str(source), "--out", "s3://bucket/out", "--quiet", **s3)
+    done = run("prepare", str(source), "--out", "s3://bucket/out", "--quiet", env=s3)
     line = one_line_error(done, "prepare", code=1)
     assert "s3://bucket/out" in line
