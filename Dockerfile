@@ -51,6 +51,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY cli/ cli/
 COPY synchronizer/ synchronizer/
+COPY wire/ wire/
 COPY learner/ learner/
 COPY operator/ operator/
 COPY local/ local/
@@ -105,7 +106,7 @@ ENV HOME=/home/ddiloco
 USER 10001:10001
 WORKDIR /home/ddiloco
 # The synchronizer's port (h2c and HTTP/1.1), its upload port (HTTP/1.1 update bodies,
-# synchronizer/bulk.py) and the operator's liveness port.
+# synchronizer/upload_port.py) and the operator's liveness port.
 EXPOSE 8470 8471 8080 9400
 ENTRYPOINT ["ddiloco"]
 CMD ["--help"]

@@ -49,7 +49,7 @@ def block_study(blocks: list[int], windows: int = 3, h: int = 24) -> list[dict[s
     import torch
 
     from ddiloco.learner.task import build_task
-    from ddiloco.synchronizer.quant import dequantize, quantize
+    from ddiloco.wire.quant import dequantize, quantize
 
     torch.manual_seed(0)
     torch.set_num_threads(2)
@@ -100,7 +100,7 @@ def controlled(
     download: str = "float32",
 ) -> dict[str, Any]:
     """Timing taken out: M learners in one process, synchronous rounds of H AdamW steps, each
-    hand-over through the real `wire.encode_update` -> bytes -> `wire.decode_update`, the
+    hand-over through the real `encodings.encode_update` -> bytes -> `encodings.decode_update`, the
     anchor moved by what was decoded (error feedback), the global model moved by the mean of
     the decoded deltas (eta 1, mu 0: `ddiloco local`'s outer step), every learner rebased on
     it (its residual kept). The global model's eval loss after `rounds` rounds.
@@ -111,9 +111,10 @@ def controlled(
     import torch
 
     from ddiloco.learner.task import build_task
-    from ddiloco.synchronizer import broadcast, codec, passes, wire
-    from ddiloco.synchronizer.protocol import FragmentSpec, TensorSpec, UpdateMeta
-    from ddiloco.synchronizer.served import Served
+    from ddiloco.synchronizer import broadcast, update_passes
+    from ddiloco.synchronizer.served_buffers import Served
+    from ddiloco.wire import codec, encodings
+    from ddiloco.wire.protocol import FragmentSpec, TensorSpec, UpdateMeta
 
     torch.set_num_threads(2)
     tasks = [
@@ -157,12 +158,12 @@ def controlled(
             meta = UpdateMeta(
                 learner_id=f"l{m}", fragment=0, base_version=r, steps=h, tokens=1, learner_step=h
             )
-            payload, _ = wire.encode_update(delta, meta, encoding, block)
+            payload, _ = encodings.encode_update(delta, meta, encoding, block)
             nbytes += len(payload)
             header = codec.read_header(payload, codes=True)
             got = {  # float32 of what the synchronizer reads (a bf16 update stays bf16 there)
-                k: passes.dense(v)
-                for k, v in wire.decode_update(payload, header, spec, wire.ALL).items()
+                k: update_passes.dense(v)
+                for k, v in encodings.decode_update(payload, header, spec, encodings.ALL).items()
             }
             for k in names:
                 anchors[m][k] += got[k]

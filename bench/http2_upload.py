@@ -7,7 +7,7 @@ Starts the real synchronizer app on loopback (uvicorn + zttp with HTTP/2 in clea
 uvicorn h11; uvicorn + zttp over TLS, ALPN h2 and http/1.1, as `--tls-cert` serves it),
 posts the same safetensors-sized body with each client, and prints GB/s and the ratio to the
 fastest. Clients: pycurl over h2c (what the learner uses), pycurl over HTTP/1.1, pycurl over
-TLS (h2 and HTTP/1.1 by ALPN, verifying a CA issued by synchronizer/tls.py), and httpx over h2
+TLS (h2 and HTTP/1.1 by ALPN, verifying a CA issued by wire/tls.py), and httpx over h2
 (pure-Python h2), the naive choice we measured against. TLS costs are printed as ratios to
 the same protocol in cleartext on the same run. The route used drains the body exactly as the
 update route does, then answers 422 (the bytes are not a real model), so only transport is
@@ -33,12 +33,12 @@ import httpx
 import pycurl
 import uvicorn
 
+from ddiloco.learner.sync_client import ClientTLS, SyncClient, SyncRefused
 from ddiloco.local.processes import free_port
-from ddiloco.synchronizer import tls
 from ddiloco.synchronizer.app import create_app
-from ddiloco.synchronizer.client import ClientTLS, SyncClient, SyncRefused
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.server import tls_factory
+from ddiloco.wire import tls
 
 HTTPX_TIMEOUT_S = 60.0
 

@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddiloco.learner.sync_client import SyncClient
 from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
 from ddiloco.local.report import read_jsonl
-from ddiloco.synchronizer.client import SyncClient
 
 TOKEN = "bench-ranks"
 

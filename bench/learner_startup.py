@@ -41,9 +41,9 @@ import numpy as np
 
 from ddiloco.learner import prepared
 from ddiloco.learner.data import stdlib_files
+from ddiloco.learner.sync_client import SyncClient
 from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
 from ddiloco.local.report import read_jsonl
-from ddiloco.synchronizer.client import SyncClient
 
 TOKEN = "bench-startup"
 MB = 1_000_000

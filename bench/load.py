@@ -6,7 +6,7 @@
     .venv/bin/python bench/load.py --mtls                    # mutual TLS, a client cert per client
 
 A bench, not a test: it loads the machine for its whole duration. It starts the synchronizer
-as its own process (HTTPS with a CA issued here by synchronizer/tls.py, the token in a file),
+as its own process (HTTPS with a CA issued here by wire/tls.py, the token in a file),
 initializes a job (a tiny-GPT-sized model, 120k parameters in P = 4 fragments), then runs the
 clients in a few worker processes (threads of SyncClient/pycurl, so the load generator's own
 Python does not serialize them on one GIL). Each client does what a learner's two network
@@ -39,11 +39,11 @@ from typing import Any
 
 import torch
 
+from ddiloco.learner.sync_client import ClientTLS, SyncClient
 from ddiloco.local.processes import ddiloco_command, free_port
-from ddiloco.synchronizer import codec, tls
-from ddiloco.synchronizer.auth import TokenFile
-from ddiloco.synchronizer.client import ClientTLS, SyncClient
-from ddiloco.synchronizer.protocol import (
+from ddiloco.wire import codec, tls
+from ddiloco.wire.auth import TokenFile
+from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
     Heartbeat,

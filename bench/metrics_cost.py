@@ -41,11 +41,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import load  # bench/load.py: the learner clients, the layout, /proc readers
 
+from ddiloco.learner.sync_client import SyncClient
 from ddiloco.local.processes import ddiloco_command, free_port
-from ddiloco.synchronizer import codec, tls
-from ddiloco.synchronizer.auth import TokenFile
-from ddiloco.synchronizer.client import SyncClient
-from ddiloco.synchronizer.protocol import LAYOUT_KEY, JoinRequest
+from ddiloco.wire import codec, tls
+from ddiloco.wire.auth import TokenFile
+from ddiloco.wire.protocol import LAYOUT_KEY, JoinRequest
 
 ARMS = {"off": "0", "on": "1", "scraped": "1"}
 

@@ -42,9 +42,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddiloco.learner.sync_client import SyncClient, SyncRefused, SyncUnavailable
 from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
 from ddiloco.local.report import read_jsonl
-from ddiloco.synchronizer.client import SyncClient, SyncRefused, SyncUnavailable
 
 TOKEN = "bench-preemption"
 LEARNER = "l0"

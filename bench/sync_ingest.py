@@ -26,14 +26,14 @@ synchronizer's own part, which the window (Eq. 3: half the slack, at most one st
 hold; each part of a merge in ms (compute, durable, encode, install, finish), and the
 slowest merges of each arm with their parts (the synchronizer logs each merge's); and the
 synchronizer's peak resident memory. Arms are every combination of a transport (`--arms`: up,
-HTTP/1.1 into the synchronizer's upload port, which learners use (synchronizer/bulk.py); h1,
+HTTP/1.1 into the synchronizer's upload port, which learners use (synchronizer/upload_port.py); h1,
 HTTP/1.1 into the main port's ASGI server; h2, HTTP/2 cleartext by prior knowledge into the
 main port; rt-h2 and rt-up, the round trip: up, with each client also running a learner's control
 thread that long-polls heartbeats and downloads every new version of its fragments, over HTTP/2
-from the main port or from the bulk port (falling back to the main port on a server whose port
+from the main port or from the upload port (falling back to the main port on a server whose port
 takes uploads only), printed with egress GB/s, the share of merges x M downloaded, and the
 synchronizer's CPU per GB moved), an update encoding
-(`--encodings`: bfloat16, float32, int8, int4, built by `wire.encode_update` as a learner
+(`--encodings`: bfloat16, float32, int8, int4, built by `encodings.encode_update` as a learner
 does; the synchronizer accepts all of them) and a shard count (`--shards`: S processes,
 `ddiloco synchronizer --shard i --shards S`, each fragment posted to its owner; the figures
 are for all S together, and per shard: on 2 cores S shards share the same cores, so this
@@ -44,7 +44,7 @@ its posts on a schedule, as learners that finish their H steps on time do): at s
 (0, the default) a merge competes with every update for the cores, so its time there is a
 queueing figure; below it, the merge's own. `--snapshot-lag 0,4` runs each arm with the
 merge made durable by its fragment file before serving (0) and by a merge journal record,
-the file written after (4, the default; synchronizer/journal.py). `--settle S` leaves each
+the file written after (4, the default; synchronizer/storage/journal.py). `--settle S` leaves each
 arm's first S seconds out of the merge and round figures (and the slowest merges): every arm
 starts a fresh synchronizer, whose first rounds are all fragments' at once on a cold process,
 a few merges of a minute's arm but none of an hour's; the merges within the mark are then
@@ -70,11 +70,12 @@ from typing import Any
 
 import torch
 
+from ddiloco.learner.sync_client import SyncClient, SyncRefused, SyncUnavailable
 from ddiloco.learner.uploads import with_port
 from ddiloco.local.processes import free_port
-from ddiloco.synchronizer import broadcast, codec, wire
-from ddiloco.synchronizer.client import SyncClient, SyncRefused, SyncUnavailable
-from ddiloco.synchronizer.protocol import (
+from ddiloco.synchronizer import broadcast
+from ddiloco.wire import codec, encodings
+from ddiloco.wire.protocol import (
     HELD_QUERY,
     LAYOUT_KEY,
     FragmentSpec,
@@ -123,7 +124,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 class Payload:
-    """One fragment's update body in one encoding (`wire.encode_update`, as a learner builds
+    """One fragment's update body in one encoding (`encodings.encode_update`, as a learner builds
     it): the data buffer is built once, the header's metadata per post."""
 
     def __init__(self, name: str, shape: list[int], seed: int, encoding: str) -> None:
@@ -132,14 +133,14 @@ class Payload:
         template = UpdateMeta(
             learner_id="x", fragment=0, base_version=0, steps=1, tokens=1, learner_step=1
         )
-        payload, _ = wire.encode_update({name: t}, template, encoding)
+        payload, _ = encodings.encode_update({name: t}, template, encoding)
         header = codec.read_header(payload, codes=True)
         self.encoding = encoding
         self.entries = {
             k: {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
             for k, e in header.tensors.items()
         }
-        self.extra = {k: v for k, v in header.metadata.items() if k == wire.BLOCK_KEY}
+        self.extra = {k: v for k, v in header.metadata.items() if k == encodings.BLOCK_KEY}
         self.data = payload[len(payload) - header.data_bytes :]
 
     def body(self, meta: UpdateMeta) -> list[bytes]:
@@ -164,7 +165,7 @@ class Tally:
     down_bytes: int = 0
     down_errors: int = 0
     down_via_port: int = 0
-    """Downloads the bulk port served (the rest went to the main port)."""
+    """Downloads the upload port served (the rest went to the main port)."""
 
 
 @dataclass
@@ -182,8 +183,8 @@ class Learner:
 
 ROUND_TRIP = ("rt-h2", "rt-up")
 """Transports whose clients also download every new version of their fragments, as learners
-do: over HTTP/2 to the main port (the learners' path before the bulk port served fragments),
-or from the bulk port (its GET, falling back to the main port where it answers 404: a
+do: over HTTP/2 to the main port (the learners' path before the upload port served fragments),
+or from the upload port (its GET, falling back to the main port where it answers 404: a
 synchronizer whose port takes uploads only). Uploads go to the upload port in both."""
 
 
@@ -227,7 +228,7 @@ def download_loop(
     t: Tally,
 ) -> None:
     """A learner's control thread: long-poll heartbeats (1 s) to each shard and download
-    every fragment whose version moved past the one held, from the shard's bulk port
+    every fragment whose version moved past the one held, from the shard's upload port
     (rt-up) or over HTTP/2 from its main port (rt-h2); the bodies are dropped."""
     if not shared.joined.wait(60):
         return
@@ -313,7 +314,10 @@ def client_loop(
     cs = [SyncClient(url, TOKEN, http2=transport == "h2", timeout=120) for url in urls]
     joins = [join(c, lid) for c in cs]
     ups = cs  # h1 and h2: updates go to the main port, as control calls do
-    if transport in ("up", *ROUND_TRIP):  # the upload port each shard named at join (bulk.py)
+    if transport in (
+        "up",
+        *ROUND_TRIP,
+    ):  # the upload port each shard named at join (upload_port.py)
         ports = [j.upload_port for j in joins]
         assert all(ports), "a synchronizer without an upload port"
         ups = [SyncClient(with_port(u, q), TOKEN, http2=False, timeout=120, sendmsg=sendmsg)
@@ -465,7 +469,7 @@ class Arm:
     """The label of the interpreter that runs the synchronizer (`--servers`; "": this one)."""
     bodies: str = "parts"
     """How the clients post a body: its parts (header, data), `joined` into one buffer, or
-    its parts through libcurl's read callback (`curl`: the client before sender.py)."""
+    its parts through libcurl's read callback (`curl`: the client before upload_sender.py)."""
     down: str = ""
     """The synchronizer's `--broadcast-encoding` ("": its default, which a synchronizer
     of an older commit also has)."""
@@ -488,7 +492,7 @@ def start_shard(
         **os.environ,
         "DDILOCO_TOKEN": TOKEN,
         "DDILOCO_QUORUM": str(args.quorum),
-        "DDILOCO_UPDATE_ENCODINGS": ",".join(wire.ALL),
+        "DDILOCO_UPDATE_ENCODINGS": ",".join(encodings.ALL),
     }
     log = open(root / f"sync-{i}.log", "w")  # noqa: SIM115 - closed by the caller
     python = args.pythons.get(arm.server, sys.executable)
@@ -870,10 +874,10 @@ def main(argv: list[str] | None = None) -> int:
         "--arms",
         default="up,h1,h2",
         help="transports, comma-separated: up, h1, h2; rt-h2, rt-up: up with every client also"
-        " downloading every new version (over HTTP/2 to the main port, or from the bulk port)",
+        " downloading every new version (over HTTP/2 to the main port, or from the upload port)",
     )
     ap.add_argument(
-        "--encodings", default="bfloat16", help="update encodings, comma-separated (wire.py)"
+        "--encodings", default="bfloat16", help="update encodings, comma-separated (encodings.py)"
     )
     ap.add_argument("--shards", default="1", help="shard counts, comma-separated (e.g. 1,2)")
     ap.add_argument(
@@ -920,7 +924,7 @@ def main(argv: list[str] | None = None) -> int:
         default="parts",
         help="how clients post a body, comma-separated: parts (header and data, not "
         "joined: as `SyncClient.post_update` takes `codec.pieces`), joined (one buffer), or "
-        "curl (parts through libcurl's read callback: the learner's client before sender.py)",
+        "curl (parts through libcurl's read callback: the learner's client before upload_sender.py)",
     )
     args = ap.parse_args(argv)
     args.pythons = dict(x.split("=", 1) for x in args.servers.split(",")) if args.servers else {}
@@ -941,14 +945,14 @@ def main(argv: list[str] | None = None) -> int:
     for a in arms:
         if (
             a.transport not in ("up", "h1", "h2", *ROUND_TRIP)
-            or a.encoding not in wire.ALL
+            or a.encoding not in encodings.ALL
             or a.shards < 1
             or a.offered < 0
             or a.bodies not in ("parts", "joined", "curl")
         ):
             ap.error(
                 f"unknown arm {a.name!r}: transports up/h1/h2/rt-h2/rt-up, encodings "
-                f"{sorted(wire.ALL)}"
+                f"{sorted(encodings.ALL)}"
             )
     lay = layout(int(args.params), args.fragments)
     n = lay.fragments[0].numel()

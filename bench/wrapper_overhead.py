@@ -59,9 +59,9 @@ import torch
 
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.diloco import DecoupledDiLoCo
+from ddiloco.learner.sync_client import SyncClient
 from ddiloco.learner.task import Task, build_task
 from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
-from ddiloco.synchronizer.client import SyncClient
 
 TOKEN = "bench-overhead"
 

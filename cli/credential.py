@@ -9,7 +9,7 @@ minted from the job key.
 The job key (DDILOCO_TOKEN, or every line of `--token-file` / DDILOCO_TOKEN_FILE, newest
 first) stays with the synchronizer, the operator and whoever administers the job; a learner
 is given only what this prints, which speaks for its own learner id and nothing else
-(synchronizer/auth.py). With a key file of several lines (a rotation) it prints one line per
+(wire/auth.py). With a key file of several lines (a rotation) it prints one line per
 key, in the same order: the learner's credential file for the rotation. The operator and
 `ddiloco local` mint the same credentials themselves; this is for running the parts by hand.
 Errors are one line, exit status 2.
@@ -22,7 +22,7 @@ import os
 import sys
 
 from ddiloco.cli.errors import usage_errors
-from ddiloco.synchronizer.auth import TokenFile, derived_lines
+from ddiloco.wire.auth import TokenFile, derived_lines
 
 PROG = "ddiloco credential"
 

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from ddiloco.synchronizer.modeldir import GlobalModel, ModelDirError, write_model_dir
-from ddiloco.synchronizer.protocol import ModelSpec
+from ddiloco.wire.protocol import ModelSpec
 
 __all__ = ["ExportError", "GlobalModel", "from_shard_dirs", "from_state_dir", "main", "write"]
 
@@ -57,7 +57,7 @@ class ExportError(ModelDirError):
 def from_shard_dirs(paths: list[str]) -> GlobalModel:
     """The global model in a sharded synchronizer's state directories (any order): each
     fragment from the directory of the shard that owns it (synchronizer/shards.py)."""
-    from ddiloco.synchronizer.protocol import shard_map
+    from ddiloco.wire.protocol import shard_map
 
     models = [from_state_dir(p, shard_ok=True) for p in paths]
     owners: dict[int, GlobalModel] = {}
@@ -83,9 +83,9 @@ def from_shard_dirs(paths: list[str]) -> GlobalModel:
 def from_state_dir(path: str | os.PathLike[str], *, shard_ok: bool = False) -> GlobalModel:
     """The global model in a synchronizer's state directory (a comma list: a sharded
     synchronizer's, `from_shard_dirs`)."""
-    from ddiloco.synchronizer.journal import recovered
-    from ddiloco.synchronizer.protocol import shard_map
-    from ddiloco.synchronizer.state import StateStore
+    from ddiloco.synchronizer.storage.journal import recovered
+    from ddiloco.synchronizer.storage.state import StateStore
+    from ddiloco.wire.protocol import shard_map
 
     if "," in str(path):
         return from_shard_dirs([p.strip() for p in str(path).split(",")])
@@ -124,7 +124,7 @@ def from_state_dir(path: str | os.PathLike[str], *, shard_ok: bool = False) -> G
 
 def from_synchronizer(url: str, token: Any, tls: Any = None) -> GlobalModel:
     """The global model a live synchronizer serves (GET /v1/status, /v1/model, fragments)."""
-    from ddiloco.synchronizer.client import SyncClient, SyncRefused, SyncUnavailable
+    from ddiloco.learner.sync_client import SyncClient, SyncRefused, SyncUnavailable
     from ddiloco.synchronizer.shards import ShardClients
 
     urls = [u.strip() for u in url.split(",")]
@@ -202,7 +202,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _token(args: argparse.Namespace) -> Any:
-    from ddiloco.synchronizer.auth import StaticTokens, TokenFile
+    from ddiloco.wire.auth import StaticTokens, TokenFile
 
     if args.token_file:
         try:
@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> GlobalModel:
     if args.state_dir:
         model = from_state_dir(args.state_dir)
     else:
-        from ddiloco.synchronizer.tls import ClientTLS
+        from ddiloco.wire.tls import ClientTLS
 
         if (args.client_cert is None) != (args.client_key is None):
             raise ExportError("give both --client-cert and --client-key, or neither")

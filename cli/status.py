@@ -95,7 +95,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def read_token(token_file: str | None) -> str | None:
     """The first non-empty line of `token_file`, else $DDILOCO_TOKEN, else None."""
-    from ddiloco.synchronizer.auth import parse_tokens
+    from ddiloco.wire.auth import parse_tokens
 
     if token_file:
         try:
@@ -109,7 +109,7 @@ def read_token(token_file: str | None) -> str | None:
 
 
 def tls_context(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContext:
-    from ddiloco.synchronizer.tls import client_context
+    from ddiloco.wire.tls import client_context
 
     for flag, path in (("--ca", ca), ("--client-cert", cert), ("--client-key", key)):
         if path is not None and not Path(path).is_file():
@@ -143,7 +143,7 @@ def parse_status(raw: bytes, where: str) -> dict[str, Any]:
     """The answer as a dict that validates as a `Status` (UsageError if it is not one)."""
     from pydantic import ValidationError
 
-    from ddiloco.synchronizer.protocol import Status
+    from ddiloco.wire.protocol import Status
 
     try:
         body = json.loads(raw)
@@ -194,8 +194,8 @@ class ShardedSource:
         self.sources = sources
 
     def fetch(self) -> Snapshot:
-        from ddiloco.synchronizer.protocol import Status
         from ddiloco.synchronizer.shards import merge_statuses
+        from ddiloco.wire.protocol import Status
 
         statuses = [Status.model_validate(s.fetch().raw) for s in self.sources]
         job = merge_statuses(statuses)
@@ -215,7 +215,7 @@ def render(snap: Snapshot, view: Any, *, stale: str = "") -> Any:
         from ddiloco.cli.status_k8s import job_status_view
 
         return job_status_view(snap.raw, note=snap.note, stale=stale)
-    from ddiloco.synchronizer.protocol import Status
+    from ddiloco.wire.protocol import Status
 
     status = Status.model_validate(snap.raw)
     title = f"ddiloco status  {snap.source}  {time.strftime('%H:%M:%S')}"
@@ -231,7 +231,7 @@ def watch(fetch: Callable[[], Snapshot], first: Snapshot, args: argparse.Namespa
     from rich.live import Live
 
     from ddiloco.cli.statusview import StatusView
-    from ddiloco.synchronizer.protocol import Status
+    from ddiloco.wire.protocol import Status
 
     console = Console()
     view = StatusView()

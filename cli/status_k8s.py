@@ -198,7 +198,7 @@ class JobSource:
         ]
         if len(answers) == 1:
             return answers[0]
-        from ddiloco.synchronizer.protocol import Status
+        from ddiloco.wire.protocol import Status
 
         try:
             from ddiloco.synchronizer.shards import merge_statuses

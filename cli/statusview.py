@@ -35,7 +35,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from ddiloco.synchronizer.protocol import LearnerStatus, Status
+from ddiloco.wire.protocol import LearnerStatus, Status
 
 
 @dataclass

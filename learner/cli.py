@@ -175,7 +175,7 @@ def check_inputs(cfg: LearnerConfig) -> None:
     (`ddiloco local` checks its flags with it too). The model check imports torch."""
     from urllib.parse import urlsplit
 
-    from ddiloco.synchronizer.protocol import JoinRequest
+    from ddiloco.wire.protocol import JoinRequest
 
     JoinRequest(learner_id=cfg.learner_id)  # the id rule the join applies
     for one in cfg.sync_urls:  # a sharded synchronizer: its shards' URLs, in shard order

@@ -29,8 +29,8 @@ from pydantic_settings import (
 from ddiloco.learner.uploads import upload_overrides
 
 if TYPE_CHECKING:
-    from ddiloco.synchronizer.auth import Tokens
-    from ddiloco.synchronizer.tls import ClientTLS
+    from ddiloco.wire.auth import Tokens
+    from ddiloco.wire.tls import ClientTLS
 
 ENV_PREFIX: Final = "DDILOCO_"
 ENV_ALIASES: Final[Mapping[str, str]] = MappingProxyType({"h": "H", "num_fragments": "P"})
@@ -205,7 +205,7 @@ class LearnerConfig(BaseSettings):
     """alpha, with `overwrite` only (refused with `rebase`, which never mixes):
     theta <- alpha*theta_local + (1-alpha)*Theta on arrival (Streaming DiLoCo); 0 overwrites."""
     update_encoding: Literal["float32", "bfloat16", "int8", "int4"] = "bfloat16"
-    """How deltas go up to the synchronizer (synchronizer/wire.py): float32, bfloat16, or
+    """How deltas go up to the synchronizer (wire/encodings.py): float32, bfloat16, or
     blockwise absmax int8 / int4 codes with a float32 scale per `update_block` values (about
     1/2 and 1/4 of bfloat16's bytes). What rounding or quantization drops is carried into the
     fragment's next hand-over (the anchor moves by what was sent). The synchronizer must
@@ -222,7 +222,7 @@ class LearnerConfig(BaseSettings):
     server (bench/RESULTS.md, "TLS: upload throughput")."""
     upload_url: str = ""
     """Where fragment uploads go. "" (default): each shard's upload port, which it names at
-    join (synchronizer/bulk.py: HTTP/1.1 read straight into the update's buffer), on the host
+    join (synchronizer/upload_port.py: HTTP/1.1 read straight into the update's buffer), on the host
     of its `sync_url`, falling back to `sync_url` for a while when that port cannot be
     reached; "off": always `sync_url`; else a comma-separated URL per shard, in shard order
     (a relay in front of the upload port, as `ddiloco local`'s network cuts use)."""
@@ -307,7 +307,7 @@ class LearnerConfig(BaseSettings):
         as it changes); with both, `token` until it is refused, then the file's (a promoted
         hot spare: the credential its assignment handed it, then the one the operator keeps
         in its file). ValueError when there is neither, or the file holds no token."""
-        from ddiloco.synchronizer.auth import GrantedTokens, StaticTokens, TokenFile
+        from ddiloco.wire.auth import GrantedTokens, StaticTokens, TokenFile
 
         if self.token and self.token_file:
             return GrantedTokens(self.token, self.token_file)
@@ -319,7 +319,7 @@ class LearnerConfig(BaseSettings):
 
     def client_tls(self) -> ClientTLS:
         """The TLS files SyncClient uses for an https `sync_url`."""
-        from ddiloco.synchronizer.tls import ClientTLS
+        from ddiloco.wire.tls import ClientTLS
 
         return ClientTLS(self.ca_file, self.client_cert_file, self.client_key_file)
 

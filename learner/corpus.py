@@ -41,7 +41,7 @@ The data contract (a slot's stream, its position, and what a replacement trains)
    it reserves ``MIN_RESERVE_STEPS`` group steps (``JoinRequest.data_reserve``) to cover the
    draws before its first heartbeat lands.
 4. The synchronizer keeps, per learner id, the highest position reported or reserved, in
-   its ledger (synchronizer/ledgerdb.py), written before it answers; a join is answered that position
+   its ledger (synchronizer/storage/ledgerdb.py), written before it answers; a join is answered that position
    (``JoinResponse.data_position``), and a replacement seeks its stream there.
 5. So a replacement's first window lies beyond every window its predecessors drew: it
    never retrains the slot's data. The windows between where a dead process stopped and its

@@ -61,8 +61,8 @@ from ddiloco.learner.group import Group, Plan
 from ddiloco.learner.metrics import LearnerMetrics
 from ddiloco.learner.schedule import budget_progress
 from ddiloco.learner.streaming import Streamer
-from ddiloco.synchronizer import wire
-from ddiloco.synchronizer.protocol import Heartbeat, UpdateMeta
+from ddiloco.wire import encodings
+from ddiloco.wire.protocol import Heartbeat, UpdateMeta
 
 log = logging.getLogger(__name__)
 
@@ -352,7 +352,7 @@ class DecoupledDiLoCo:
                 for p in self.streamer.requested - self.in_flight
                 if self.c_steps[p] >= self.min_request_steps
             }
-            if self.cfg.update_encoding not in wire.FLOAT_ENCODINGS:
+            if self.cfg.update_encoding not in encodings.FLOAT_ENCODINGS:
                 # a quantized update is encoded at its hand-over (its error feedback is the
                 # anchor) so the outbox cannot sum it: while one of p's is still queued
                 # unsent (an outage), the work stays in the parameters and goes out with the
@@ -453,11 +453,11 @@ class DecoupledDiLoCo:
         nows = {name: g.full(self.params[name]) for name in self.names[p]}
         delta = {name: now - self.base[p][name] for name, now in nows.items()}
         payload = None
-        if encoding in wire.FLOAT_ENCODINGS:  # the outbox encodes it (and may sum it)
-            delta = {k: d.to(wire.FLOAT_ENCODINGS[encoding]).cpu() for k, d in delta.items()}
+        if encoding in encodings.FLOAT_ENCODINGS:  # the outbox encodes it (and may sum it)
+            delta = {k: d.to(encodings.FLOAT_ENCODINGS[encoding]).cpu() for k, d in delta.items()}
             sent = delta
         else:  # int8 / int4: quantized now, so the anchor can move by what was sent
-            payload, sent = wire.encode_update(delta, meta, encoding, self.cfg.update_block)
+            payload, sent = encodings.encode_update(delta, meta, encoding, self.cfg.update_block)
         for name, now in nows.items():
             # the next delta starts where this one ends, as the synchronizer will see it: the
             # anchor moves by the delta as sent (rounded to bfloat16, or quantized), so what

@@ -147,7 +147,7 @@ class Reporter:
             self.sink.start(self.t0, None)
 
     def report(self, m: Any) -> None:
-        from ddiloco.synchronizer.client import SyncRefused, SyncUnavailable
+        from ddiloco.learner.sync_client import SyncRefused, SyncUnavailable
 
         log.info(
             "Evaluated global version %d: loss %.4f perplexity %.4g over %d tokens (%.1f s)",
@@ -178,7 +178,7 @@ def run(
     args: argparse.Namespace, evaluator: Any, reporter: Reporter, stop: threading.Event
 ) -> None:
     """Measure on the schedule until `stop` (or once)."""
-    from ddiloco.synchronizer.client import SyncRefused, SyncUnavailable
+    from ddiloco.learner.sync_client import SyncRefused, SyncUnavailable
 
     last: tuple[int, float] | None = None
     while not stop.is_set():

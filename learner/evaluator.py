@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
+from ddiloco.learner.sync_client import ClientTLS, SyncClient, SyncRefused, SyncUnavailable
 from ddiloco.learner.task import build_task
-from ddiloco.synchronizer.client import ClientTLS, SyncClient, SyncRefused, SyncUnavailable
-from ddiloco.synchronizer.protocol import EvaluationReport
 from ddiloco.synchronizer.shards import ShardClients, split_urls
+from ddiloco.wire.protocol import EvaluationReport
 
 log = logging.getLogger(__name__)
 

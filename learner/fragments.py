@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddiloco.synchronizer.protocol import FragmentSpec, Layout, TensorSpec
+from ddiloco.wire.protocol import FragmentSpec, Layout, TensorSpec
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Final
 import torch
 from torch import nn
 
-from ddiloco.synchronizer.protocol import ModelSpec
+from ddiloco.wire.protocol import ModelSpec
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase

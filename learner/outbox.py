@@ -10,7 +10,7 @@ Deltas are incremental, so every update carries work no other carries and none m
 dropped. Updates of a fragment that queue up behind an outage are summed into one (in
 float32, so no rounding is lost); one that was attempted is frozen and re-sent byte for
 byte, so the synchronizer's (incarnation, learner_step) high-water mark recognises it.
-A quantized update (int8 / int4, synchronizer/wire.py) comes encoded (`put(..., payload=)`):
+A quantized update (int8 / int4, wire/encodings.py) comes encoded (`put(..., payload=)`):
 the learner's error feedback is built on exactly those bytes, so it is never summed; the
 learner defers a fragment's quantized hand-over while one of its updates is `waiting` (queued,
 never attempted), so behind an outage the work stays in its parameters and the outbox holds
@@ -26,9 +26,9 @@ from typing import Literal
 
 import torch
 
-from ddiloco.synchronizer import codec
-from ddiloco.synchronizer.client import Body
-from ddiloco.synchronizer.protocol import UpdateMeta
+from ddiloco.learner.sync_client import Body
+from ddiloco.wire import codec
+from ddiloco.wire.protocol import UpdateMeta
 
 Tensors = dict[str, torch.Tensor]
 

@@ -89,9 +89,9 @@ def poll(cfg: Any, pod: str, *, wait_s: float = WAIT_S) -> dict[str, Any]:
     """Long-poll the synchronizer for this pod's assignment until one arrives (the slot's
     identity and its learner credential, `SpareGrant`); an unreachable synchronizer is
     retried with a capped backoff."""
-    from ddiloco.synchronizer.client import SyncClient, SyncRefused, SyncUnavailable
-    from ddiloco.synchronizer.protocol import API_PREFIX
+    from ddiloco.learner.sync_client import SyncClient, SyncRefused, SyncUnavailable
     from ddiloco.synchronizer.spares import SpareGrant
+    from ddiloco.wire.protocol import API_PREFIX
 
     client = SyncClient(
         # a sharded synchronizer: shard 0 keeps the spares' book (the first URL)

@@ -29,8 +29,8 @@ answers: each holds a position this slot reached or reserved (durably, before an
 so the highest is one no window below was ever handed out past, while a shard that was away
 may only lag. The incarnation is the highest any shard answered, and never goes down.
 
-Fragments come from the shard's bulk port (the upload port, synchronizer/bulk.py) when it named
-one, each body read into a buffer of its own that the adopted tensors view (sender.py), by the
+Fragments come from the shard's upload port (the upload port, synchronizer/upload_port.py) when it named
+one, each body read into a buffer of its own that the adopted tensors view (upload_sender.py), by the
 uploads' rules (learner/uploads.py): while the port is unreachable, from the main URL; a fetch
 the port turns away (503, a reset) or fails otherwise goes to the main URL at once; a port that
 does not serve fragments (404 or 405: an older synchronizer) is not asked again. With a delta
@@ -58,11 +58,12 @@ from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.data import join_reserve
 from ddiloco.learner.metrics import LearnerMetrics
 from ddiloco.learner.outbox import Entry, Outbox
+from ddiloco.learner.sync_client import SyncClient, SyncRefused, SyncUnavailable
 from ddiloco.learner.uploads import UPLOAD_FALLBACK_S, upload_overrides, with_port
-from ddiloco.synchronizer import broadcast, codec
+from ddiloco.synchronizer import broadcast
 from ddiloco.synchronizer.broadcast import Held
-from ddiloco.synchronizer.client import SyncClient, SyncRefused, SyncUnavailable
-from ddiloco.synchronizer.protocol import (
+from ddiloco.wire import codec
+from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     MODEL_KEY,
     Heartbeat,
@@ -448,7 +449,7 @@ class Streamer:
     def _fetch(
         self, shard: int, main: SyncClient, p: int, ports: dict[int, SyncClient]
     ) -> tuple[int, Tensors]:
-        """Fragment p from the shard's bulk port when it has one (`ports` keeps the calling
+        """Fragment p from the shard's upload port when it has one (`ports` keeps the calling
         thread's client for it), else, or when the port fails, through `main` (the module
         docstring)."""
         url = self._upload_target(shard)
@@ -501,7 +502,7 @@ class Streamer:
             client.close()
         main = url == self.urls[shard]
         http2 = self.cfg.upload_http2 and main
-        # to the upload port (or a relay) the parts go from their own memory (sender.py)
+        # to the upload port (or a relay) the parts go from their own memory (upload_sender.py)
         return SyncClient(url, self.tokens, http2=http2, tls=self.tls, sendmsg=not main)
 
     def _fall_back(self, shard: int, client: SyncClient, e: Exception) -> bool:

@@ -4,7 +4,7 @@
     upload_overrides("http://r:9001,http://r:9002", 2)       # a relay per shard
     with_port("https://sync-0.sync.ns.svc:8470", 8471)       # "https://sync-0.sync.ns.svc:8471"
 
-A synchronizer with an upload port (synchronizer/bulk.py) names it at join; the learner posts
+A synchronizer with an upload port (synchronizer/upload_port.py) names it at join; the learner posts
 updates to the host it reached the shard by, on that port, over HTTP/1.1 (the port speaks
 nothing else), and everything else to the main URL. When the port cannot be reached at all
 (a proxy, a firewall or a port-forward that passes only the main port), uploads go to the

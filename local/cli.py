@@ -35,7 +35,7 @@ from rich.text import Text
 from ddiloco.cli.errors import UsageError, fail, usage_errors
 from ddiloco.local.chaos import KINDS
 from ddiloco.local.launcher import LocalConfig, LocalRun
-from ddiloco.synchronizer.protocol import BROADCAST_ENCODINGS
+from ddiloco.wire.protocol import BROADCAST_ENCODINGS
 
 PROG = "ddiloco local"
 
@@ -218,7 +218,7 @@ class LiveStatus:
         self._client: Any = None
 
     def poll(self, run: LocalRun) -> None:
-        from ddiloco.synchronizer.client import SyncRefused, SyncUnavailable
+        from ddiloco.learner.sync_client import SyncRefused, SyncUnavailable
 
         if time.monotonic() - self._at < self.every_s:
             return

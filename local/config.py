@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ddiloco.local.chaos import Schedule
-from ddiloco.synchronizer.protocol import BROADCAST_ENCODINGS
+from ddiloco.wire.protocol import BROADCAST_ENCODINGS
 
 
 @dataclass(kw_only=True)
@@ -92,7 +92,7 @@ class LocalConfig:
     listed in <out>/metrics.json with the synchronizer's; their last scrapes are saved in
     <out>/metrics/ (local/scrapes.py)."""
     update_encoding: str = "bfloat16"
-    """How learners send updates (synchronizer/wire.py: float32, bfloat16, int8, int4); the
+    """How learners send updates (wire/encodings.py: float32, bfloat16, int8, int4); the
     synchronizer is configured to accept that one alone."""
     broadcast_encoding: str = "float32"
     """How the synchronizer serves merged fragments (synchronizer/broadcast.py: float32,

@@ -11,7 +11,7 @@ schedule (kills and restarts, pauses, a slow half, a synchronizer kill), measure
 global model's eval loss as it goes, stops everything at the budget, and hands the
 timeline to report.py. Nothing here trains: the children do.
 
-With `tls` the run issues its own CA (synchronizer/tls.py) into <out>/tls: ca.crt, a server
+With `tls` the run issues its own CA (wire/tls.py) into <out>/tls: ca.crt, a server
 certificate for 127.0.0.1 and localhost, and with `mtls` a client certificate per learner
 slot (CN = its id) and one for the launcher's own calls; key files are 0600 and the CA's key
 is never written (every certificate the run needs is issued up front).
@@ -39,12 +39,13 @@ from ddiloco.local.config import LocalConfig
 from ddiloco.local.netcut import CutProxies
 from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
 from ddiloco.local.supervisor import Supervisor
-from ddiloco.synchronizer import shards, tls
-from ddiloco.synchronizer.auth import learner_token
-from ddiloco.synchronizer.tls import ClientTLS
+from ddiloco.synchronizer import shards
+from ddiloco.wire import tls
+from ddiloco.wire.auth import learner_token
+from ddiloco.wire.tls import ClientTLS
 
-if TYPE_CHECKING:  # client.py imports torch: not before a run starts (`ddiloco local` errors)
-    from ddiloco.synchronizer.client import SyncClient
+if TYPE_CHECKING:  # sync_client.py imports torch: not before a run starts (`ddiloco local` errors)
+    from ddiloco.learner.sync_client import SyncClient
 
 __all__ = ["LocalConfig", "LocalRun"]  # LocalConfig lives in local/config.py
 
@@ -69,7 +70,7 @@ class LocalRun(Supervisor):
         self.ports = [free_port() for _ in range(cfg.sync_shards)]
         self.port = self.ports[0]
         self.upload_ports = [free_port() for _ in range(cfg.sync_shards)]
-        """Each shard's upload port (synchronizer/bulk.py): learners post updates there."""
+        """Each shard's upload port (synchronizer/upload_port.py): learners post updates there."""
         self.tls_dir = self.out / "tls"
         self.client_tls = self._issue_certificates() if cfg.tls else None
         scheme = "https" if cfg.tls else "http"
@@ -130,7 +131,7 @@ class LocalRun(Supervisor):
     def client(self, timeout: float = 60.0) -> SyncClient:
         """A SyncClient for the launcher's own calls (health, status), TLS files included;
         with shards, a `ShardClients` (the same calls, the status merged)."""
-        from ddiloco.synchronizer.client import SyncClient
+        from ddiloco.learner.sync_client import SyncClient
 
         if len(self.urls) > 1:
             clients = shards.ShardClients(

@@ -23,8 +23,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from ddiloco.learner.sync_client import SyncClient, SyncRefused, SyncUnavailable
 from ddiloco.local.goodput import Span, new_step_spans, overlap, union
-from ddiloco.synchronizer.client import SyncClient, SyncRefused, SyncUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ MAX_JOB_NAME: Final = 39
 MAX_SHARDS: Final = 64  # synchronizer.shards
 UpdateEncoding = Literal["float32", "bfloat16", "int8", "int4"]
 BroadcastEncoding = Literal["float32", "bfloat16", "int8", "int8-delta", "int4-delta"]
-"""How learners encode the deltas they send (synchronizer/protocol.py's UpdateEncoding)."""
+"""How learners encode the deltas they send (wire/protocol.py's UpdateEncoding)."""
 MAX_GROUP_NAME: Final = 16
 MAX_GROUPS: Final = 16
 MAX_REPLICAS: Final = 512

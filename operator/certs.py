@@ -68,7 +68,7 @@ from ddiloco.operator.plan import (
     target_of,
 )
 from ddiloco.operator.spares import serials_wanted
-from ddiloco.synchronizer import tls as x
+from ddiloco.wire import tls as x
 
 CA_LIFETIME_FACTOR: Final = 10
 RENEW_FRACTION: Final = 1 / 3

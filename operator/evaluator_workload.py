@@ -11,7 +11,7 @@ model or modelEntry, data, tokenizer, dataField, sequenceLength, batchSize, seed
 `evaluation.data` may name other data), given as flags, and reaches the synchronizer the way
 in-cluster learners do (DDILOCO_SYNC_URL: the shards' URLs; DDILOCO_CA_FILE from `<job>-trust`
 with TLS on). Its credential is an evaluator's (`evaluator:<job>-evaluator:<mac>`,
-synchronizer/auth.py), one line per line of the job key so that it follows a rotation
+wire/auth.py), one line per line of the job key so that it follows a rotation
 (tokens.py waits for it before dropping the old key), mounted as a file that the kubelet
 keeps current: it may read the model and post evaluations, nothing else. Both objects live
 in the home namespace with the job's labels and owner reference; a job without
@@ -47,7 +47,7 @@ from ddiloco.operator.builders import (
     trust_secret_name,
 )
 from ddiloco.operator.plan import Action, ClusterView, Observed, home
-from ddiloco.synchronizer.auth import derived_lines
+from ddiloco.wire.auth import derived_lines
 
 COMPONENT: Final = "evaluator"
 

@@ -64,7 +64,7 @@ def _sync_ports(job: DecoupledDiLoCoJob) -> list[dict[str, Any]]:
             "port": SYNC_UPLOAD_PORT,
             "targetPort": "upload",
             "protocol": "TCP",
-            # HTTP/1.1 only (a thread per connection, bulk.py), over TLS with it on: never h2c
+            # HTTP/1.1 only (a thread per connection, upload_port.py), over TLS with it on: never h2c
             "appProtocol": "https" if tls else "http",
         },
     ]

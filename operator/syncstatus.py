@@ -137,8 +137,8 @@ def combine(answers: list[dict[str, Any]]) -> dict[str, Any]:
     if len(answers) == 1:
         return answers[0]
     try:
-        from ddiloco.synchronizer.protocol import Status
         from ddiloco.synchronizer.shards import merge_statuses
+        from ddiloco.wire.protocol import Status
     except ImportError:  # TODO(lead): only until synchronizer/shards.py lands
         return answers[0]
     try:
@@ -166,7 +166,7 @@ CHECKED_FIELDS: Final = (
 
 @functools.cache
 def _field_adapter(name: str) -> pydantic.TypeAdapter[Any]:
-    from ddiloco.synchronizer.protocol import Status
+    from ddiloco.wire.protocol import Status
 
     annotation = Status.model_fields[name].annotation
     return pydantic.TypeAdapter(

@@ -3,7 +3,7 @@ restarting a pod.
 
     kubectl annotate ddj my-job ddiloco.dev/rotate-token="$(date +%s)" --overwrite
 
-Who holds what (synchronizer/auth.py says what each credential may do). The job key, Secret
+Who holds what (wire/auth.py says what each credential may do). The job key, Secret
 `<job>-token`, lives in the home namespace only: the synchronizer mounts it and the operator
 uses it for its own requests (status, spare assignments). Each learner group gets a Secret of
 credentials derived from it (`builders.learner_tokens_secret_name`), in the group's cluster:
@@ -54,7 +54,7 @@ from ddiloco.operator.plan import (
     target_of_group,
 )
 from ddiloco.operator.spares import serials_wanted
-from ddiloco.synchronizer.auth import derived_lines
+from ddiloco.wire.auth import derived_lines
 
 ANNOTATION_ROTATE: Final = "ddiloco.dev/rotate-token"  # on the job: ask for a rotation
 ANNOTATION_ROTATION: Final = "ddiloco.dev/token-rotation"  # on the Secret: request acted on

@@ -22,7 +22,7 @@ learners' critical path:
   time. Shards add capacity here only while fragments in flight outnumber them.
 
 Bytes per value: bf16 2; int8 and int4 1 and 1/2 plus one float32 scale per block
-(synchronizer/quant.py, DEFAULT_BLOCK values).
+(wire/quant.py, DEFAULT_BLOCK values).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Final
 
-from ddiloco.synchronizer.quant import DEFAULT_BLOCK
+from ddiloco.wire.quant import DEFAULT_BLOCK
 
 ENCODINGS: Final = ("bf16", "int8", "int4")
 """Most precise first: `fit` prefers the first that fits."""

@@ -37,11 +37,11 @@ from typing import Literal
 
 import torch
 
-from ddiloco.synchronizer import codec
-from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
-from ddiloco.synchronizer.passes import Term
-from ddiloco.synchronizer.protocol import FragmentSpec, Layout, UpdateMeta
-from ddiloco.synchronizer.state import FragmentState, Order
+from ddiloco.synchronizer.storage.state import FragmentState, Order
+from ddiloco.synchronizer.update_passes import Term
+from ddiloco.wire import codec
+from ddiloco.wire.errors import PayloadError, Refusal, SyncError
+from ddiloco.wire.protocol import FragmentSpec, Layout, UpdateMeta
 
 NORM_HISTORY = 32
 """Recent accepted update norms kept per fragment for the relative guard."""

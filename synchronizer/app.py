@@ -6,7 +6,7 @@
 The routes (routes.py) only translate HTTP; this module builds the app around them: the
 lifespan that opens the `Synchronizer`, a background task that merges due rounds, and the
 exception handlers that make every refusal a 4xx whose JSON body is
-`{"error": <reason>, "detail": <why>}` (synchronizer/errors.py), whatever raised it.
+`{"error": <reason>, "detail": <why>}` (wire/errors.py), whatever raised it.
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ddiloco.synchronizer import tls
-from ddiloco.synchronizer.auth import Tokens
-from ddiloco.synchronizer.bulk import UploadServer
 from ddiloco.synchronizer.config import SyncSettings, get_settings
-from ddiloco.synchronizer.errors import HTTP_STATUS, Refusal, SyncError
 from ddiloco.synchronizer.routes import public, v1
 from ddiloco.synchronizer.service import Synchronizer
 from ddiloco.synchronizer.spares import SpareBook
 from ddiloco.synchronizer.spares import router as spares_router
+from ddiloco.synchronizer.upload_port import UploadServer
+from ddiloco.wire import tls
+from ddiloco.wire.auth import Tokens
+from ddiloco.wire.errors import HTTP_STATUS, Refusal, SyncError
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class ProtocolCounter:
 def upload_server(
     sync: Synchronizer, tokens: Tokens, settings: SyncSettings, protocols: Counter[tuple[str, str]]
 ) -> UploadServer | None:
-    """The upload port's listener (bulk.py), started; None when `upload_port` is off."""
+    """The upload port's listener (upload_port.py), started; None when `upload_port` is off."""
     if settings.upload_port is None:
         return None
     context = None

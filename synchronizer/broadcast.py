@@ -9,7 +9,7 @@
 Encodings:
 - `float32`, `bfloat16`: Theta_v's tensors in that dtype (no metadata: the plain payload).
 - `int8`: Theta_v as blockwise absmax int8 codes with a float32 scale per block, the layout
-  updates use (wire.py: `name` -> codes, flat; `name#scales` -> scales); the learner adopts
+  updates use (encodings.py: `name` -> codes, flat; `name#scales` -> scales); the learner adopts
   their dequantized values.
 - `int8-delta`, `int4-delta`: the synchronizer keeps per fragment S_v, the served
   reconstruction every learner holds, not Theta_v itself:
@@ -34,7 +34,7 @@ token of the copy served gets that same answer. A delta whose S would not be fin
 overflow) is not published: S restarts from Theta (a new lineage, whole fragments).
 
 Quantized payloads carry metadata: `encoding` (int8 / int4) and `ddiloco.block` as updates
-do (so wire.decode_update checks them), `ddiloco.download` (this module's encoding of the
+do (so encodings.decode_update checks them), `ddiloco.download` (this module's encoding of the
 body), `ddiloco.shapes` (the tensors' shapes, JSON: the codes are flat), and for a delta
 `ddiloco.served` (the token of S_v) and `ddiloco.base` (of the S it applies to). A float32
 whole payload of a delta encoding carries `ddiloco.download` and `ddiloco.served`.
@@ -51,10 +51,10 @@ from typing import Final, NamedTuple
 
 import torch
 
-from ddiloco.synchronizer import codec, quant, wire
-from ddiloco.synchronizer.errors import PayloadError
-from ddiloco.synchronizer.protocol import BROADCAST_ENCODINGS, FragmentSpec, TensorSpec
-from ddiloco.synchronizer.served import Served
+from ddiloco.synchronizer.served_buffers import Served
+from ddiloco.wire import codec, encodings, quant
+from ddiloco.wire.errors import PayloadError
+from ddiloco.wire.protocol import BROADCAST_ENCODINGS, FragmentSpec, TensorSpec
 
 __all__ = [
     "DELTAS",
@@ -83,7 +83,7 @@ MAX_TOKEN: Final = 64
 
 
 def whole_dtype(encoding: str) -> str:
-    """The float dtype of `encoding`'s whole payloads (served.py): float32 for the
+    """The float dtype of `encoding`'s whole payloads (served_buffers.py): float32 for the
     quantized ones (a delta encoding's whole S_v must keep its every bit)."""
     if encoding not in BROADCAST_ENCODINGS:
         raise ValueError(f"unknown broadcast encoding {encoding!r}; one of {BROADCAST_ENCODINGS}")
@@ -219,7 +219,7 @@ def _quantized_meta(
 ) -> dict[str, str]:
     return {
         "encoding": q_encoding,
-        wire.BLOCK_KEY: str(block),
+        encodings.BLOCK_KEY: str(block),
         DOWNLOAD_KEY: encoding,
         SHAPES_KEY: _shapes(tensors),
     }
@@ -297,7 +297,7 @@ def read(body: bytes | bytearray | memoryview, held: Held | None = None) -> Down
     q_encoding = "int8" if kind == "int8" else DELTAS[kind]
     if meta.get("encoding") != q_encoding:
         raise PayloadError(f"a {kind} download must hold {q_encoding} codes")
-    codes = wire.decode_update(body, header, spec, frozenset({q_encoding}))
+    codes = encodings.decode_update(body, header, spec, frozenset({q_encoding}))
     out = {t.name: torch.empty(t.shape, dtype=torch.float32) for t in spec.tensors}
     if kind == "int8":
         for name, q in codes.items():

@@ -14,7 +14,7 @@ Giving back is explicit and optional: a tensor never given back is freed as any 
 `give` ignores tensors the pool did not make (a test's, an init upload's), so a caller may
 hand it whatever it is done with. The pool keeps at most `max_bytes` idle.
 
-`BODIES` does the same for the upload port's request bodies (synchronizer/bulk.py): a fresh
+`BODIES` does the same for the upload port's request bodies (synchronizer/upload_port.py): a fresh
 `bytearray(32 MB)` is zero-filled under the GIL, page by page, before `recv_into` writes it again (a
 tenth of the synchronizer's CPU at saturation, bench/RESULTS.md, "Figures behind the code"); a body
 of a size seen before lands in a buffer already touched. Capacities are whole MiB, so bodies whose
@@ -69,7 +69,7 @@ class Float32Pool:
         """Add idle tensors of `shape`, their pages touched, until `count` are idle (as far
         as the pool has room); returns how many it made. Counted once: tensors taken
         meanwhile are not replaced. `Synchronizer` primes what a fragment's first merges
-        take, before its first round closes (prime.py)."""
+        take, before its first round closes (prefault.py)."""
         key = tuple(shape)
         size = 4
         for d in key:
@@ -261,4 +261,4 @@ class BytePool:
 
 
 BODIES = BytePool()
-"""The upload port's request bodies (synchronizer/bulk.py)."""
+"""The upload port's request bodies (synchronizer/upload_port.py)."""

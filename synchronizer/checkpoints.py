@@ -66,7 +66,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ddiloco.cli.errors import UsageError
 from ddiloco.synchronizer.modeldir import GlobalModel, write_model_dir
-from ddiloco.synchronizer.protocol import Layout, ModelSpec
+from ddiloco.wire.protocol import Layout, ModelSpec
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -620,7 +620,7 @@ def origin(state_dir: Path) -> str | None:
 
 
 def save_origin(state_dir: Path, source: str) -> None:
-    from ddiloco.synchronizer.state import _replace
+    from ddiloco.synchronizer.storage.state import _replace
 
     tmp = Path(state_dir) / f".{ORIGIN}.tmp"
     tmp.write_text(json.dumps({"source": shown(source)}))
@@ -630,7 +630,7 @@ def save_origin(state_dir: Path, source: str) -> None:
 def start_from(sync: Synchronizer, source: str) -> None:
     """A fresh state dir and `--init-from source`: initialize from a checkpoint now, or keep
     a plain model directory's parameters for the first init upload (`seeded`)."""
-    from ddiloco.synchronizer.state import FragmentState
+    from ddiloco.synchronizer.storage.state import FragmentState
 
     _, _, is_checkpoint = resolve(source)
     if not is_checkpoint:
@@ -670,7 +670,7 @@ def seeded(sync: Synchronizer, layout: Layout) -> list[Any]:
     `--init-from`'s model directory (momentum zero); a `SyncError` (409) naming the
     directory if the learners' model is not its model."""
     from ddiloco.synchronizer import admission
-    from ddiloco.synchronizer.errors import Refusal, SyncError
+    from ddiloco.wire.errors import Refusal, SyncError
 
     assert sync.seed is not None and sync.settings.init_from is not None
     why = check_params(sync.seed, layout, shown(sync.settings.init_from))

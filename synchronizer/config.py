@@ -23,8 +23,8 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from ddiloco.synchronizer.auth import StaticTokens, TokenFile, Tokens
-from ddiloco.synchronizer.protocol import BroadcastEncoding, MergeRule, UpdateEncoding
+from ddiloco.wire.auth import StaticTokens, TokenFile, Tokens
+from ddiloco.wire.protocol import BroadcastEncoding, MergeRule, UpdateEncoding
 
 DEFAULT_PORT = 8470
 
@@ -43,7 +43,7 @@ class SyncSettings(BaseSettings):
     upload_port: int | None = Field(None, ge=0, le=65535)
     """A second port that serves only update uploads (POST /v1/fragments/{p}/updates, HTTP/1.1
     or HTTPS with the same certificate, client CA and tokens): a thread per connection reads
-    each body straight into its buffer, 8x cheaper than through the ASGI server (bulk.py).
+    each body straight into its buffer, 8x cheaper than through the ASGI server (upload_port.py).
     Learners learn it at join and fall back to `port` when they cannot reach it. None: off;
     0: any free port (tests)."""
     token: SecretStr | None = None
@@ -76,12 +76,12 @@ class SyncSettings(BaseSettings):
     prime_buffers: bool = True
     """When the layout is adopted (at init, before its answer; at a restart, before serving), make
     and touch the buffers the fragments' first merges and uploads take, within the pools' limits
-    (synchronizer/prime.py): on a cold process under load, the first merge of each fragment
+    (synchronizer/prefault.py): on a cold process under load, the first merge of each fragment
     otherwise takes several times any later one (bench/RESULTS.md, "Figures behind the code"). False
     (`DDILOCO_PRIME_BUFFERS=0`): pools fill as the work needs them."""
     snapshot_lag: int = Field(8, ge=0, le=64)
     """How many merges a fragment's file may trail the version it serves. A merge is durable
-    once a small record of its inputs is in the merge journal (synchronizer/journal.py): the
+    once a small record of its inputs is in the merge journal (synchronizer/storage/journal.py): the
     updates it took are in the pending log already, and a restart redoes it from them. The
     128 MB file of a 16M-parameter fragment is then written in the background, and that
     many merges' updates stay on disk until it is (the state volume holds up to this many
@@ -109,7 +109,7 @@ class SyncSettings(BaseSettings):
     (1 on 2 cores; 4 on 16, where one fragment's merge alone gains from a few)."""
     merge_threads: int = Field(0, ge=0, le=64)
     """Pieces a merge splits its passes over a large tensor into, each on a thread of its own
-    (synchronizer/split.py; the same bits as one). On cores shared with uploads (and here with the
+    (synchronizer/parallel_passes.py; the same bits as one). On cores shared with uploads (and here with the
     clients) a merge's one thread got one share of them, and the slowest merges spent most of their
     compute waiting for a core (bench/RESULTS.md, "Figures behind the code"). 0 (default): the cores
     this process may run on over `torch_threads` (2 on 2 cores; 4 on 16). 1: one thread, no
@@ -243,7 +243,7 @@ class SyncSettings(BaseSettings):
     update_encodings: Annotated[list[UpdateEncoding], NoDecode] = Field(
         default_factory=lambda: ["float32", "bfloat16"], min_length=1
     )
-    """The update encodings accepted from learners (synchronizer/wire.py): float32, bfloat16,
+    """The update encodings accepted from learners (wire/encodings.py): float32, bfloat16,
     int8, int4; `DDILOCO_UPDATE_ENCODINGS=int4,bfloat16` (a comma list, or JSON). An update in
     any other is refused (415) before anything is written; a learner learns the list at join
     and stops with one line if its own is not in it."""

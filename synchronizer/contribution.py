@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ddiloco.synchronizer import passes
+from ddiloco.synchronizer import update_passes
 from ddiloco.synchronizer.buffers import BODIES, POOL
-from ddiloco.synchronizer.protocol import UpdateMeta
+from ddiloco.wire.protocol import UpdateMeta
 
-Tensors = dict[str, passes.Term]
+Tensors = dict[str, update_passes.Term]
 
 
 @dataclass
@@ -83,7 +83,7 @@ class Contribution:
         copy: Tensors = {}
         for k, v in self.delta.items():
             copy[k] = POOL.take(v.shape)
-            passes.scale_into(copy[k], v, 1.0)
+            update_passes.scale_into(copy[k], v, 1.0)
         self.delta, self.body, self.owned = copy, None, True
         return old
 
@@ -94,7 +94,7 @@ class Contribution:
         if not self.owned:  # views of a body: the sum goes into float32 of our own
             self.detach().release()
         for k, v in newer.delta.items():
-            passes.axpy(self.delta[k], v, 1.0)
+            update_passes.axpy(self.delta[k], v, 1.0)
         newer.release()
         self.steps += newer.steps
         self.tokens += newer.tokens

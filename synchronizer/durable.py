@@ -20,10 +20,10 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from ddiloco.synchronizer.buffers import POOL
 from ddiloco.synchronizer.contribution import Contribution
-from ddiloco.synchronizer.journal import MergeRecord, digest, policy_fields, replay
 from ddiloco.synchronizer.merge import MergeOutcome
-from ddiloco.synchronizer.pending import PendingLog
-from ddiloco.synchronizer.state import FragmentState
+from ddiloco.synchronizer.storage.journal import MergeRecord, digest, policy_fields, replay
+from ddiloco.synchronizer.storage.pending import PendingLog
+from ddiloco.synchronizer.storage.state import FragmentState
 
 log = logging.getLogger(__name__)
 

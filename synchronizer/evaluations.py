@@ -27,10 +27,10 @@ import math
 import threading
 import time
 
-from ddiloco.synchronizer.auth import Principal
-from ddiloco.synchronizer.errors import Refusal, SyncError
-from ddiloco.synchronizer.protocol import EvaluationReport, EvaluationStatus
-from ddiloco.synchronizer.state import StateStore
+from ddiloco.synchronizer.storage.state import StateStore
+from ddiloco.wire.auth import Principal
+from ddiloco.wire.errors import Refusal, SyncError
+from ddiloco.wire.protocol import EvaluationReport, EvaluationStatus
 
 log = logging.getLogger(__name__)
 

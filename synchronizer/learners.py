@@ -19,9 +19,9 @@ from __future__ import annotations
 import logging
 
 from ddiloco.synchronizer import ledger
-from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
 from ddiloco.synchronizer.ledger import MAX_TOTAL, MAX_TOTAL_SECONDS, LearnerRecord
-from ddiloco.synchronizer.protocol import (
+from ddiloco.wire.errors import PayloadError, Refusal, SyncError
+from ddiloco.wire.protocol import (
     MAX_COUNT,
     MAX_DATA_POSITION,
     Heartbeat,

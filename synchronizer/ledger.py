@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from ddiloco.synchronizer.protocol import MAX_COUNT, LearnerStatus
+from ddiloco.wire.protocol import MAX_COUNT, LearnerStatus
 
 MAX_TOTAL = (1 << 63) - 1
 """The largest accumulated count a record or the totals hold (a sum over incarnations or

@@ -16,7 +16,7 @@ a merge waits for the holder only: plain acquirers wait while anyone waits in `f
     gate = MergeGate()
     with gate:              # a merge computing (merging.py `_merged`)
         ...
-    gate.wait()             # an upload port's body read, before each chunk (bulk.py)
+    gate.wait()             # an upload port's body read, before each chunk (upload_port.py)
 
 On few cores a merge's arithmetic shares them with many connections' socket copies (kernel
 time, outside any CPU slot), which stretched its tail many times over. While a merge

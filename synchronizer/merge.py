@@ -25,7 +25,7 @@ negated or scaled copy of anything), an outer step of three `torch.add`s, the re
 buffers of `buffers.POOL` (no page faults per merge), and finiteness read from one reduction over
 Theta' (`torch.aminmax`: NaN and Inf survive it; b' reaches Theta' when lr > 0) instead of a boolean
 tensor the size of the fragment; the final multiplication and the step of a large tensor in pieces
-on threads of their own (split.py, the same bits).
+on threads of their own (parallel_passes.py, the same bits).
 """
 
 from __future__ import annotations
@@ -37,12 +37,13 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from ddiloco.synchronizer import passes, quant, split
+from ddiloco.synchronizer import parallel_passes, update_passes
 from ddiloco.synchronizer.buffers import POOL
 from ddiloco.synchronizer.contribution import Contribution
 from ddiloco.synchronizer.outer import OuterNesterov
-from ddiloco.synchronizer.passes import Term
-from ddiloco.synchronizer.protocol import FragmentSpec, MergeRule
+from ddiloco.synchronizer.update_passes import Term
+from ddiloco.wire import quant
+from ddiloco.wire.protocol import FragmentSpec, MergeRule
 
 if TYPE_CHECKING:
     from ddiloco.synchronizer.config import SyncSettings
@@ -108,8 +109,8 @@ def accumulate(
     dst: torch.Tensor, terms: Sequence[tuple[Term, float]], fresh: bool, ways: int = 1
 ) -> None:
     """dst (+)= each alpha * t in order (`fresh`: the first written, not added: no zeroed
-    pass before it; passes.py: a bf16 term is read once, in cache-sized chunks), in `ways`
-    pieces (split.py: each piece adds every term over its values, the same bits; a
+    pass before it; update_passes.py: a bf16 term is read once, in cache-sized chunks), in `ways`
+    pieces (parallel_passes.py: each piece adds every term over its values, the same bits; a
     quantized term's whole blocks dequantized in each; one piece when a term's blocks do
     not divide the pieces' stride). A merge's sum, and the terms a round's sum still
     queues when the merge claims it (stream.py)."""
@@ -120,15 +121,17 @@ def accumulate(
 
     def piece(s: slice) -> None:
         for k, (t, a) in enumerate(flats):
-            (passes.scale_into if k == 0 and fresh else passes.axpy)(d[s], piece_of(t, s), a)
+            (update_passes.scale_into if k == 0 and fresh else update_passes.axpy)(
+                d[s], piece_of(t, s), a
+            )
 
-    split.run(d.numel(), piece, ways)
+    parallel_passes.run(d.numel(), piece, ways)
 
 
 def splits(t: Term) -> bool:
     """Whether a term can be summed in pieces: a tensor, or codes whose blocks divide the
     pieces' stride (a piece then holds whole blocks)."""
-    return isinstance(t, torch.Tensor) or split.STRIDE % t.block == 0
+    return isinstance(t, torch.Tensor) or parallel_passes.STRIDE % t.block == 0
 
 
 def piece_of(t: Term, s: slice) -> Term:
@@ -144,13 +147,13 @@ def weighted_mean(
     ref: float | None = None,
 ) -> torch.Tensor:
     """scale * sum_m w_m delta_m / sum_m w_m (a new float32 tensor): the sum with relative
-    weights, then one multiplication (in `ways` pieces: split.py). `summed`: that sum,
+    weights, then one multiplication (in `ways` pieces: parallel_passes.py). `summed`: that sum,
     already formed (stream.py; it is consumed), its weights relative to `ref`."""
     rel, total = relative(weights, ref)
     if summed is None:
         terms = [(d, r) for d, r in zip(deltas, rel, strict=True) if r]
         summed = _weighted_sum(terms, deltas[0], ways)
-    return split.scale_(summed, scale / total, ways)
+    return parallel_passes.scale_(summed, scale / total, ways)
 
 
 def rda(
@@ -173,7 +176,7 @@ def rda(
     u is summed with weights relative to the first (`relative`, `term_alpha`): its scale
     cancels in u / ||u||. `summed`: that sum, already formed as the round's contributions
     arrived (stream.py; it is consumed), its weights relative to `ref`. `ways`: the final
-    multiplication's pieces (split.py).
+    multiplication's pieces (parallel_passes.py).
     """
     rel, total = relative(weights, ref)
     known = list(norms) if norms is not None else [None] * len(deltas)
@@ -182,7 +185,7 @@ def rda(
     for d, r, measured in zip(deltas, rel, known, strict=True):
         if not r:
             continue
-        n = passes.norm(d) if measured is None else measured
+        n = update_passes.norm(d) if measured is None else measured
         radius += r * n
         if (alpha := term_alpha(r, n)) is not None:
             terms.append((d, alpha))
@@ -192,7 +195,7 @@ def rda(
     if dn / total <= 1e-6 * max(radius, _EPS) or dn <= _EPS:
         POOL.give([direction])
         return weighted_mean(deltas, weights, scale, ways=ways, ref=ref)
-    return split.scale_(direction, scale * radius / dn, ways)
+    return parallel_passes.scale_(direction, scale * radius / dn, ways)
 
 
 def merge_fragment(
@@ -210,7 +213,7 @@ def merge_fragment(
     `scale`. `norms[i]`: the per-tensor norms of `deltas[i]` when known (per-tensor RDA
     uses them). `summed`: per tensor, the sum of the rule's terms already formed
     (stream.py; consumed; per-tensor granularity only), with weights relative to `ref`.
-    `ways`: pieces of the final multiplication (split.py)."""
+    `ways`: pieces of the final multiplication (parallel_passes.py)."""
     names = list(deltas[0])
     given = summed or {}
     if method == "mean":
@@ -234,7 +237,7 @@ def merge_fragment(
         }
     POOL.give(given.values())
     # Whole-fragment RDA: flatten every contribution, merge once, split back.
-    flat = [torch.cat([passes.dense(d[n]).reshape(-1) for n in names]) for d in deltas]
+    flat = [torch.cat([update_passes.dense(d[n]).reshape(-1) for n in names]) for d in deltas]
     merged = rda(flat, weights, scale=scale, ways=ways)
     out: Tensors = {}
     offset = 0
@@ -283,7 +286,7 @@ class MergePolicy:
     scale: Literal["contributors", "live"] = "contributors"
     outer: OuterNesterov = field(default_factory=OuterNesterov)  # outer.py
     threads: int = 1
-    """Pieces a large tensor's passes are split into (split.py; `SyncSettings.merge_threads`):
+    """Pieces a large tensor's passes are split into (parallel_passes.py; `SyncSettings.merge_threads`):
     how the merge runs, not what it computes (the same bits), so no journal record names it."""
 
     @classmethod
@@ -335,7 +338,7 @@ class MergePolicy:
             # on an older version it is the delayed pseudo-gradient (async Local-SGD), which
             # keeps the rounds merged since instead of pulling Theta back towards its base.
             # (negated in the outer step: no copy of any contribution here)
-            deltas.append(c.delta)  # float32, or bf16 views of the body (passes.py)
+            deltas.append(c.delta)  # float32, or bf16 views of the body (update_passes.py)
             norms.append(c.norms)
             weights.append(w)
             tokens += c.tokens

@@ -24,12 +24,12 @@ from ddiloco.synchronizer.broadcast import Broadcast
 from ddiloco.synchronizer.buffers import POOL
 from ddiloco.synchronizer.contribution import Contribution
 from ddiloco.synchronizer.durable import DURABLES, Durable, give_back
-from ddiloco.synchronizer.journal import next_state
 from ddiloco.synchronizer.merge import MergeOutcome, NonFiniteMerge
-from ddiloco.synchronizer.pending import PendingLog
-from ddiloco.synchronizer.protocol import FragmentSpec
-from ddiloco.synchronizer.state import FragmentState
+from ddiloco.synchronizer.storage.journal import next_state
+from ddiloco.synchronizer.storage.pending import PendingLog
+from ddiloco.synchronizer.storage.state import FragmentState
 from ddiloco.synchronizer.stream import RoundSum
+from ddiloco.wire.protocol import FragmentSpec
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ddiloco.synchronizer.protocol import Status
+from ddiloco.wire.protocol import Status
 
 if TYPE_CHECKING:
     from ddiloco.synchronizer.contribution import Contribution
@@ -63,7 +63,7 @@ ENCODINGS: Final = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
 """Safetensors dtype -> the `encoding` label (codec.ST_DTYPES are the wire dtypes)."""
 
 QUANTIZED_CODES: Final = {"I8": "int8", "U8": "int4"}
-"""The safetensors dtype of a quantized update's codes -> its label (synchronizer/wire.py:
+"""The safetensors dtype of a quantized update's codes -> its label (wire/encodings.py:
 int8 codes are I8, int4 codes packed in U8; their float32 scales do not make it `mixed`)."""
 
 
@@ -281,7 +281,7 @@ class SyncMetrics:
 
     def watch_uploads(self, counts: Mapping[tuple[str, str], int]) -> None:
         """Export the upload port's answers by (scheme, status code) as
-        ddiloco_upload_port_requests_total (bulk.py counts them)."""
+        ddiloco_upload_port_requests_total (upload_port.py counts them)."""
         self._uploads = counts
 
     def uploads(self) -> Mapping[tuple[str, str], int]:

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ddiloco.synchronizer.protocol import Layout, ModelSpec
+from ddiloco.wire.protocol import Layout, ModelSpec
 
 log = logging.getLogger(__name__)
 

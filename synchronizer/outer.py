@@ -7,7 +7,7 @@ gradient it steps with).
 
 Speed (memory traffic is the bound): into buffers of `buffers.POOL` (the inputs are only read),
 three `torch.add`s per tensor and no temporaries, each large tensor in `ways` pieces on threads of
-their own (split.py: the same bits), each piece checked for non-finite values while it is in the
+their own (parallel_passes.py: the same bits), each piece checked for non-finite values while it is in the
 cache (one `torch.aminmax`: NaN and Inf survive it).
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddiloco.synchronizer import split
+from ddiloco.synchronizer import parallel_passes
 from ddiloco.synchronizer.buffers import POOL
 
 __all__ = ["OuterNesterov", "Tensors", "finite"]
@@ -47,7 +47,7 @@ class OuterNesterov:
         """`step`, into new tensors: (Theta', b'). The inputs are read, never written. Three
         passes per tensor (two with heavy ball), each one `torch.add(x, y, alpha)`, no
         temporaries: b' = delta + mu b;  out = delta + mu b';  Theta' = Theta - lr out;
-        a large tensor's in `ways` pieces at once (split.py: the same bits)."""
+        a large tensor's in `ways` pieces at once (parallel_passes.py: the same bits)."""
         new_params, new_buffers, _ = self.step_checked(params, buffers, delta, ways, check=False)
         return new_params, new_buffers
 
@@ -63,7 +63,7 @@ class OuterNesterov:
             out, b = POOL.take(p.shape), POOL.take(p.shape)
             flat = [t.reshape(-1) for t in (delta[name], buffers[name], p, out, b)]
             piece = functools.partial(self._piece, *flat, check)
-            finite_all &= all(split.run(p.numel(), piece, ways))
+            finite_all &= all(parallel_passes.run(p.numel(), piece, ways))
             new_params[name], new_buffers[name] = out, b
         return new_params, new_buffers, finite_all
 

@@ -25,9 +25,10 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Message, Receive
 
-from ddiloco.synchronizer.auth import Principal, Tokens, authenticate
-from ddiloco.synchronizer.errors import Refusal, SyncError
-from ddiloco.synchronizer.protocol import (
+from ddiloco.synchronizer.service import Synchronizer
+from ddiloco.wire.auth import Principal, Tokens, authenticate
+from ddiloco.wire.errors import Refusal, SyncError
+from ddiloco.wire.protocol import (
     API_PREFIX,
     CONTENT_TYPE,
     VERSION_HEADER,
@@ -42,7 +43,6 @@ from ddiloco.synchronizer.protocol import (
     Status,
     UpdateResponse,
 )
-from ddiloco.synchronizer.service import Synchronizer
 
 JSON_BODY_LIMIT: Final = 4 << 20
 """The largest JSON request body (a heartbeat of a few thousand fragments fits many times)."""

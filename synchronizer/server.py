@@ -4,7 +4,7 @@
     DDILOCO_TOKEN_FILE=/run/secrets/token ddiloco synchronizer \
         --tls-cert server.crt --tls-key server.key [--tls-client-ca ca.crt]
     ddiloco synchronizer --shard 1 --shards 2 --state-dir state-1 --port 8471   # shards.py
-    ddiloco synchronizer --upload-port 8471     # updates read straight off the socket (bulk.py)
+    ddiloco synchronizer --upload-port 8471     # updates read straight off the socket (upload_port.py)
 
 Settings come from the environment (`DDILOCO_*`, see config.py); the few flags here
 override them. uvicorn >= 0.54 with its zttp protocol serves h2c by prior knowledge when TLS
@@ -20,7 +20,7 @@ the synchronizer's own work per GB is several times any of them, so the server i
 ingest, and granian would need the TLS/mTLS path redone. HTTP/2 bulk uploads reach under half of
 HTTP/1.1 on every server measured (zttp's fixed 64 KiB window), so learners upload over HTTP/1.1
 (`LearnerConfig.upload_http2` False) and keep HTTP/2 for heartbeats and downloads. Those uploads go
-to `--upload-port` (bulk.py), a thread per connection reading each body straight into its buffer, at
+to `--upload-port` (upload_port.py), a thread per connection reading each body straight into its buffer, at
 a fraction of uvicorn's CPU per GB.
 """
 
@@ -38,10 +38,10 @@ from typing import Any
 import uvicorn
 
 from ddiloco.cli.errors import usage_errors
-from ddiloco.synchronizer import tls
 from ddiloco.synchronizer.config import SyncSettings
-from ddiloco.synchronizer.protocol import BROADCAST_ENCODINGS
 from ddiloco.synchronizer.shards import check_state_dir
+from ddiloco.wire import tls
+from ddiloco.wire.protocol import BROADCAST_ENCODINGS
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--snapshot-lag",
         type=int,
         help="merges a fragment's file may trail its served version; 0 writes it before "
-        "serving (env DDILOCO_SNAPSHOT_LAG, default 8; synchronizer/journal.py)",
+        "serving (env DDILOCO_SNAPSHOT_LAG, default 8; synchronizer/storage/journal.py)",
     )
     ap.add_argument(
         "--snapshot-every",

@@ -41,23 +41,30 @@ from collections.abc import Callable
 
 import torch
 
-from ddiloco.synchronizer import broadcast, checkpoints, codec, ledger, shards
+from ddiloco.synchronizer import broadcast, checkpoints, ledger, shards
 from ddiloco.synchronizer.broadcast import Broadcast
 from ddiloco.synchronizer.budget import Budget
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.contribution import Contribution
-from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
 from ddiloco.synchronizer.evaluations import Evaluations
-from ddiloco.synchronizer.journal import MergeJournal
 from ddiloco.synchronizer.learners import Learners
 from ddiloco.synchronizer.ledger import LearnerRecord
 from ddiloco.synchronizer.locks import FragmentLock, MergeGate
 from ddiloco.synchronizer.merge import MergePolicy
 from ddiloco.synchronizer.merging import Merging
 from ddiloco.synchronizer.metrics import SyncMetrics
-from ddiloco.synchronizer.pending import PendingLog
-from ddiloco.synchronizer.prime import prime
-from ddiloco.synchronizer.protocol import (
+from ddiloco.synchronizer.prefault import prime
+from ddiloco.synchronizer.rounds import GracePolicy, Rounds
+from ddiloco.synchronizer.served_buffers import Served
+from ddiloco.synchronizer.storage.journal import MergeJournal
+from ddiloco.synchronizer.storage.pending import PendingLog
+from ddiloco.synchronizer.storage.snapshots import Snapshots
+from ddiloco.synchronizer.storage.state import FragmentState, StateStore
+from ddiloco.synchronizer.stream import RoundSum
+from ddiloco.synchronizer.updates import Updates
+from ddiloco.wire import codec
+from ddiloco.wire.errors import PayloadError, Refusal, SyncError
+from ddiloco.wire.protocol import (
     MODEL_KEY,
     FragmentStatus,
     InitResponse,
@@ -65,12 +72,6 @@ from ddiloco.synchronizer.protocol import (
     ModelSpec,
     Status,
 )
-from ddiloco.synchronizer.rounds import GracePolicy, Rounds
-from ddiloco.synchronizer.served import Served
-from ddiloco.synchronizer.snapshots import Snapshots
-from ddiloco.synchronizer.state import FragmentState, StateStore
-from ddiloco.synchronizer.stream import RoundSum
-from ddiloco.synchronizer.updates import Updates
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class Synchronizer(Updates, Learners, Merging):
     def __init__(self, settings: SyncSettings, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = s = settings
         self.accepted = frozenset(s.update_encodings)
-        """The update encodings accepted (wire.py); any other is refused, 415."""
+        """The update encodings accepted (encodings.py); any other is refused, 415."""
         self.clock = clock
         self.store = StateStore(s.state_dir)
         self.lock = threading.RLock()
@@ -130,7 +131,7 @@ class Synchronizer(Updates, Learners, Merging):
         """Per fragment, the contributions a merge has taken and not yet installed: their
         high-water marks still count (a re-send of one is a duplicate)."""
         self.served: list[Broadcast] = []
-        """Per fragment, the version served and its payloads (broadcast.py; served.py's
+        """Per fragment, the version served and its payloads (broadcast.py; served_buffers.py's
         buffers): `served[p][0]` is its version."""
         self.payloads = self._payloads(0)
         self.journals: list[MergeJournal] = []
@@ -162,7 +163,7 @@ class Synchronizer(Updates, Learners, Merging):
         self.primings: dict[str, int] = {}
         """What the last priming made, by pool."""
         self.upload_port: int | None = None
-        """The bound port of the upload listener (bulk.py), told to learners at join."""
+        """The bound port of the upload listener (upload_port.py), told to learners at join."""
         self.on_change: Callable[[], None] = lambda: None
         """Called (from any thread) when versions or open rounds change: wakes long polls."""
         self.on_fatal: Callable[[], None] = lambda: os._exit(70)
@@ -260,7 +261,7 @@ class Synchronizer(Updates, Learners, Merging):
         self.snapshots = Snapshots(
             self._write_file, n, lambda p: self.fragments[p].version - self.file_versions[p]
         )
-        if self.settings.prime_buffers:  # before a round can close (prime.py)
+        if self.settings.prime_buffers:  # before a round can close (prefault.py)
             self.primings = prime(
                 fragments, self.owned, self.payloads, self.journals, self.accepted
             )

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ddiloco.synchronizer.protocol import (
+from ddiloco.wire.protocol import (
     FragmentStatus,
     Layout,
     LearnerStatus,
@@ -43,10 +43,10 @@ from ddiloco.synchronizer.protocol import (
 if TYPE_CHECKING:
     import torch
 
-    from ddiloco.synchronizer.codec import Header
     from ddiloco.synchronizer.config import SyncSettings
-    from ddiloco.synchronizer.state import FragmentState, StateStore
-    from ddiloco.synchronizer.tls import ClientTLS
+    from ddiloco.synchronizer.storage.state import FragmentState, StateStore
+    from ddiloco.wire.codec import Header
+    from ddiloco.wire.tls import ClientTLS
 
 SHARD_FILE = "shard.json"
 """In a shard's state directory: which shard of how many wrote it (absent: shard 0 of 1)."""
@@ -81,7 +81,7 @@ def check_state_dir(settings: SyncSettings) -> None:
 
 def save_state_dir(settings: SyncSettings) -> None:
     """Record which shard of how many this state dir is (atomically, before the layout)."""
-    from ddiloco.synchronizer.state import _replace
+    from ddiloco.synchronizer.storage.state import _replace
 
     root = Path(settings.state_dir)
     tmp = root / f".{SHARD_FILE}.tmp"
@@ -91,7 +91,7 @@ def save_state_dir(settings: SyncSettings) -> None:
 
 def placeholder() -> FragmentState:
     """What a shard holds for a fragment another shard owns: no tensors, version 0."""
-    from ddiloco.synchronizer.state import FragmentState
+    from ddiloco.synchronizer.storage.state import FragmentState
 
     return FragmentState({}, {})
 
@@ -109,8 +109,8 @@ def owned_tensors(payload: bytes, header: Header, names: set[str]) -> dict[str, 
     decode of the others). Callers copy what they keep."""
     import torch
 
-    from ddiloco.synchronizer.codec import ST_DTYPES
-    from ddiloco.synchronizer.errors import PayloadError
+    from ddiloco.wire.codec import ST_DTYPES
+    from ddiloco.wire.errors import PayloadError
 
     start = len(payload) - header.data_bytes
     out = {}
@@ -298,7 +298,7 @@ class ShardClients:
         timeout: float = 60.0,
         tls: ClientTLS | None = None,
     ) -> None:
-        from ddiloco.synchronizer.client import SyncClient
+        from ddiloco.learner.sync_client import SyncClient
 
         self.clients = [SyncClient(u, token, timeout=timeout, tls=tls) for u in urls]
         self.owners: dict[int, int] = {}

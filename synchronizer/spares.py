@@ -33,10 +33,10 @@ from typing import Annotated, Final
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ddiloco.synchronizer.auth import Principal, Tokens, learner_token
-from ddiloco.synchronizer.errors import Refusal, SyncError
-from ddiloco.synchronizer.protocol import API_PREFIX
 from ddiloco.synchronizer.routes import ERRORS, GuardedRoute, PrincipalDep, require_token
+from ddiloco.wire.auth import Principal, Tokens, learner_token
+from ddiloco.wire.errors import Refusal, SyncError
+from ddiloco.wire.protocol import API_PREFIX
 
 MAX_WAIT_S: Final = 30.0
 DEFAULT_WAIT_S: Final = 20.0

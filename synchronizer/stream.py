@@ -37,14 +37,14 @@ import threading
 from collections import deque
 from typing import TYPE_CHECKING
 
-from ddiloco.synchronizer import passes
+from ddiloco.synchronizer import update_passes
 from ddiloco.synchronizer.buffers import BODIES, POOL
 from ddiloco.synchronizer.merge import accumulate, cap_counters, contribution_weight, term_alpha
 
 if TYPE_CHECKING:
     from ddiloco.synchronizer.contribution import Contribution, Tensors
     from ddiloco.synchronizer.merge import MergePolicy
-    from ddiloco.synchronizer.protocol import UpdateMeta
+    from ddiloco.wire.protocol import UpdateMeta
 
 Key = tuple[str, ...]
 """A contribution's update ids: what it holds."""
@@ -117,7 +117,7 @@ class RoundSum:
         c.absorb(meta, delta, body)
         self.queue.append((old.delta, {n: -a for n, a in before.items()}, old.body, old.owned))
         if self.rule != "mean":
-            c.norms = {name: passes.norm(t) for name, t in c.delta.items()}
+            c.norms = {name: update_passes.norm(t) for name, t in c.delta.items()}
         alphas = self._alphas(c)
         if alphas is None:
             self.spoil()
@@ -167,7 +167,7 @@ class RoundSum:
                 self.lock.release()
 
     def _add_all(self, items: list[Queued], ways: int = 1) -> None:
-        """Add `items`' terms, in queue order, each tensor's in `ways` pieces (split.py:
+        """Add `items`' terms, in queue order, each tensor's in `ways` pieces (parallel_passes.py:
         each piece adds every term over its values in that order, so the bits are those of
         one term at a time); their bodies and owned tensors are let go of either way."""
         try:

@@ -9,7 +9,7 @@ A mixin, as merging.py is: its methods read and write the synchronizer's state (
 An update is checked in this order, each refusal a `SyncError` that changes nothing: a model
 to update (init done), its header (admission.parse_update), the shard that owns its
 fragment, its learner, duplicate (under the synchronizer's lock, no decode), its encoding
-and shapes (wire.py), a finite norm, then under the fragment's lock its staleness and the
+and shapes (encodings.py), a finite norm, then under the fragment's lock its staleness and the
 norm guard against the durable history.
 """
 
@@ -20,19 +20,20 @@ import logging
 
 import torch
 
-from ddiloco.synchronizer import admission, codec, passes, wire
-from ddiloco.synchronizer.auth import JOB, Principal
+from ddiloco.synchronizer import admission, update_passes
 from ddiloco.synchronizer.buffers import POOL
 from ddiloco.synchronizer.contribution import Contribution
-from ddiloco.synchronizer.errors import Refusal, SyncError
 from ddiloco.synchronizer.merge import cap_counters
 from ddiloco.synchronizer.metrics import encoding_of
-from ddiloco.synchronizer.passes import Term
-from ddiloco.synchronizer.pending import PendingLog
-from ddiloco.synchronizer.protocol import UpdateMeta, UpdateResponse
-from ddiloco.synchronizer.quant import Quantized
-from ddiloco.synchronizer.segments import FragmentLog, Ticket
-from ddiloco.synchronizer.state import FragmentState, Order
+from ddiloco.synchronizer.storage.pending import PendingLog
+from ddiloco.synchronizer.storage.segments import FragmentLog, Ticket
+from ddiloco.synchronizer.storage.state import FragmentState, Order
+from ddiloco.synchronizer.update_passes import Term
+from ddiloco.wire import codec, encodings
+from ddiloco.wire.auth import JOB, Principal
+from ddiloco.wire.errors import Refusal, SyncError
+from ddiloco.wire.protocol import UpdateMeta, UpdateResponse
+from ddiloco.wire.quant import Quantized
 
 log = logging.getLogger(__name__)
 
@@ -97,17 +98,17 @@ class Updates:
                 )
         # The passes over the bytes run before the fragment's lock, so concurrent updates
         # of one fragment decode side by side: views of the body in the layout's shapes, in
-        # an accepted encoding (415 else, wire.py), its finite norm, the log record's
+        # an accepted encoding (415 else, encodings.py), its finite norm, the log record's
         # checksum. At most `cpu_slots` uploads measure and checksum at once (`cpu`): a merge
         # is not one runnable thread of sixteen. A quantized update is dequantized once into
-        # float32 of `POOL` for its norm and its round-sum term (passes.py, stream.py), with
+        # float32 of `POOL` for its norm and its round-sum term (update_passes.py, stream.py), with
         # no slot: dequantizing is where its ingest spends its cores (a slot for it cut
         # int4's capacity by more than a third); it waits between chunks while a merge
         # computes instead (`merge_first`, locks.py). The round keeps only its codes.
-        delta = wire.decode_update(payload, header, spec, self.accepted)  # views of payload
+        delta = encodings.decode_update(payload, header, spec, self.accepted)  # views of payload
         dense = None
         if any(isinstance(t, Quantized) for t in delta.values()):
-            dense = {k: passes.dense(t, self.computing.wait) for k, t in delta.items()}
+            dense = {k: update_passes.dense(t, self.computing.wait) for k, t in delta.items()}
         held = False
         try:
             with self.cpu:

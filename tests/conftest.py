@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import uvicorn
 
+from ddiloco.learner.sync_client import SyncClient
 from ddiloco.local.processes import free_port
 from ddiloco.synchronizer.app import create_app
-from ddiloco.synchronizer.client import SyncClient
 from ddiloco.synchronizer.config import SyncSettings
 
 TOKEN = "test-token"

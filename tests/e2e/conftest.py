@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from ddiloco.learner.sync_client import SyncClient
 from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port
-from ddiloco.synchronizer.client import SyncClient
 
 
 def ddiloco_run(

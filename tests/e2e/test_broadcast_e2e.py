@@ -3,7 +3,7 @@
 
     .venv/bin/pytest -q tests/e2e/test_broadcast_e2e.py -m e2e
 
-The learners merge (versions advance), download int8 deltas through the bulk port (the
+The learners merge (versions advance), download int8 deltas through the upload port (the
 synchronizer's bytes-served counter has int8-delta bytes, and fewer fp32 ones than a
 float32 broadcast of every version would need), and every global copy a learner adopted is
 bit for bit the served copy of that version, as the test process read it whole from the

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from ddiloco.learner.data import stdlib_files
 from ddiloco.local.processes import terminate_all
 from ddiloco.synchronizer import checkpoints
-from ddiloco.synchronizer.state import StateStore
+from ddiloco.synchronizer.storage.state import StateStore
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(500)]
 MODEL = ("--model", "hf:llama-tiny", "-H", "8", "-P", "2", "--batch-size", "4")

@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import torch
 
+from ddiloco.learner.sync_client import SyncRefused
 from ddiloco.local.processes import terminate_all
-from ddiloco.synchronizer import codec, wire
-from ddiloco.synchronizer.client import SyncRefused
-from ddiloco.synchronizer.protocol import (
+from ddiloco.wire import codec, encodings
+from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
     JoinRequest,
@@ -67,7 +67,7 @@ def test_an_int4_learner_is_refused_by_a_bfloat16_synchronizer(
         meta = UpdateMeta(
             learner_id="raw", fragment=0, base_version=0, steps=1, tokens=8, learner_step=1
         )
-        payload, _ = wire.encode_update({"w": torch.randn(256) * 1e-3}, meta, "int4", 128)
+        payload, _ = encodings.encode_update({"w": torch.randn(256) * 1e-3}, meta, "int4", 128)
         with pytest.raises(SyncRefused) as e:
             client.post_update(0, payload)
         assert (e.value.status, e.value.kind) == (415, "unsupported_encoding")
@@ -75,7 +75,7 @@ def test_an_int4_learner_is_refused_by_a_bfloat16_synchronizer(
         status = client.status()
         assert status.refusals.get("unsupported_encoding") == 1
         assert [f.contributors_pending for f in status.fragments] == [0]
-        bf16, _ = wire.encode_update({"w": torch.randn(256) * 1e-3}, meta, "bfloat16", 128)
+        bf16, _ = encodings.encode_update({"w": torch.randn(256) * 1e-3}, meta, "bfloat16", 128)
         assert client.post_update(0, bf16).status == "accepted"  # the one it was set up for
         client.close()
     finally:

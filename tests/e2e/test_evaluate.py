@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
+from ddiloco.learner.sync_client import SyncClient, SyncRefused
 from ddiloco.local.processes import Child, ddiloco_command, env_with, terminate_all
-from ddiloco.synchronizer.auth import evaluator_token, learner_token
-from ddiloco.synchronizer.client import SyncClient, SyncRefused
-from ddiloco.synchronizer.protocol import EvaluationReport
+from ddiloco.wire.auth import evaluator_token, learner_token
+from ddiloco.wire.protocol import EvaluationReport
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 

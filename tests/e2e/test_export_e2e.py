@@ -25,9 +25,9 @@ from safetensors.torch import load_file
 from ddiloco.cli import export
 from ddiloco.cli.export import from_state_dir
 from ddiloco.learner.data import stdlib_files
+from ddiloco.learner.sync_client import SyncClient
 from ddiloco.learner.task import build_task
 from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
-from ddiloco.synchronizer.client import SyncClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(400)]
 TOKEN = "export-token"

@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 import torch
 
+from ddiloco.learner.sync_client import SyncClient
 from ddiloco.local.processes import terminate_all
-from ddiloco.synchronizer import codec
-from ddiloco.synchronizer.client import SyncClient
-from ddiloco.synchronizer.protocol import (
+from ddiloco.wire import codec
+from ddiloco.wire.protocol import (
     CONTENT_TYPE,
     LAYOUT_KEY,
     FragmentSpec,

@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 
+from ddiloco.learner.sync_client import SyncUnavailable
 from ddiloco.local.processes import terminate_all
-from ddiloco.synchronizer.client import SyncUnavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 TOKEN = "e2e-ledger"

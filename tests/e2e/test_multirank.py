@@ -34,7 +34,7 @@ import pytest
 
 from ddiloco.local.processes import Child, terminate_all
 from ddiloco.local.report import read_jsonl
-from ddiloco.synchronizer.state import StateStore
+from ddiloco.synchronizer.storage.state import StateStore
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(150)]
 TOKEN = "e2e-multirank"

@@ -23,7 +23,7 @@ from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.diloco import DecoupledDiLoCo
 from ddiloco.learner.train import ledger_record
 from ddiloco.local.netcut import CutProxy
-from ddiloco.synchronizer.protocol import UpdateMeta
+from ddiloco.wire.protocol import UpdateMeta
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 SyncServer = Any  # tests/conftest.py's

@@ -24,7 +24,7 @@ import pytest
 
 from ddiloco.learner.data import stdlib_files
 from ddiloco.local.processes import Child, terminate_all
-from ddiloco.synchronizer.state import StateStore
+from ddiloco.synchronizer.storage.state import StateStore
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 DRAW = re.compile(r"data positions=(\d+):(\d+) rank=(\d+) windows=([\d,]+)")

@@ -31,10 +31,10 @@ import torch
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
+from ddiloco.learner.sync_client import SyncClient
 from ddiloco.local.processes import terminate_all
-from ddiloco.synchronizer import codec
-from ddiloco.synchronizer.client import SyncClient
-from ddiloco.synchronizer.protocol import (
+from ddiloco.wire import codec
+from ddiloco.wire.protocol import (
     CONTENT_TYPE,
     LAYOUT_KEY,
     FragmentSpec,

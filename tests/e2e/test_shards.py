@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 import torch
 
+from ddiloco.learner.sync_client import SyncClient, SyncRefused, SyncUnavailable
 from ddiloco.local.chaos import ChaosEvent, Schedule
 from ddiloco.local.launcher import LocalConfig, LocalRun
-from ddiloco.synchronizer import codec
-from ddiloco.synchronizer.client import SyncClient, SyncRefused, SyncUnavailable
-from ddiloco.synchronizer.protocol import Layout, UpdateMeta, shard_map
+from ddiloco.wire import codec
+from ddiloco.wire.protocol import Layout, UpdateMeta, shard_map
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(400)]
 

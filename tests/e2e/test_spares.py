@@ -26,7 +26,7 @@ from ddiloco.local.launcher import LocalConfig, LocalRun
 from ddiloco.local.processes import Child, ddiloco_command, env_with, terminate_all
 from ddiloco.operator.plan import Assignment
 from ddiloco.operator.spares import put_assignment
-from ddiloco.synchronizer.auth import spare_token
+from ddiloco.wire.auth import spare_token
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(400)]
 POD = "job-g-spare-0-abcde"

@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
+from ddiloco.learner.sync_client import SyncUnavailable
 from ddiloco.local.processes import terminate_all
-from ddiloco.synchronizer import codec
-from ddiloco.synchronizer.client import SyncUnavailable
-from ddiloco.synchronizer.journal import recovered
-from ddiloco.synchronizer.protocol import UpdateMeta
-from ddiloco.synchronizer.state import StateStore
+from ddiloco.synchronizer.storage.journal import recovered
+from ddiloco.synchronizer.storage.state import StateStore
+from ddiloco.wire import codec
+from ddiloco.wire.protocol import UpdateMeta
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 TOKEN = "e2e-token"

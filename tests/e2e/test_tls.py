@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
+from ddiloco.learner.sync_client import ClientTLS, SyncClient, SyncRefused, SyncUnavailable
 from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
-from ddiloco.synchronizer import tls
-from ddiloco.synchronizer.auth import TokenFile
-from ddiloco.synchronizer.client import ClientTLS, SyncClient, SyncRefused, SyncUnavailable
+from ddiloco.wire import tls
+from ddiloco.wire.auth import TokenFile
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 OLD, NEW = "tok-old-7f3a2c", "tok-new-91bc4d"
@@ -122,7 +122,7 @@ def test_learner_over_mtls_h2_and_token_rotation(tmp_path: Path, certs: Certs) -
     sync_token, learner_token = tmp_path / "sync-token", tmp_path / "learner-token"
     write_token(sync_token, f"{OLD}\n")
     write_token(learner_token, f"{OLD}\n")
-    upload = free_port()  # the learner's uploads go there, over mutual TLS (bulk.py)
+    upload = free_port()  # the learner's uploads go there, over mutual TLS (upload_port.py)
     sync, url = start_sync(tmp_path, certs, sync_token, mtls=True, upload=upload)
     learner = Child(
         "l0",
@@ -206,7 +206,7 @@ def test_learner_over_mtls_h2_and_token_rotation(tmp_path: Path, certs: Certs) -
             intruder = SyncClient(up_url, OLD, timeout=5, tls=tls_files, http2=False, sendmsg=True)
             with pytest.raises(SyncUnavailable):
                 intruder.post_update(0, b"{}")
-            with pytest.raises(SyncUnavailable):  # as parts, from their memory (sender.py)
+            with pytest.raises(SyncUnavailable):  # as parts, from their memory (upload_sender.py)
                 intruder.post_update(0, [b"{", memoryview(b"}")])
         assert sync.alive()
 

@@ -1,4 +1,4 @@
-"""Hostile input against a real synchronizer's upload port (synchronizer/bulk.py): the main
+"""Hostile input against a real synchronizer's upload port (synchronizer/upload_port.py): the main
 port's contract on the one route it serves, over raw sockets.
 
     pytest tests/e2e/test_upload_port.py -m e2e
@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 import torch
 
+from ddiloco.learner.sync_client import SyncClient
 from ddiloco.local.processes import free_port, terminate_all
-from ddiloco.synchronizer import codec
-from ddiloco.synchronizer.client import SyncClient
-from ddiloco.synchronizer.protocol import LAYOUT_KEY, JoinRequest
+from ddiloco.wire import codec
+from ddiloco.wire.protocol import LAYOUT_KEY, JoinRequest
 from tests.e2e.test_hostile_input import LAYOUT, PARAMS, TOKEN, UPDATE, Sync, answer, meta, refused
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]

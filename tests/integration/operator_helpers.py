@@ -496,7 +496,7 @@ def check_own_credential(cl: Clusters, cluster: str, job: str, pod: Any) -> str:
     """Assert that `pod` (a learner or a hot spare) mounts its own credential and nothing of
     the job key: one item of its group's credentials Secret, as the token file, holding what
     the key derives for its learner id (or, a spare, for its pod name). Returns the item."""
-    from ddiloco.synchronizer import auth
+    from ddiloco.wire import auth
 
     volumes = {v.name: v for v in pod.spec.volumes}
     secrets = [v.secret.secret_name for v in volumes.values() if v.secret is not None]

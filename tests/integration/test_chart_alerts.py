@@ -34,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ddiloco.learner.metrics import LearnerMetrics
 from ddiloco.operator.metrics import OperatorMetrics
 from ddiloco.synchronizer.metrics import SyncMetrics
-from ddiloco.synchronizer.protocol import EvaluationStatus, FragmentStatus, LearnerStatus, Status
+from ddiloco.wire.protocol import EvaluationStatus, FragmentStatus, LearnerStatus, Status
 
 pytestmark = pytest.mark.integration
 ON = ["--set", "monitoring.prometheusRule.enabled=true"]

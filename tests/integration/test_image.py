@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from ddiloco.learner.sync_client import SyncClient
 from ddiloco.local.processes import free_port
-from ddiloco.synchronizer.client import SyncClient
 
 if "image" not in sys.modules:  # --import-mode=importlib: load the harness by path, once
     _spec = importlib.util.spec_from_file_location("image", Path(__file__).with_name("image.py"))

@@ -22,7 +22,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 from operator_helpers import cl_fixture, crd_fixture, operator_fixture  # noqa: F401  (fixtures)
 
-from ddiloco.synchronizer.auth import Principal, StaticTokens, authenticate
+from ddiloco.wire.auth import Principal, StaticTokens, authenticate
 
 pytestmark = pytest.mark.integration
 

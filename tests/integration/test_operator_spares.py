@@ -27,9 +27,9 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 from operator_helpers import cl_fixture, crd_fixture  # noqa: F401  (fixtures)
 
+from ddiloco.learner.sync_client import SyncClient
 from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
-from ddiloco.synchronizer import auth
-from ddiloco.synchronizer.client import SyncClient
+from ddiloco.wire import auth
 
 pytestmark = pytest.mark.integration
 ROLE, SLOT, LID, ATTEMPT = (

@@ -25,8 +25,8 @@ from cryptography import x509
 from kubernetes.client.exceptions import ApiException
 from operator_helpers import cl_fixture, crd_fixture, operator_fixture  # noqa: F401  (fixtures)
 
-from ddiloco.synchronizer import auth
-from ddiloco.synchronizer import tls as x
+from ddiloco.wire import auth
+from ddiloco.wire import tls as x
 
 pytestmark = pytest.mark.integration
 SYNC_HOST = "sync.tls-test.example.com"

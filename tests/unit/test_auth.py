@@ -1,4 +1,4 @@
-"""Bearer tokens from a file that rotates (synchronizer/auth.py), the TLS settings'
+"""Bearer tokens from a file that rotates (wire/auth.py), the TLS settings'
 validation (synchronizer/config.py, learner/config.py), and the learner's upload loop keeping
 an update that met a 401 until its token file catches up.
 
@@ -19,10 +19,10 @@ from pydantic import ValidationError
 
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.streaming import Streamer
-from ddiloco.synchronizer import codec
-from ddiloco.synchronizer.auth import StaticTokens, TokenFile, parse_tokens, token_matches
 from ddiloco.synchronizer.config import SyncSettings
-from ddiloco.synchronizer.protocol import (
+from ddiloco.wire import codec
+from ddiloco.wire.auth import StaticTokens, TokenFile, parse_tokens, token_matches
+from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
     JoinRequest,

@@ -15,10 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddiloco.synchronizer import broadcast, codec, quant
+from ddiloco.synchronizer import broadcast
 from ddiloco.synchronizer.broadcast import Held
-from ddiloco.synchronizer.errors import PayloadError
-from ddiloco.synchronizer.served import Served
+from ddiloco.synchronizer.served_buffers import Served
+from ddiloco.wire import codec, quant
+from ddiloco.wire.errors import PayloadError
 
 SHAPES = {"a.weight": (37, 11), "b.bias": (5,), "c.empty": (0,), "d.big": (300,)}
 

@@ -23,10 +23,12 @@ from torch import nn
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.diloco import DecoupledDiLoCo
 from ddiloco.learner.schedule import learning_rate
-from ddiloco.synchronizer import codec, shards
+from ddiloco.synchronizer import shards
 from ddiloco.synchronizer.budget import Budget
 from ddiloco.synchronizer.config import SyncSettings
-from ddiloco.synchronizer.protocol import (
+from ddiloco.synchronizer.service import Synchronizer
+from ddiloco.wire import codec
+from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
     Heartbeat,
@@ -35,7 +37,6 @@ from ddiloco.synchronizer.protocol import (
     TensorSpec,
     UpdateMeta,
 )
-from ddiloco.synchronizer.service import Synchronizer
 
 LAYOUT = Layout(fragments=[FragmentSpec(index=0, tensors=[TensorSpec(name="w", shape=[4])])])
 SyncServer = Any  # tests/conftest.py's

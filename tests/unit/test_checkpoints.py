@@ -14,11 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ddiloco.synchronizer import checkpoints, codec
+from ddiloco.synchronizer import checkpoints
 from ddiloco.synchronizer.checkpoints import CheckpointError
 from ddiloco.synchronizer.config import SyncSettings
-from ddiloco.synchronizer.errors import Refusal
-from ddiloco.synchronizer.protocol import (
+from ddiloco.synchronizer.service import SyncError, Synchronizer
+from ddiloco.wire import codec
+from ddiloco.wire.errors import Refusal
+from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
     Heartbeat,
@@ -27,7 +29,6 @@ from ddiloco.synchronizer.protocol import (
     TensorSpec,
     UpdateMeta,
 )
-from ddiloco.synchronizer.service import SyncError, Synchronizer
 
 LAYOUT = Layout(
     fragments=[

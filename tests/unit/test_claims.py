@@ -27,12 +27,16 @@ from pydantic import ValidationError
 
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.diloco import DecoupledDiLoCo
-from ddiloco.synchronizer import codec, ledgerdb
-from ddiloco.synchronizer.client import SyncRefused
+from ddiloco.learner.sync_client import SyncRefused
 from ddiloco.synchronizer.config import SyncSettings
-from ddiloco.synchronizer.errors import SyncError
-from ddiloco.synchronizer.ledgerdb import LedgerDB, LedgerFormatError
-from ddiloco.synchronizer.protocol import (
+from ddiloco.synchronizer.rounds import Rounds, _median_without
+from ddiloco.synchronizer.service import Synchronizer
+from ddiloco.synchronizer.storage import ledgerdb
+from ddiloco.synchronizer.storage.ledgerdb import LedgerDB, LedgerFormatError
+from ddiloco.synchronizer.storage.state import StateStore
+from ddiloco.wire import codec
+from ddiloco.wire.errors import SyncError
+from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     MAX_COUNT,
     MAX_FRAGMENTS,
@@ -43,9 +47,6 @@ from ddiloco.synchronizer.protocol import (
     TensorSpec,
     UpdateMeta,
 )
-from ddiloco.synchronizer.rounds import Rounds, _median_without
-from ddiloco.synchronizer.service import Synchronizer
-from ddiloco.synchronizer.state import StateStore
 
 SyncServer = Any  # tests/conftest.py's, served over h2c on loopback
 LAYOUT = Layout(

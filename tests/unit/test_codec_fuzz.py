@@ -22,9 +22,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ddiloco.synchronizer import codec
-from ddiloco.synchronizer.errors import PayloadError
-from ddiloco.synchronizer.protocol import FragmentSpec, TensorSpec, UpdateMeta
+from ddiloco.wire import codec
+from ddiloco.wire.errors import PayloadError
+from ddiloco.wire.protocol import FragmentSpec, TensorSpec, UpdateMeta
 
 FUZZ = settings(
     max_examples=300,

@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.config import SyncSettings
-from ddiloco.synchronizer.errors import PayloadError, Refusal
 from ddiloco.synchronizer.merge import Contribution, MergePolicy, merge_fragment
-from ddiloco.synchronizer.protocol import (
+from ddiloco.synchronizer.service import Synchronizer
+from ddiloco.wire import codec
+from ddiloco.wire.errors import PayloadError, Refusal
+from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
     Heartbeat,
@@ -31,7 +32,6 @@ from ddiloco.synchronizer.protocol import (
     TensorSpec,
     UpdateMeta,
 )
-from ddiloco.synchronizer.service import Synchronizer
 
 LAYOUT = Layout(
     fragments=[

@@ -24,9 +24,9 @@ from ddiloco.learner.corpus import ByteTokens, HFTokens, load_corpus
 from ddiloco.learner.data import MIN_RESERVE_STEPS, BatchIterator, join_reserve
 from ddiloco.learner.task import build_task
 from ddiloco.synchronizer.config import SyncSettings
-from ddiloco.synchronizer.protocol import MAX_DATA_POSITION, Heartbeat, JoinRequest
 from ddiloco.synchronizer.service import Synchronizer
-from ddiloco.synchronizer.state import StateStore
+from ddiloco.synchronizer.storage.state import StateStore
+from ddiloco.wire.protocol import MAX_DATA_POSITION, Heartbeat, JoinRequest
 
 torch.set_num_threads(1)
 DOCS = [f"document {i}: " + "lorem ipsum " * (i % 7 + 1) for i in range(100)]

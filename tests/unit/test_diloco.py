@@ -23,7 +23,7 @@ from torch import nn
 
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.diloco import DecoupledDiLoCo
-from ddiloco.synchronizer.protocol import JoinRequest, UpdateMeta
+from ddiloco.wire.protocol import JoinRequest, UpdateMeta
 
 SyncServer = Any  # tests/conftest.py's, served over h2c on loopback
 TOKENS = 10

@@ -1,4 +1,4 @@
-"""Downloads from the bulk port (synchronizer/bulk.py: `GET /v1/fragments/{p}` on the upload
+"""Downloads from the upload port (synchronizer/upload_port.py: `GET /v1/fragments/{p}` on the upload
 port) against the main port's contract: in-process synchronizers on real loopback sockets.
 
     pytest tests/unit/test_download_port.py
@@ -23,11 +23,12 @@ import torch
 
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.streaming import Streamer
+from ddiloco.learner.sync_client import ClientTLS, SyncClient, SyncRefused, SyncUnavailable
 from ddiloco.learner.uploads import with_port
-from ddiloco.synchronizer import broadcast, bulk, codec, tls
-from ddiloco.synchronizer.auth import StaticTokens, learner_token, spare_token
-from ddiloco.synchronizer.client import ClientTLS, SyncClient, SyncRefused, SyncUnavailable
-from ddiloco.synchronizer.protocol import (
+from ddiloco.synchronizer import broadcast, upload_port
+from ddiloco.wire import codec, tls
+from ddiloco.wire.auth import StaticTokens, learner_token, spare_token
+from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     VERSION_HEADER,
     FragmentSpec,
@@ -56,7 +57,7 @@ def merged(server) -> None:
     up.wait_for(lambda: server.sync.versions()[1] == 1)
 
 
-def sent(port: bulk.UploadServer, n: int) -> None:
+def sent(port: upload_port.UploadServer, n: int) -> None:
     """The port counts `n` downloads sent whole (counted just after the last byte went out:
     the client may have it all first)."""
     up.wait_for(lambda: port.downloads >= n, timeout=5)
@@ -215,7 +216,7 @@ def test_over_tls_and_mutual_tls(make_sync_server, pki: dict[str, Path], mutual:
     context = tls.server_context(
         pki["cert"], pki["key"], client_ca_file=pki["ca"] if mutual else None, alpn=["http/1.1"]
     )
-    port = bulk.UploadServer(
+    port = upload_port.UploadServer(
         server.sync, StaticTokens(TOKEN), server.sync.settings, context=context
     )
     port.start()
@@ -309,9 +310,9 @@ def test_a_learner_falls_back_to_the_main_port(make_sync_server, monkeypatch, ho
     again."""
     server = up.ready(make_sync_server)
     if how == "turned_away":
-        monkeypatch.setattr(bulk, "MAX_CONNECTIONS", 0)
+        monkeypatch.setattr(upload_port, "MAX_CONNECTIONS", 0)
     else:
-        monkeypatch.setattr(bulk, "_FRAGMENT", bulk.re.compile("^$"))
+        monkeypatch.setattr(upload_port, "_FRAGMENT", upload_port.re.compile("^$"))
     uploads = server.server.config.app.state.uploads
     s = streamer(server)
     got = s.fetch_all()
@@ -355,7 +356,7 @@ def merge_once(server, p: int = 1, step: int = 10) -> int:
 
 
 def raw_get(server, where: str, path: str, token: str = TOKEN) -> tuple[int, dict, bytes]:
-    """A GET of `path` as bytes: the main port through libcurl, the bulk port by hand."""
+    """A GET of `path` as bytes: the main port through libcurl, the upload port by hand."""
     if where == "main":
         c = SyncClient(server.url, token)
         try:
@@ -502,7 +503,7 @@ def test_a_stalled_download_does_not_hold_up_the_others(make_sync_server, where:
 
 def test_a_learner_holds_its_initial_values_and_follows_deltas(make_sync_server) -> None:
     """int8-delta: a learner whose initial values are the job's version 0 downloads none of
-    them (answers of no tensors), then each merge as a delta through the bulk port, and holds
+    them (answers of no tensors), then each merge as a delta through the upload port, and holds
     the served copy bit for bit."""
     server = up.ready(make_sync_server, broadcast_encoding="int8-delta")
     s = streamer(server)

@@ -23,17 +23,17 @@ from ddiloco.learner import hf
 from ddiloco.learner.fragments import partition
 from ddiloco.learner.model import GPT, GPTConfig
 from ddiloco.learner.task import build_task
-from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.config import SyncSettings
-from ddiloco.synchronizer.errors import PayloadError, SyncError
-from ddiloco.synchronizer.protocol import (
+from ddiloco.synchronizer.service import Synchronizer
+from ddiloco.wire import codec
+from ddiloco.wire.errors import PayloadError, SyncError
+from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     MODEL_KEY,
     JoinRequest,
     ModelSpec,
     UpdateMeta,
 )
-from ddiloco.synchronizer.service import Synchronizer
 
 torch.set_num_threads(1)
 

@@ -20,7 +20,7 @@ from ddiloco.learner import hf
 from ddiloco.learner.data import stdlib_files
 from ddiloco.learner.fragments import partition
 from ddiloco.learner.task import build_task
-from ddiloco.synchronizer.protocol import ModelSpec
+from ddiloco.wire.protocol import ModelSpec
 
 torch.set_num_threads(1)
 SHIPPED = hf.SHIPPED["llama-tiny"]

@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from ddiloco.synchronizer import codec
-from ddiloco.synchronizer.auth import (
+from ddiloco.learner.sync_client import SyncClient, SyncRefused
+from ddiloco.wire import codec
+from ddiloco.wire.auth import (
     JOB,
     Principal,
     authenticate,
@@ -26,9 +27,8 @@ from ddiloco.synchronizer.auth import (
     learner_token,
     spare_token,
 )
-from ddiloco.synchronizer.auth import StaticTokens as Static
-from ddiloco.synchronizer.client import SyncClient, SyncRefused
-from ddiloco.synchronizer.protocol import (
+from ddiloco.wire.auth import StaticTokens as Static
+from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
     Heartbeat,
@@ -97,7 +97,7 @@ def body(lid: str, value: float, *, incarnation: int = 1, step: int = 10) -> byt
 
 
 def upload_port_post(server: SyncServer, token: str, payload: bytes) -> tuple[int, str]:
-    """POST an update to the upload port (bulk.py) as a learner's client does."""
+    """POST an update to the upload port (upload_port.py) as a learner's client does."""
     conn = http.client.HTTPConnection("127.0.0.1", server.sync.upload_port, timeout=10)
     try:
         conn.request(

@@ -3,7 +3,7 @@
     pytest tests/unit/test_ingest_path.py
 
 Each fast function must give what the plain one gave: the passes over views of a body in
-its own dtype (passes.py) what float32 copies give, `encode` a payload safetensors reads back as it was, `step_into` what
+its own dtype (update_passes.py) what float32 copies give, `encode` a payload safetensors reads back as it was, `step_into` what
 `step` does on copies, `finite` what `isfinite(...).all()` says.
 """
 
@@ -19,10 +19,11 @@ import pytest
 import torch
 from safetensors.torch import load as st_load
 
-from ddiloco.synchronizer import codec, passes
+from ddiloco.synchronizer import update_passes
 from ddiloco.synchronizer.buffers import ALIGN, BODIES, BytePool, Float32Pool, aligned
 from ddiloco.synchronizer.outer import OuterNesterov, finite
-from ddiloco.synchronizer.served import Served
+from ddiloco.synchronizer.served_buffers import Served
+from ddiloco.wire import codec
 from tests.unit.test_contract import A, B, Clock, make, served, start, update
 
 
@@ -50,48 +51,56 @@ def test_passes_over_views_of_the_body_give_the_float32_math(kind: type) -> None
         v = views[name]
         assert v.dtype == t.dtype and v.shape == t.shape
         want = float(torch.linalg.vector_norm(t.double()))
-        assert passes.norm(v) == pytest.approx(want, rel=1e-4, abs=1e-30), name
+        assert update_passes.norm(v) == pytest.approx(want, rel=1e-4, abs=1e-30), name
         acc = torch.randn(t.shape, generator=g)
         expect = acc.clone().add_(t.float(), alpha=0.37)  # the old path: a float32 copy
-        passes.axpy(acc, v, 0.37)
+        update_passes.axpy(acc, v, 0.37)
         assert torch.equal(acc, expect), name
         out = torch.empty(t.shape)
-        passes.scale_into(out, v, -1.5)
+        update_passes.scale_into(out, v, -1.5)
         assert torch.equal(out, t.float() * -1.5), name
 
 
 @pytest.mark.parametrize(
-    "n", [1, 4095, passes.CHUNK + 3, 2 * passes.CHUNK, passes.BMM_MIN, passes.BMM_MIN + 4101]
+    "n",
+    [
+        1,
+        4095,
+        update_passes.CHUNK + 3,
+        2 * update_passes.CHUNK,
+        update_passes.BMM_MIN,
+        update_passes.BMM_MIN + 4101,
+    ],
 )
 def test_bf16_passes_cross_block_and_chunk_edges(n: int) -> None:
     g = torch.Generator().manual_seed(n)
     t = torch.randn(n, generator=g).to(torch.bfloat16)
     want = float(torch.linalg.vector_norm(t.double()))
-    assert passes.norm(t) == pytest.approx(want, rel=1e-4)
+    assert update_passes.norm(t) == pytest.approx(want, rel=1e-4)
     acc = torch.randn(n, generator=g)
     expect = acc.clone().add_(t.float(), alpha=0.25)
-    passes.axpy(acc, t, 0.25)
+    update_passes.axpy(acc, t, 0.25)
     assert torch.equal(acc, expect)
     out = torch.full((n,), float("nan"))  # every value written
-    passes.scale_into(out, t, 2.0)
+    update_passes.scale_into(out, t, 2.0)
     assert torch.equal(out, 2.0 * t.float())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_a_norm_over_a_non_finite_value_is_not_finite(dtype: torch.dtype, bad: float) -> None:
-    t = torch.ones(passes.BMM_MIN + 7, dtype=dtype)
+    t = torch.ones(update_passes.BMM_MIN + 7, dtype=dtype)
     t[5000] = bad
-    assert not math.isfinite(passes.norm(t))
+    assert not math.isfinite(update_passes.norm(t))
     t = torch.ones(10, dtype=dtype)  # under a block: the tail's dot
     t[3] = bad
-    assert not math.isfinite(passes.norm(t))
+    assert not math.isfinite(update_passes.norm(t))
 
 
 def test_a_bf16_norm_that_overflows_float32_is_not_finite() -> None:
-    for n in (8192, passes.BMM_MIN):
+    for n in (8192, update_passes.BMM_MIN):
         t = torch.full((n,), 3e38).to(torch.bfloat16)
-        assert not math.isfinite(passes.norm(t))
+        assert not math.isfinite(update_passes.norm(t))
 
 
 def test_views_read_a_body_at_any_offset_and_never_write_it() -> None:
@@ -102,9 +111,9 @@ def test_views_read_a_body_at_any_offset_and_never_write_it() -> None:
     before = bytes(body)
     v = codec.tensor_views(body, codec.read_header(body))["w"]
     out = torch.empty(3)
-    passes.scale_into(out, v, 1.0)
+    update_passes.scale_into(out, v, 1.0)
     assert out.tolist() == [1.0, -2.0, 3.0]
-    passes.axpy(out, v, 1.0)
+    update_passes.axpy(out, v, 1.0)
     assert out.tolist() == [2.0, -4.0, 6.0]
     assert bytes(body) == before
 
@@ -292,7 +301,7 @@ def test_a_round_reads_bf16_updates_where_they_arrived_and_lets_their_bodies_go_
         body = BODIES.take(len(payload))
         body[:] = payload
         assert sync.submit(body, 1).status == "accepted"
-        BODIES.give(body)  # as bulk.py does once submit returns
+        BODIES.give(body)  # as upload_port.py does once submit returns
         bodies[lid] = body
     held = sync.rounds.rounds[1].contributions
     assert all(id(b.obj) in BODIES.pins for b in bodies.values())

@@ -1,5 +1,5 @@
 """The merge journal: a merge is durable as a record of its inputs before it is served, its
-fragment file written after (synchronizer/journal.py), and a restart redoes what the file
+fragment file written after (synchronizer/storage/journal.py), and a restart redoes what the file
 lacks to the same bits.
 
     pytest tests/unit/test_journal.py
@@ -23,13 +23,17 @@ import pytest
 import torch
 
 from ddiloco.cli.export import from_state_dir
-from ddiloco.synchronizer import codec, durable
+from ddiloco.synchronizer import durable
 from ddiloco.synchronizer.buffers import ALIGN, aligned
 from ddiloco.synchronizer.config import SyncSettings
-from ddiloco.synchronizer.journal import MergeJournal, replay
 from ddiloco.synchronizer.merge import NonFiniteMerge
-from ddiloco.synchronizer.pending import records_in
-from ddiloco.synchronizer.protocol import (
+from ddiloco.synchronizer.service import Synchronizer
+from ddiloco.synchronizer.storage.journal import MergeJournal, replay
+from ddiloco.synchronizer.storage.pending import records_in
+from ddiloco.synchronizer.storage.segments import FragmentLog
+from ddiloco.synchronizer.storage.snapshots import Snapshots
+from ddiloco.wire import codec
+from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
     JoinRequest,
@@ -37,9 +41,6 @@ from ddiloco.synchronizer.protocol import (
     TensorSpec,
     UpdateMeta,
 )
-from ddiloco.synchronizer.segments import FragmentLog
-from ddiloco.synchronizer.service import Synchronizer
-from ddiloco.synchronizer.snapshots import Snapshots
 from tests.unit.test_contract import Clock
 
 SHAPES = {"a": [37, 53], "b": [1031]}

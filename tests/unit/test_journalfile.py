@@ -1,4 +1,4 @@
-"""The merge journal's file (synchronizer/journalfile.py): records written in place over
+"""The merge journal's file (synchronizer/storage/journalfile.py): records written in place over
 zeros made durable before them, so an append changes no size and no block (a merge's
 fdatasync then commits nothing of the file system's), and whatever a crash leaves reads
 back as a prefix of the records, never a stale record after a newer one.
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco.synchronizer.journal import MergeJournal, MergeRecord
-from ddiloco.synchronizer.journalfile import RESERVE, JournalFile
-from ddiloco.synchronizer.pending import PendingLog
+from ddiloco.synchronizer.storage.journal import MergeJournal, MergeRecord
+from ddiloco.synchronizer.storage.journalfile import RESERVE, JournalFile
+from ddiloco.synchronizer.storage.pending import PendingLog
 
 BLOCK = 4096
 

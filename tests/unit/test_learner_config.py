@@ -88,7 +88,7 @@ def test_strict_refuses_unread_names_and_names_them() -> None:
         ("DDILOCO_GRAD_CLIP", "nan"),  # would have disabled clipping (nan > 0 is False)
         ("DDILOCO_UPLOAD_HTTP2", "ture"),  # was read as False
         ("DDILOCO_ADOPTION", "overwirte"),  # was read as is, and acted as overwrite
-        ("DDILOCO_UPDATE_ENCODING", "float16"),  # not a job encoding (synchronizer/wire.py)
+        ("DDILOCO_UPDATE_ENCODING", "float16"),  # not a job encoding (wire/encodings.py)
     ],
 )
 def test_a_value_that_does_not_parse_names_its_variable(var: str, raw: str) -> None:

@@ -31,10 +31,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from ddiloco.learner.outbox import Entry, Outbox
-from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.config import SyncSettings
-from ddiloco.synchronizer.errors import SyncError
-from ddiloco.synchronizer.protocol import (
+from ddiloco.synchronizer.service import Synchronizer
+from ddiloco.wire import codec
+from ddiloco.wire.errors import SyncError
+from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
     JoinRequest,
@@ -42,7 +43,6 @@ from ddiloco.synchronizer.protocol import (
     TensorSpec,
     UpdateMeta,
 )
-from ddiloco.synchronizer.service import Synchronizer
 
 P = 2
 LEARNERS = ("a", "b", "c")

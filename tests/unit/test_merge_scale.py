@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.merge import Contribution, MergePolicy
-from ddiloco.synchronizer.protocol import (
+from ddiloco.synchronizer.service import Synchronizer
+from ddiloco.wire import codec
+from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
     Heartbeat,
@@ -24,7 +25,6 @@ from ddiloco.synchronizer.protocol import (
     TensorSpec,
     UpdateMeta,
 )
-from ddiloco.synchronizer.service import Synchronizer
 
 LAYOUT = Layout(fragments=[FragmentSpec(index=0, tensors=[TensorSpec(name="w", shape=[2])])])
 A, B = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 3.0])

@@ -8,7 +8,7 @@ Real files and real threads; a "crash" is an exception at a chosen instant of th
 (the synchronizer object is then dropped and a new one opens the same state directory,
 as a restart after SIGKILL does). Each test runs for both ways a merge becomes durable:
 its fragment file written before it is served (`snapshot_lag = 0`), and a merge journal
-record (the default; synchronizer/journal.py), the file written after.
+record (the default; synchronizer/storage/journal.py), the file written after.
 """
 
 from __future__ import annotations

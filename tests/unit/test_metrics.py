@@ -19,11 +19,11 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from ddiloco.synchronizer import codec
-from ddiloco.synchronizer.client import SyncClient, SyncRefused
+from ddiloco.learner.sync_client import SyncClient, SyncRefused
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.metrics import NOOP, encoding_of
-from ddiloco.synchronizer.protocol import (
+from ddiloco.wire import codec
+from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
     Heartbeat,

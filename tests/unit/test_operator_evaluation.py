@@ -23,7 +23,7 @@ from ddiloco.operator import conditions as c
 from ddiloco.operator.metrics import OperatorMetrics
 from ddiloco.operator.plan import ClusterView, Observed, SecretView, home
 from ddiloco.operator.reconcile import reconcile
-from ddiloco.synchronizer.auth import Principal, StaticTokens, authenticate
+from ddiloco.wire.auth import Principal, StaticTokens, authenticate
 from tests.unit.test_operator_reconcile import T0, TOKEN, make_job, observe, step
 from tests.unit.test_operator_template import env_of
 

@@ -34,7 +34,7 @@ from ddiloco.operator.plan import (
     targets,
 )
 from ddiloco.operator.reconcile import reconcile
-from ddiloco.synchronizer import auth
+from ddiloco.wire import auth
 
 T0 = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
 TOKEN = "tok-123"

@@ -22,7 +22,7 @@ from ddiloco.operator import api, builders, names, sync_workload, syncstatus
 from ddiloco.operator.config import OperatorSettings
 from ddiloco.operator.plan import ClusterView, Observed, Plan, home
 from ddiloco.operator.reconcile import reconcile
-from ddiloco.synchronizer.protocol import Status
+from ddiloco.wire.protocol import Status
 
 T0 = datetime(2026, 12, 2, 1, 0, 0, tzinfo=UTC)
 TOKEN = "tok-shards"

@@ -36,7 +36,7 @@ from ddiloco.operator.plan import (
     home,
 )
 from ddiloco.operator.reconcile import reconcile
-from ddiloco.synchronizer import auth
+from ddiloco.wire import auth
 
 T0 = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC)
 CRD = (

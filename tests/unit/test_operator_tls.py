@@ -37,10 +37,10 @@ from ddiloco.operator.plan import (
 )
 from ddiloco.operator.reconcile import reconcile
 from ddiloco.operator.syncstatus import StatusReader
-from ddiloco.synchronizer import auth
-from ddiloco.synchronizer import tls as x
+from ddiloco.wire import auth
+from ddiloco.wire import tls as x
 
-# The issuing functions (synchronizer/tls.py) date certificates by the wall clock; the
+# The issuing functions (wire/tls.py) date certificates by the wall clock; the
 # observations start there and move forward.
 T0 = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=1)
 
@@ -457,7 +457,7 @@ def test_a_server_certificate_near_expiry_is_renewed_and_rolls_the_synchronizer(
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> list[datetime]:
-    """Date the certificates synchronizer/tls.py issues by clock[0], not the wall clock."""
+    """Date the certificates wire/tls.py issues by clock[0], not the wall clock."""
     now = [T0]
 
     def validity(days: int) -> tuple[datetime, datetime]:

@@ -23,9 +23,9 @@ import torch
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.outbox import OUTCOMES, Entry, Outbox
 from ddiloco.learner.streaming import Streamer
-from ddiloco.synchronizer import codec
-from ddiloco.synchronizer.client import Body, SyncRefused, SyncUnavailable
-from ddiloco.synchronizer.protocol import (
+from ddiloco.learner.sync_client import Body, SyncRefused, SyncUnavailable
+from ddiloco.wire import codec
+from ddiloco.wire.protocol import (
     FragmentSpec,
     Layout,
     TensorSpec,

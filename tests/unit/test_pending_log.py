@@ -40,10 +40,11 @@ from typing import Any
 import pytest
 import torch
 
-from ddiloco.synchronizer import codec, direct, state
 from ddiloco.synchronizer.buffers import ALIGN, BODIES
-from ddiloco.synchronizer.pending import PendingLog
-from ddiloco.synchronizer.segments import FragmentLog
+from ddiloco.synchronizer.storage import direct_io, state
+from ddiloco.synchronizer.storage.pending import PendingLog
+from ddiloco.synchronizer.storage.segments import FragmentLog
+from ddiloco.wire import codec
 from tests.unit.test_contract import Clock, make, start, update
 
 
@@ -229,7 +230,7 @@ def test_concurrent_first_posts_of_a_fragment_share_one_log(
 ) -> None:
     """Two `FragmentLog`s of one fragment number their segments each on its own: one's
     records are then missing from the other's seal and read (a CI run read 23 of 24)."""
-    from ddiloco.synchronizer import state
+    from ddiloco.synchronizer.storage import state
 
     real = state.FragmentLog.__init__
 
@@ -347,8 +348,8 @@ def test_a_fragment_file_written_in_direct_blocks_reads_back_exactly(
 ) -> None:
     """Through a staging buffer smaller than the file (parts cross its edges), O_DIRECT,
     the last block cut back to the file's true length."""
-    monkeypatch.setattr(direct, "STAGE", 3 * ALIGN)
-    monkeypatch.setattr(direct, "_stages", [])
+    monkeypatch.setattr(direct_io, "STAGE", 3 * ALIGN)
+    monkeypatch.setattr(direct_io, "_stages", [])
     opened: list[int] = []
     real_open = os.open
 

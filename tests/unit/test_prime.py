@@ -1,5 +1,5 @@
 """Buffers a fragment's first merges and uploads take, made when the layout is adopted
-(synchronizer/prime.py): the pools' `prime`, and the synchronizer priming at init and at
+(synchronizer/prefault.py): the pools' `prime`, and the synchronizer priming at init and at
 a restart, so that its first merge computes in buffers already touched.
 
     pytest tests/unit/test_prime.py
@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddiloco.synchronizer import codec, wire
 from ddiloco.synchronizer.buffers import BODIES, POOL, BytePool, Float32Pool
-from ddiloco.synchronizer.prime import BODY_SLACK, PER_MERGE, adopt, body_size
-from ddiloco.synchronizer.protocol import (
+from ddiloco.synchronizer.prefault import BODY_SLACK, PER_MERGE, adopt, body_size
+from ddiloco.synchronizer.served_buffers import KEEP, Served
+from ddiloco.wire import codec, encodings
+from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
     JoinRequest,
@@ -23,7 +24,6 @@ from ddiloco.synchronizer.protocol import (
     TensorSpec,
     UpdateMeta,
 )
-from ddiloco.synchronizer.served import KEEP, Served
 from tests.unit.test_contract import Clock, make
 
 SHAPE = (613, 1019)
@@ -182,7 +182,7 @@ def test_a_body_is_primed_at_the_capacity_its_encoding_takes(encoding: str) -> N
     shapes = [(1500, 1024), (1024,), (333, 777)]
     delta = {f"t{i}": torch.randn(s) * 1e-2 for i, s in enumerate(shapes)}
     meta = UpdateMeta(learner_id="a", fragment=0, base_version=0, steps=1, tokens=1, learner_step=1)
-    payload, _ = wire.encode_update(delta, meta, encoding)
+    payload, _ = encodings.encode_update(delta, meta, encoding)
     guess = body_size([t.numel() for t in delta.values()], encoding)
     assert 0 <= guess - len(payload) <= BODY_SLACK
     assert BODIES.capacity(guess) == BODIES.capacity(len(payload))

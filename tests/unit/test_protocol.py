@@ -1,5 +1,5 @@
 """The wire protocol over a real h2c socket: round trips, and every refusal
-the protocol defines (synchronizer/errors.py).
+the protocol defines (wire/errors.py).
 
     pytest tests/unit/test_protocol.py
 
@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from ddiloco.synchronizer import codec
-from ddiloco.synchronizer.client import SyncClient, SyncRefused
-from ddiloco.synchronizer.protocol import (
+from ddiloco.learner.sync_client import SyncClient, SyncRefused
+from ddiloco.wire import codec
+from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
     Heartbeat,

@@ -1,4 +1,4 @@
-"""Blockwise absmax int8/int4 quantization and the learner's error feedback (synchronizer/quant.py).
+"""Blockwise absmax int8/int4 quantization and the learner's error feedback (wire/quant.py).
 
 The property: over many hand-overs of one fragment, what the synchronizer received (the sum of
 the dequantized updates) converges to what the learner meant to send (the sum of its deltas):
@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ddiloco.synchronizer.quant import QMAX, ErrorFeedback, dequantize, quantize
+from ddiloco.wire.quant import QMAX, ErrorFeedback, dequantize, quantize
 
 ENCODINGS = ("int8", "int4")
 

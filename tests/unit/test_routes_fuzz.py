@@ -26,9 +26,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ddiloco.synchronizer import codec
-from ddiloco.synchronizer.auth import learner_token, spare_token
-from ddiloco.synchronizer.protocol import (
+from ddiloco.wire import codec
+from ddiloco.wire.auth import learner_token, spare_token
+from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
     JoinRequest,

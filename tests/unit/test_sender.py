@@ -1,4 +1,4 @@
-"""An update's parts sent from their own memory (synchronizer/sender.py), against the real
+"""An update's parts sent from their own memory (learner/upload_sender.py), against the real
 upload port of an in-process synchronizer on loopback: `SyncClient.post_update` of parts
 over HTTP/1.1 keeps libcurl's contract.
 
@@ -18,11 +18,12 @@ import time
 import pytest
 import torch
 
+from ddiloco.learner.sync_client import SyncClient, SyncRefused, SyncUnavailable
 from ddiloco.learner.uploads import with_port
 from ddiloco.local.processes import free_port
-from ddiloco.synchronizer import bulk, codec
-from ddiloco.synchronizer.client import SyncClient, SyncRefused, SyncUnavailable
-from ddiloco.synchronizer.protocol import (
+from ddiloco.synchronizer import upload_port
+from ddiloco.wire import codec
+from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
     JoinRequest,
@@ -82,7 +83,7 @@ def test_a_kept_alive_connection_the_server_closed_is_made_again(
 ) -> None:
     """The port closes a connection idle for IDLE_S; the next post finds it closed and is
     sent again on a new one: answered, counted once."""
-    monkeypatch.setattr(bulk, "IDLE_S", 0.3)
+    monkeypatch.setattr(upload_port, "IDLE_S", 0.3)
     server, up = started(make_sync_server)
     c = SyncClient(up, server.token, http2=False, sendmsg=True)
     assert c.post_update(0, parts(1)).status == "accepted"

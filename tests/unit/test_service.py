@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddiloco.synchronizer import codec
 from ddiloco.synchronizer.config import SyncSettings
-from ddiloco.synchronizer.protocol import (
+from ddiloco.synchronizer.service import SyncError, Synchronizer
+from ddiloco.wire import codec
+from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
     Heartbeat,
@@ -24,7 +25,6 @@ from ddiloco.synchronizer.protocol import (
     TensorSpec,
     UpdateMeta,
 )
-from ddiloco.synchronizer.service import SyncError, Synchronizer
 
 LAYOUT = Layout(fragments=[FragmentSpec(index=0, tensors=[TensorSpec(name="w", shape=[4])])])
 

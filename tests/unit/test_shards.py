@@ -17,11 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddiloco.synchronizer import codec
-from ddiloco.synchronizer.client import SyncRefused
+from ddiloco.learner.sync_client import SyncRefused
 from ddiloco.synchronizer.config import SyncSettings
-from ddiloco.synchronizer.errors import SyncError
-from ddiloco.synchronizer.protocol import (
+from ddiloco.synchronizer.service import Synchronizer
+from ddiloco.synchronizer.shards import merge_statuses, split_urls
+from ddiloco.wire import codec
+from ddiloco.wire.errors import SyncError
+from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
     FragmentStatus,
@@ -34,8 +36,6 @@ from ddiloco.synchronizer.protocol import (
     UpdateMeta,
     shard_map,
 )
-from ddiloco.synchronizer.service import Synchronizer
-from ddiloco.synchronizer.shards import merge_statuses, split_urls
 
 
 def layout_of(sizes: list[int]) -> Layout:

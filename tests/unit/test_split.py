@@ -1,4 +1,4 @@
-"""A merge's passes in pieces on threads of their own (synchronizer/split.py): the same
+"""A merge's passes in pieces on threads of their own (synchronizer/parallel_passes.py): the same
 bits as one call, helpers used when free and never waited for when busy, and the setting
 that chooses the pieces (`merge_threads`) reaching the merge and the served copy.
 
@@ -20,16 +20,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddiloco.synchronizer import quant, split
+from ddiloco.synchronizer import parallel_passes
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.contribution import Contribution
 from ddiloco.synchronizer.merge import MergePolicy, NonFiniteMerge
 from ddiloco.synchronizer.outer import OuterNesterov
-from ddiloco.synchronizer.protocol import FragmentSpec, TensorSpec, UpdateMeta
-from ddiloco.synchronizer.served import Served
+from ddiloco.synchronizer.served_buffers import Served
 from ddiloco.synchronizer.service import Synchronizer
+from ddiloco.wire import quant
+from ddiloco.wire.protocol import FragmentSpec, TensorSpec, UpdateMeta
 
-BIG = 3 * split.MIN_PIECE + 777  # three pieces at most, the last with a ragged tail
+BIG = 3 * parallel_passes.MIN_PIECE + 777  # three pieces at most, the last with a ragged tail
 
 
 def tensors(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
@@ -40,15 +41,17 @@ def tensors(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize("n", [1, 1000, split.MIN_PIECE, 2 * split.MIN_PIECE, BIG, 10**7])
+@pytest.mark.parametrize(
+    "n", [1, 1000, parallel_passes.MIN_PIECE, 2 * parallel_passes.MIN_PIECE, BIG, 10**7]
+)
 @pytest.mark.parametrize("ways", [1, 2, 3, 8])
 def test_pieces_cover_the_range_in_order_from_stride_multiples(n: int, ways: int) -> None:
-    pieces = split.bounds(n, ways)
+    pieces = parallel_passes.bounds(n, ways)
     assert pieces[0][0] == 0 and pieces[-1][1] == n
     assert all(a < b for a, b in pieces)
     assert all(b == a2 for (_, b), (a2, _) in itertools.pairwise(pieces))
-    assert all(a % split.STRIDE == 0 for a, _ in pieces)
-    assert len(pieces) <= max(1, min(ways, n // split.MIN_PIECE))
+    assert all(a % parallel_passes.STRIDE == 0 for a, _ in pieces)
+    assert len(pieces) <= max(1, min(ways, n // parallel_passes.MIN_PIECE))
 
 
 @pytest.mark.parametrize("ways", [2, 3])
@@ -59,9 +62,9 @@ def test_the_outer_step_in_pieces_gives_the_same_bits_as_one_call(
     opt = OuterNesterov(lr=0.7, momentum=0.9, nesterov=nesterov)
     params, momentum, delta = tensors(1), tensors(2, 0.01), tensors(3, 1e-3)
     one_p, one_b, ok1 = opt.step_checked(params, momentum, delta, 1)
-    before = dict(split.stats)
+    before = dict(parallel_passes.stats)
     got_p, got_b, ok = opt.step_checked(params, momentum, delta, ways)
-    assert split.stats["pieces"] - before["pieces"] == ways - 1  # the big tensor's only
+    assert parallel_passes.stats["pieces"] - before["pieces"] == ways - 1  # the big tensor's only
     assert ok and ok1
     for k in params:
         assert torch.equal(got_p[k], one_p[k]) and torch.equal(got_b[k], one_b[k]), k
@@ -86,7 +89,7 @@ def test_a_free_helper_takes_a_piece() -> None:
         names.append(threading.current_thread().name)
         return s.start
 
-    assert split.run(BIG, piece, 2) == [0, split.bounds(BIG, 2)[1][0]]
+    assert parallel_passes.run(BIG, piece, 2) == [0, parallel_passes.bounds(BIG, 2)[1][0]]
     assert any(n.startswith("ddiloco-split") for n in names)
 
 
@@ -98,10 +101,10 @@ def test_a_piece_no_helper_started_is_done_by_the_merge_itself(
     busy = ThreadPoolExecutor(1)
     release = threading.Event()
     busy.submit(release.wait, 30)
-    monkeypatch.setattr(split, "HELPERS", busy)
+    monkeypatch.setattr(parallel_passes, "HELPERS", busy)
     names: list[str] = []
     t0 = time.monotonic()
-    split.run(BIG, lambda s: names.append(threading.current_thread().name), 2)
+    parallel_passes.run(BIG, lambda s: names.append(threading.current_thread().name), 2)
     assert time.monotonic() - t0 < 5
     assert names == [threading.current_thread().name] * 2
     release.set()
@@ -139,11 +142,13 @@ def test_a_merge_in_pieces_is_the_merge_in_one(rule: str) -> None:
             contribution("c", 6, "int8"),
             contribution("d", 7, "int4"),
         ]
-        before = split.stats["pieces"]
+        before = parallel_passes.stats["pieces"]
         out = policy.merge(SPEC, params, momentum, 0, cs)
         assert out is not None
-        handed = len(split.bounds(BIG, threads)) - 1
-        assert split.stats["pieces"] - before == 3 * handed  # the sum, the scaling, the step
+        handed = len(parallel_passes.bounds(BIG, threads)) - 1
+        assert (
+            parallel_passes.stats["pieces"] - before == 3 * handed
+        )  # the sum, the scaling, the step
         results.append(out)
     for out in results[1:]:
         for k in params:
@@ -175,16 +180,16 @@ def test_merge_threads_reaches_the_merge_and_the_served_copy(tmp_path: Path) -> 
             SyncSettings(token="t", state_dir=tmp_path / str(threads), merge_threads=threads)
         )
         assert sync.policy.threads == threads and sync.payloads.ways == threads
-        before = split.stats["pieces"]
+        before = parallel_passes.stats["pieces"]
         sync.policy.merge(SPEC, tensors(1), tensors(2), 0, [contribution("a", 4)])
-        pieces = split.stats["pieces"] - before
+        pieces = parallel_passes.stats["pieces"] - before
         assert pieces == 3 * (threads - 1)  # the sum (not streamed here), the scaling, the step
 
 
 def test_a_quantized_term_in_pieces_holds_whole_blocks() -> None:
     q = quant.quantize(tensors(9)["big"], "int4")
     whole = quant.dequantize(q)
-    for a, b in split.bounds(q.numel, 3):
+    for a, b in parallel_passes.bounds(q.numel, 3):
         assert torch.equal(quant.dequantize(quant.values(q, a, b)), whole[a:b])
     with pytest.raises(ValueError, match="blocks"):
         quant.values(q, q.block // 2, q.block)

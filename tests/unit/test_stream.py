@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddiloco.synchronizer import codec, passes, quant, split
+from ddiloco.synchronizer import parallel_passes, update_passes
 from ddiloco.synchronizer.buffers import BODIES
 from ddiloco.synchronizer.merge import Contribution, MergePolicy, OuterNesterov
-from ddiloco.synchronizer.protocol import FragmentSpec, UpdateMeta
 from ddiloco.synchronizer.stream import RoundSum
+from ddiloco.wire import codec, quant
+from ddiloco.wire.protocol import FragmentSpec, UpdateMeta
 from tests.unit.test_contract import Clock, make, start, update
 
 SHAPES = {"a": (64, 33), "b": (500,), "z": (7,)}
@@ -278,7 +279,7 @@ def test_terms_still_queued_when_the_merge_claims_are_added_by_it_in_pieces(
     rule: str, dtype: torch.dtype | str
 ) -> None:
     """The updates admitted just before a round closes are still queued when its merge
-    claims the sum: the merge adds them in `threads` pieces (split.py), the same bits as
+    claims the sum: the merge adds them in `threads` pieces (parallel_passes.py), the same bits as
     one term at a time (a replay's), and the sum's first term may be among them. A
     quantized term queues as its codes where a replay holds it (not dequantized)."""
     big = (2 << 20) + 1031  # two pieces of 1 Mi values and more, a vector tail
@@ -293,7 +294,7 @@ def test_terms_still_queued_when_the_merge_claims_are_added_by_it_in_pieces(
         )  # fmt: skip
         if isinstance(dtype, str):
             codes = {k: quant.quantize(v, dtype) for k, v in raw.items()}  # type: ignore[arg-type]
-            norms = {k: passes.norm(v) for k, v in codes.items()}
+            norms = {k: update_passes.norm(v) for k, v in codes.items()}
             return Contribution.of(meta, codes, norms)  # type: ignore[arg-type]
         delta = {k: v.to(dtype) for k, v in raw.items()}
         norms = {k: float(torch.linalg.vector_norm(v.float())) for k, v in delta.items()}
@@ -313,11 +314,11 @@ def test_terms_still_queued_when_the_merge_claims_are_added_by_it_in_pieces(
             if i < added:
                 rs.drain()
         assert len(rs.queue) == len(cs) - added
-        before = split.stats["pieces"]
+        before = parallel_passes.stats["pieces"]
         out = policy.merge(SPEC, params, momentum, 3, cs, None, rs)
         assert out is not None and out.streamed
         if added < len(cs):  # the queued terms' pieces, the scaling's and the step's
-            assert split.stats["pieces"] - before == 3
+            assert parallel_passes.stats["pieces"] - before == 3
         results.append(out)
     plain = MergePolicy(rule=rule, outer=outer).merge(SPEC, params, momentum, 3, cs, None)  # type: ignore[arg-type]
     assert plain is not None

@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from ddiloco.synchronizer import codec
-from ddiloco.synchronizer.auth import (
+from ddiloco.learner.sync_client import SyncRefused
+from ddiloco.wire import codec
+from ddiloco.wire.auth import (
     JOB,
     Principal,
     StaticTokens,
@@ -25,8 +26,7 @@ from ddiloco.synchronizer.auth import (
     learner_token,
     spare_token,
 )
-from ddiloco.synchronizer.client import SyncRefused
-from ddiloco.synchronizer.protocol import (
+from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     EvaluationReport,
     FragmentSpec,
@@ -167,7 +167,7 @@ def test_the_latest_evaluation_survives_a_restart(tmp_path: Path) -> None:
 
 
 def test_an_evaluation_file_of_another_format_is_refused_by_name(tmp_path: Path) -> None:
-    from ddiloco.synchronizer.state import StateStore
+    from ddiloco.synchronizer.storage.state import StateStore
 
     (tmp_path / "evaluation.json").write_text('{"format": 0, "evaluation": {}}')
     with pytest.raises(ValueError, match=r"evaluation\.json is not an evaluation of format 1"):
@@ -177,8 +177,8 @@ def test_an_evaluation_file_of_another_format_is_refused_by_name(tmp_path: Path)
 def test_a_sharded_jobs_status_carries_the_latest_evaluation_of_any_shard(
     sync_server: Any,
 ) -> None:
-    from ddiloco.synchronizer.protocol import EvaluationStatus
     from ddiloco.synchronizer.shards import merge_statuses
+    from ddiloco.wire.protocol import EvaluationStatus
 
     init(sync_server)
     base = sync_server.client().status()

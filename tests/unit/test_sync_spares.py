@@ -16,11 +16,11 @@ import pytest
 
 from ddiloco.learner import spare
 from ddiloco.learner.config import LearnerConfig
+from ddiloco.learner.sync_client import SyncRefused
 from ddiloco.operator.plan import Assignment
 from ddiloco.operator.spares import put_assignment
-from ddiloco.synchronizer.auth import learner_token, spare_token
-from ddiloco.synchronizer.client import SyncRefused
-from ddiloco.synchronizer.protocol import JoinRequest
+from ddiloco.wire.auth import learner_token, spare_token
+from ddiloco.wire.protocol import JoinRequest
 
 POD = "job-a-spare-0-abcde"
 SLOT = {"learner_id": "a-1", "learner_index": 1, "num_learners": 2, "group": "a", "slot": 1}

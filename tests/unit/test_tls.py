@@ -1,4 +1,4 @@
-"""Certificate issuance (synchronizer/tls.py), checked with the standard library's ssl module.
+"""Certificate issuance (wire/tls.py), checked with the standard library's ssl module.
 
     .venv/bin/python -m pytest -q tests/unit/test_tls.py
 
@@ -19,7 +19,7 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from ddiloco.synchronizer import tls
+from ddiloco.wire import tls
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +198,6 @@ def test_no_torch_import() -> None:
     import subprocess
     import sys
 
-    code = "import sys, ddiloco.synchronizer.tls, ddiloco.synchronizer.auth; print('torch' in sys.modules)"
+    code = "import sys, ddiloco.wire.tls, ddiloco.wire.auth; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

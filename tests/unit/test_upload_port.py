@@ -1,4 +1,4 @@
-"""The upload port (synchronizer/bulk.py) as learners use it: in-process synchronizers on
+"""The upload port (synchronizer/upload_port.py) as learners use it: in-process synchronizers on
 real loopback sockets, the learner's own Streamer.
 
     pytest tests/unit/test_upload_port.py
@@ -28,12 +28,13 @@ import torch
 
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.streaming import Streamer
+from ddiloco.learner.sync_client import ClientTLS, SyncClient, SyncUnavailable
 from ddiloco.learner.uploads import upload_overrides, with_port
 from ddiloco.local.processes import free_port
-from ddiloco.synchronizer import bulk, codec, tls
-from ddiloco.synchronizer.auth import StaticTokens, learner_token, spare_token
-from ddiloco.synchronizer.client import ClientTLS, SyncClient, SyncUnavailable
-from ddiloco.synchronizer.protocol import (
+from ddiloco.synchronizer import upload_port
+from ddiloco.wire import codec, tls
+from ddiloco.wire.auth import StaticTokens, learner_token, spare_token
+from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
     Heartbeat,
@@ -117,7 +118,7 @@ def test_join_names_the_upload_port_and_updates_and_downloads_go_there(make_sync
     assert [uploads_of(server) for server in servers] == [2, 2]
     assert all(x.server.config.app.state.uploads.downloads >= 2 for x in servers)
     assert s.upload_urls == [with_port(x.url, x.sync.upload_port) for x in servers]
-    # to the upload port the parts go from their own memory (sender.py)
+    # to the upload port the parts go from their own memory (upload_sender.py)
     assert all(s._upload_client(i, None).sendmsg for i in (0, 1))
 
 
@@ -373,7 +374,7 @@ def test_a_length_of_5000_digits_is_400_over_tls_too(make_sync_server, tmp_path)
     ca_file = tls.write_pem(ca.cert_pem, tmp_path / "ca.crt")
     server = ready(make_sync_server)
     context = tls.server_context(cert, key, alpn=["http/1.1"])
-    port = bulk.UploadServer(
+    port = upload_port.UploadServer(
         server.sync, StaticTokens(TOKEN), server.sync.settings, context=context
     )
     port.start()
@@ -427,7 +428,7 @@ def test_a_trickled_body_is_408_at_its_deadline(make_sync_server) -> None:
         got = answer(sock)
         assert closed(sock)
     assert "slower than" in refused(got, 408, "timeout")["detail"]
-    assert 0.9 < time.monotonic() - t0 < 1.0 + 1000 / bulk.MIN_BODY_RATE + 2.0
+    assert 0.9 < time.monotonic() - t0 < 1.0 + 1000 / upload_port.MIN_BODY_RATE + 2.0
     assert served(server) == before
 
 
@@ -435,8 +436,10 @@ def test_a_silent_connection_is_closed_after_the_head_deadline(make_sync_server)
     server = ready(make_sync_server)
     t0 = time.monotonic()
     with connect(server.sync.upload_port) as sock:
-        assert closed(sock, bulk.HEAD_TIMEOUT_S + 3.0)
-    assert bulk.HEAD_TIMEOUT_S * 0.9 < time.monotonic() - t0 < bulk.HEAD_TIMEOUT_S + 2.0
+        assert closed(sock, upload_port.HEAD_TIMEOUT_S + 3.0)
+    assert (
+        upload_port.HEAD_TIMEOUT_S * 0.9 < time.monotonic() - t0 < upload_port.HEAD_TIMEOUT_S + 2.0
+    )
 
 
 def test_silent_sockets_cannot_keep_a_learner_out(make_sync_server) -> None:
@@ -447,15 +450,15 @@ def test_silent_sockets_cannot_keep_a_learner_out(make_sync_server) -> None:
     server = ready(make_sync_server)
     port = server.sync.upload_port
     uploads = server.server.config.app.state.uploads
-    silent = [connect(port) for _ in range(bulk.MAX_CONNECTIONS)]
+    silent = [connect(port) for _ in range(upload_port.MAX_CONNECTIONS)]
     try:
         poster = SyncClient(
             f"http://127.0.0.1:{port}", learner_token(TOKEN, "l0"), http2=False, sendmsg=True
         )
         assert poster.post_update(1, [update()]).status == "accepted"
         assert uploads.answers[("http", "503")] == 0  # nobody was turned away
-        assert len(uploads.anonymous) <= bulk.MAX_ANONYMOUS
-        assert all(closed(s, bulk.HEAD_TIMEOUT_S + 3.0) for s in silent)
+        assert len(uploads.anonymous) <= upload_port.MAX_ANONYMOUS
+        assert all(closed(s, upload_port.HEAD_TIMEOUT_S + 3.0) for s in silent)
         poster.close()
     finally:
         for s in silent:
@@ -468,8 +471,10 @@ def test_one_credential_holds_at_most_its_cap(make_sync_server) -> None:
     server = ready(make_sync_server)
     port = server.sync.upload_port
     l0 = learner_token(TOKEN, "l0")
-    holders = held_mid_body(server, l0, bulk.MAX_PER_CREDENTIAL)
-    holders += held_mid_body(server, TOKEN, bulk.MAX_PER_CREDENTIAL + 1)  # the job key: no cap
+    holders = held_mid_body(server, l0, upload_port.MAX_PER_CREDENTIAL)
+    holders += held_mid_body(
+        server, TOKEN, upload_port.MAX_PER_CREDENTIAL + 1
+    )  # the job key: no cap
     try:
         with connect(port) as sock:
             body = update("l0")
@@ -514,7 +519,7 @@ def test_a_port_at_its_cap_turns_the_client_away(
 ) -> None:
     """At the connection cap the port answers 503 (over TLS: closes before the handshake);
     the client says `turned_away`, not `unreached`: the learner posts to the main port."""
-    monkeypatch.setattr(bulk, "MAX_CONNECTIONS", 0)
+    monkeypatch.setattr(upload_port, "MAX_CONNECTIONS", 0)
     server = ready(make_sync_server)
     tls_client, context = None, None
     if scheme == "https":
@@ -523,7 +528,7 @@ def test_a_port_at_its_cap_turns_the_client_away(
         cert, key = tls.write_pair(pair, tmp_path / "s.crt", tmp_path / "s.key")
         context = tls.server_context(cert, key, alpn=["http/1.1"])
         tls_client = ClientTLS(ca_file=tls.write_pem(ca.cert_pem, tmp_path / "ca.crt"))
-    port = bulk.UploadServer(
+    port = upload_port.UploadServer(
         server.sync, StaticTokens(TOKEN), server.sync.settings, context=context
     )
     port.start()
@@ -546,8 +551,8 @@ def test_an_upload_port_at_its_cap_sends_that_update_to_the_main_port(
 ) -> None:
     """The learner's updates that the upload port turns away (503 at its cap) go to the main
     port at once, none lost; once the port has room the next ones go to it again."""
-    monkeypatch.setattr(bulk, "MAX_CONNECTIONS", 2)
-    monkeypatch.setattr(bulk, "MAX_ANONYMOUS", 1)
+    monkeypatch.setattr(upload_port, "MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(upload_port, "MAX_ANONYMOUS", 1)
     server = make_sync_server(quorum=1, grace=False, upload_port=0)
     cfg = LearnerConfig(sync_url=server.url, token=server.token, learner_id="l0")
     s = Streamer(cfg, LAYOUT, lambda: TENSORS)

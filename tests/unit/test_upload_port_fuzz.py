@@ -1,4 +1,4 @@
-"""Fuzzed request heads against the upload port (synchronizer/bulk.py): a real synchronizer
+"""Fuzzed request heads against the upload port (synchronizer/upload_port.py): a real synchronizer
 in-process, its real port on loopback, one raw connection per input.
 
     pytest tests/unit/test_upload_port_fuzz.py
@@ -21,10 +21,10 @@ import time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddiloco.synchronizer import codec
-from ddiloco.synchronizer.auth import learner_token
-from ddiloco.synchronizer.client import SyncClient
-from ddiloco.synchronizer.protocol import LAYOUT_KEY, JoinRequest, UpdateMeta
+from ddiloco.learner.sync_client import SyncClient
+from ddiloco.wire import codec
+from ddiloco.wire.auth import learner_token
+from ddiloco.wire.protocol import LAYOUT_KEY, JoinRequest, UpdateMeta
 from tests.conftest import TOKEN
 from tests.unit.test_upload_port import LAYOUT, TENSORS
 

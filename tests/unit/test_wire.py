@@ -1,4 +1,4 @@
-"""Update encodings on the wire (synchronizer/wire.py), and the synchronizer that takes them.
+"""Update encodings on the wire (synchronizer/encodings.py), and the synchronizer that takes them.
 
     .venv/bin/pytest -q tests/unit/test_wire.py
 
@@ -20,11 +20,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ddiloco.synchronizer import codec, passes, quant, wire
+from ddiloco.synchronizer import update_passes
 from ddiloco.synchronizer.config import SyncSettings
-from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
 from ddiloco.synchronizer.metrics import encoding_of
-from ddiloco.synchronizer.protocol import (
+from ddiloco.synchronizer.service import Synchronizer
+from ddiloco.wire import codec, encodings, quant
+from ddiloco.wire.errors import PayloadError, Refusal, SyncError
+from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
     JoinRequest,
@@ -32,13 +34,12 @@ from ddiloco.synchronizer.protocol import (
     TensorSpec,
     UpdateMeta,
 )
-from ddiloco.synchronizer.service import Synchronizer
 
 SPEC = FragmentSpec(
     index=0,
     tensors=[TensorSpec(name="w", shape=[3, 50]), TensorSpec(name="b", shape=[7])],
 )
-ALL = frozenset(wire.ALL)
+ALL = frozenset(encodings.ALL)
 META = UpdateMeta(learner_id="l0", fragment=0, base_version=0, steps=4, tokens=64, learner_step=4)
 
 
@@ -47,26 +48,29 @@ def delta(seed: int = 0, scale: float = 1e-2) -> dict[str, torch.Tensor]:
     return {t.name: torch.randn(t.shape, generator=g) * scale for t in SPEC.tensors}
 
 
-def decode(payload: bytes, accepted: frozenset[str] = ALL) -> dict[str, passes.Term]:
-    return wire.decode_update(payload, codec.read_header(payload, codes=True), SPEC, accepted)
+def decode(payload: bytes, accepted: frozenset[str] = ALL) -> dict[str, update_passes.Term]:
+    return encodings.decode_update(payload, codec.read_header(payload, codes=True), SPEC, accepted)
 
 
 @pytest.mark.parametrize("encoding", ["float32", "bfloat16", "int8", "int4"])
 @pytest.mark.parametrize("block", [16, 128])
 def test_round_trip_decodes_exactly_what_was_sent(encoding: str, block: int) -> None:
     d = delta()
-    payload, sent = wire.encode_update(d, META, encoding, block)
+    payload, sent = encodings.encode_update(d, META, encoding, block)
     got = decode(payload)
     assert set(got) == {"w", "b"}
-    for name, t in got.items():  # views of the payload, in its encoding (passes.py reads them)
-        if encoding in wire.QUANTIZED:
+    for (
+        name,
+        t,
+    ) in got.items():  # views of the payload, in its encoding (update_passes.py reads them)
+        if encoding in encodings.QUANTIZED:
             assert isinstance(t, quant.Quantized) and t.encoding == encoding
         else:
-            assert isinstance(t, torch.Tensor) and t.dtype == wire.FLOAT_ENCODINGS[encoding]
+            assert isinstance(t, torch.Tensor) and t.dtype == encodings.FLOAT_ENCODINGS[encoding]
         assert list(t.shape) == list(d[name].shape)
-        assert torch.equal(passes.dense(t), sent[name])  # the learner's anchor moves by this
+        assert torch.equal(update_passes.dense(t), sent[name])  # the learner's anchor moves by this
     header = codec.read_header(payload, codes=True)
-    assert wire.encoding_of(header) == encoding
+    assert encodings.encoding_of(header) == encoding
     assert UpdateMeta.from_metadata(header.metadata).encoding == encoding
     err = max(float((sent[k] - d[k]).abs().max()) for k in d)
     bound = {"float32": 0.0, "bfloat16": 1e-4, "int8": 0.05 / 127, "int4": 0.05 / 7}[encoding]
@@ -76,20 +80,23 @@ def test_round_trip_decodes_exactly_what_was_sent(encoding: str, block: int) -> 
 def test_quantized_sizes_are_a_half_and_a_quarter_of_bfloat16() -> None:
     big = {"w": torch.randn(64, 1024) * 1e-2}
     spec = FragmentSpec(index=0, tensors=[TensorSpec(name="w", shape=[64, 1024])])
-    sizes = {e: len(wire.encode_update(big, META, e, 128)[0]) for e in wire.ALL}
+    sizes = {e: len(encodings.encode_update(big, META, e, 128)[0]) for e in encodings.ALL}
     assert sizes["float32"] > 2 * sizes["bfloat16"] * 0.99
     assert 0.5 <= sizes["int8"] / sizes["bfloat16"] <= 0.52  # + a float32 scale per 128
     assert 0.25 <= sizes["int4"] / sizes["bfloat16"] <= 0.27
-    payload, _ = wire.encode_update(big, META, "int4", 128)
+    payload, _ = encodings.encode_update(big, META, "int4", 128)
     header = codec.read_header(payload, codes=True)
-    assert wire.decode_update(payload, header, spec, frozenset({"int4"}))["w"].shape == (64, 1024)
+    assert encodings.decode_update(payload, header, spec, frozenset({"int4"}))["w"].shape == (
+        64,
+        1024,
+    )
     assert encoding_of(t.dtype for t in header.tensors.values()) == "int4"
-    int8 = codec.read_header(wire.encode_update(big, META, "int8", 128)[0], codes=True)
+    int8 = codec.read_header(encodings.encode_update(big, META, "int8", 128)[0], codes=True)
     assert encoding_of(t.dtype for t in int8.tensors.values()) == "int8"
 
 
 def test_an_encoding_not_accepted_is_refused_with_415_naming_both() -> None:
-    payload, _ = wire.encode_update(delta(), META, "int4", 128)
+    payload, _ = encodings.encode_update(delta(), META, "int4", 128)
     with pytest.raises(SyncError) as e:
         decode(payload, frozenset({"bfloat16"}))
     assert e.value.kind is Refusal.ENCODING and e.value.status == 415
@@ -105,7 +112,7 @@ def quantized(
     encoding: str = "int4", block: int = 16, **change: object
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """A valid quantized payload's tensors and metadata, to break one thing in."""
-    payload, _ = wire.encode_update(delta(), META, encoding, block)
+    payload, _ = encodings.encode_update(delta(), META, encoding, block)
     header = codec.read_header(payload, codes=True)
     return codec.decode(payload, header), dict(header.metadata)
 
@@ -139,9 +146,9 @@ def broken() -> list[tuple[str, bytes]]:
     cases.append(("missing scales", raw({k: v for k, v in t.items() if k != "b#scales"}, m)))
     cases.append(("an extra tensor", raw(t | {"x": t["b"]}, m)))
     for bad in ("", "sixteen", "16.0", "-16", "15", "0", "1e9", "99999999999999999999"):
-        cases.append((f"block {bad!r}", raw(t, m | {wire.BLOCK_KEY: bad})))
-    cases.append(("no block", raw(t, {k: v for k, v in m.items() if k != wire.BLOCK_KEY})))
-    cases.append(("the wrong block", raw(t, m | {wire.BLOCK_KEY: "32"})))
+        cases.append((f"block {bad!r}", raw(t, m | {encodings.BLOCK_KEY: bad})))
+    cases.append(("no block", raw(t, {k: v for k, v in m.items() if k != encodings.BLOCK_KEY})))
+    cases.append(("the wrong block", raw(t, m | {encodings.BLOCK_KEY: "32"})))
     cases.append(("an unknown encoding", raw(t, m | {"encoding": "int2"})))
     t8, m8 = quantized("int8")
     cases.append(("int8 codes too short", raw(t8 | {"w": t8["w"][:-2]}, m8)))
@@ -162,7 +169,7 @@ def test_every_malformed_payload_is_refused_with_a_payload_error(why: str, paylo
 
 
 def test_the_header_admits_codes_only_on_the_update_route() -> None:
-    payload, _ = wire.encode_update(delta(), META, "int8", 128)
+    payload, _ = encodings.encode_update(delta(), META, "int8", 128)
     with pytest.raises(PayloadError, match="I8"):
         codec.read_header(payload)  # init, and every other reader: float dtypes only
     assert set(codec.read_header(payload, codes=True).tensors) == {"w", "w#scales", "b", "b#scales"}
@@ -170,11 +177,11 @@ def test_the_header_admits_codes_only_on_the_update_route() -> None:
 
 def test_encode_refuses_what_it_cannot_send() -> None:
     with pytest.raises(ValueError, match="unknown update encoding"):
-        wire.encode_update(delta(), META, "float16", 128)
+        encodings.encode_update(delta(), META, "float16", 128)
     with pytest.raises(ValueError, match="block"):
-        wire.encode_update(delta(), META, "int8", 3)
+        encodings.encode_update(delta(), META, "int8", 3)
     with pytest.raises(ValueError, match="non-finite"):
-        wire.encode_update({"w": torch.tensor([float("inf")])}, META, "int4", 128)
+        encodings.encode_update({"w": torch.tensor([float("inf")])}, META, "int4", 128)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -201,15 +208,15 @@ def test_error_feedback_through_the_wire_converges_to_the_float_sum(
     for t in range(60):
         step = torch.randn(theta.shape, generator=g) * 1e-3 + drift * 1e-3
         theta += step
-        payload, sent = wire.encode_update({"w": theta - anchor}, META, encoding, block)
+        payload, sent = encodings.encode_update({"w": theta - anchor}, META, encoding, block)
         spec = FragmentSpec(index=0, tensors=[TensorSpec(name="w", shape=[3, 50])])
-        got = passes.dense(
-            wire.decode_update(payload, codec.read_header(payload, codes=True), spec, ALL)["w"]
+        got = update_passes.dense(
+            encodings.decode_update(payload, codec.read_header(payload, codes=True), spec, ALL)["w"]
         )
         assert torch.equal(got, sent["w"])
         anchor += got
         received += got
-        _, plain = wire.encode_update({"w": step}, META, encoding, block)
+        _, plain = encodings.encode_update({"w": step}, META, encoding, block)
         naive += plain["w"]
         scales = codec.decode(payload, codec.read_header(payload, codes=True))["w#scales"]
         gap = float((received - theta).abs().max())
@@ -250,23 +257,23 @@ def sync_with(tmp_path: Path, encodings: list[str], merge: str = "mean") -> Sync
 def test_the_synchronizer_refuses_an_encoding_before_writing_anything(tmp_path: Path) -> None:
     sync = sync_with(tmp_path, ["bfloat16"])
     assert sync.join(JoinRequest(learner_id="l0")).update_encodings == ["bfloat16"]
-    payload, _ = wire.encode_update(delta(), META, "int4", 128)
+    payload, _ = encodings.encode_update(delta(), META, "int4", 128)
     with pytest.raises(SyncError) as e:
         sync.submit(payload, 0)
     assert e.value.status == 415
     assert list(sync.store.pending(0).read()) == []  # nothing written
     assert sync.rounds.pending(0) == 0
-    bf16, _ = wire.encode_update(delta(), META, "bfloat16", 128)
+    bf16, _ = encodings.encode_update(delta(), META, "bfloat16", 128)
     assert sync.submit(bf16, 0).status == "accepted"
 
 
 def test_an_int4_update_is_merged_and_survives_a_restart(tmp_path: Path) -> None:
     sync = sync_with(tmp_path, ["int4"])
     before = {k: v.clone() for k, v in sync.fragments[0].params.items()}
-    payload, sent = wire.encode_update(delta(), META, "int4", 64)
+    payload, sent = encodings.encode_update(delta(), META, "int4", 64)
     assert sync.submit(payload, 0).status == "accepted"
     sync.close()
-    # the accepted update is in the pending log: a restart replays it through wire.py
+    # the accepted update is in the pending log: a restart replays it through encodings.py
     again = Synchronizer(sync.settings)
     assert again.rounds.pending(0) == 1
     assert again.merge(0) == 1
@@ -282,39 +289,39 @@ def test_an_int4_update_is_merged_and_survives_a_restart(tmp_path: Path) -> None
 def test_quantized_terms_are_read_in_chunks_with_the_bits_of_dequantize(
     encoding: str,
 ) -> None:
-    """A quantized update stays codes until read (passes.py): three and a bit chunks with a
+    """A quantized update stays codes until read (update_passes.py): three and a bit chunks with a
     partial last block. Its norm (dequantized, pausing between chunks: three times), its
     dense form, its scaled copy and its axpy are those of `quant.dequantize`'s float32 bit
     for bit, so a merge of codes is the merge of the floats they stand for."""
     block = 64
-    n = 3 * passes.CHUNK + 1000  # 1000 = 15 blocks and 40 values of a 16th
+    n = 3 * update_passes.CHUNK + 1000  # 1000 = 15 blocks and 40 values of a 16th
     x = torch.randn(n, generator=torch.Generator().manual_seed(3))
     q = quant.quantize(x, encoding, block)  # type: ignore[arg-type]
     ref = quant.dequantize(q)
     pauses: list[int] = []
-    assert passes.norm(q, lambda: pauses.append(1)) == float(torch.linalg.vector_norm(ref))
+    assert update_passes.norm(q, lambda: pauses.append(1)) == float(torch.linalg.vector_norm(ref))
     assert len(pauses) == 3
-    assert torch.equal(passes.dense(q), ref)
+    assert torch.equal(update_passes.dense(q), ref)
     into, want = torch.empty(n), torch.empty(n)
-    passes.scale_into(into, q, 0.37)
+    update_passes.scale_into(into, q, 0.37)
     torch.mul(ref, 0.37, out=want)
     assert torch.equal(into, want)
     acc = torch.randn(n, generator=torch.Generator().manual_seed(4))
     want = acc.clone().add_(ref, alpha=-1.5)
-    passes.axpy(acc, q, -1.5)
+    update_passes.axpy(acc, q, -1.5)
     assert torch.equal(acc, want)
 
 
 def test_an_int4_code_of_15_in_either_nibble_is_refused_where_it_is_decoded() -> None:
     """Both nibbles of a byte are checked, past the first chunk too (quant.check_codes)."""
-    x = torch.randn(2 * passes.CHUNK + 10, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(2 * update_passes.CHUNK + 10, generator=torch.Generator().manual_seed(5))
     for bad in (0x0F, 0xF0):
         q = quant.quantize(x, "int4", 64)
-        q.codes[passes.CHUNK // 2 + 7] |= bad
+        q.codes[update_passes.CHUNK // 2 + 7] |= bad
         with pytest.raises(ValueError, match="int4 code above 14"):
             quant.check_codes(q)
         with pytest.raises(ValueError, match="int4 code above 14"):
-            passes.dense(q)
+            update_passes.dense(q)
 
 
 @pytest.mark.parametrize("encoding", ["int8", "int4"])
@@ -331,8 +338,8 @@ def test_a_round_keeps_only_codes_and_a_replay_merges_the_same_bits(
     for i in range(3):
         lid = f"l{i + 1}"
         meta = META.model_copy(update={"learner_id": lid, "tokens": 64 * (i + 1)})
-        payload, sent = wire.encode_update(delta(seed=i), meta, encoding, 64)
-        as_float, _ = wire.encode_update(sent, meta, "float32")
+        payload, sent = encodings.encode_update(delta(seed=i), meta, encoding, 64)
+        as_float, _ = encodings.encode_update(sent, meta, "float32")
         for s, body in ((live, payload), (replayed, payload), (floats, as_float)):
             s.join(JoinRequest(learner_id=lid))
             assert s.submit(body, 0).status == "accepted"
@@ -358,7 +365,7 @@ def test_a_quantized_update_waits_between_chunks_while_a_merge_computes(
     """`merge_first`: admission dequantizes a quantized update a chunk at a time and waits
     between chunks while a merge computes (the gate is held here as a merge holds it, and
     each wait lasts at most 1 s); off, it goes straight on."""
-    shape = [3 * passes.CHUNK]
+    shape = [3 * update_passes.CHUNK]
     layout = Layout(fragments=[FragmentSpec(index=0, tensors=[TensorSpec(name="w", shape=shape)])])
     settings = SyncSettings(
         token="t",
@@ -370,7 +377,7 @@ def test_a_quantized_update_waits_between_chunks_while_a_merge_computes(
     sync = Synchronizer(settings)
     sync.join(JoinRequest(learner_id="l0"))
     sync.init(codec.encode({"w": torch.ones(shape)}, {LAYOUT_KEY: layout.model_dump_json()}))
-    payload, _ = wire.encode_update({"w": torch.full(shape, 1e-3)}, META, "int4", 128)
+    payload, _ = encodings.encode_update({"w": torch.full(shape, 1e-3)}, META, "int4", 128)
     answers: list[str] = []
     poster = threading.Thread(target=lambda: answers.append(sync.submit(payload, 0).status))
     with sync.computing:  # a merge computing
@@ -394,8 +401,8 @@ def test_a_learners_second_quantized_update_in_a_round_adds_the_floats_it_stands
     floats = sync_with(tmp_path / "floats", ["float32"], merge="rda")
     for step in (4, 8):
         meta = META.model_copy(update={"learner_step": step})
-        payload, sent = wire.encode_update(delta(seed=step), meta, encoding, 64)
-        as_float, _ = wire.encode_update(sent, meta, "float32")
+        payload, sent = encodings.encode_update(delta(seed=step), meta, encoding, 64)
+        as_float, _ = encodings.encode_update(sent, meta, "float32")
         for s, body in ((live, payload), (replayed, payload), (floats, as_float)):
             assert s.submit(body, 0).status == "accepted"
     replayed.close()
@@ -422,7 +429,7 @@ def test_a_merge_that_replaced_a_learners_quantized_term_replays_to_the_served_b
     for lid, step, seed in (("l1", 4, 1), ("l2", 4, 2), ("l1", 8, 3)):
         live.join(JoinRequest(learner_id=lid))
         meta = META.model_copy(update={"learner_id": lid, "learner_step": step})
-        payload, _ = wire.encode_update(delta(seed=seed), meta, encoding, 64)
+        payload, _ = encodings.encode_update(delta(seed=seed), meta, encoding, 64)
         assert live.submit(payload, 0).status == "accepted"
     assert live.sums[0].valid and len(live.sums[0].keys) == 2
     assert live.merge(0) == 1

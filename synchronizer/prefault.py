@@ -1,6 +1,6 @@
 """Touch, at start, the buffers a fragment's first merges and uploads will take.
 
-A synchronizer starts with empty pools (buffers.py, served.py), so its first round of uploads and
+A synchronizer starts with empty pools (buffers.py, served_buffers.py), so its first round of uploads and
 merges allocates every buffer it uses, and each fresh page faults on first touch, all at once: every
 learner posts when it starts, every fragment's first round closes together, and 16 upload threads
 fault their 32 MB bodies while four merges fault their 64 MB tensors. On a loaded machine the first
@@ -30,10 +30,10 @@ from typing import Final
 import torch
 
 from ddiloco.synchronizer.buffers import BODIES, POOL
-from ddiloco.synchronizer.journal import MergeJournal
-from ddiloco.synchronizer.quant import DEFAULT_BLOCK
-from ddiloco.synchronizer.served import Served
-from ddiloco.synchronizer.state import FragmentState
+from ddiloco.synchronizer.served_buffers import Served
+from ddiloco.synchronizer.storage.journal import MergeJournal
+from ddiloco.synchronizer.storage.state import FragmentState
+from ddiloco.wire.quant import DEFAULT_BLOCK
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ddiloco.synchronizer import passes
-from ddiloco.synchronizer.errors import PayloadError
-from ddiloco.synchronizer.protocol import LAYOUT_KEY, FragmentSpec, Layout
+from ddiloco.synchronizer import update_passes
+from ddiloco.wire.errors import PayloadError
+from ddiloco.wire.protocol import LAYOUT_KEY, FragmentSpec, Layout
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -58,8 +58,8 @@ CODE_DTYPES: Final[dict[str, tuple[torch.dtype, int]]] = {
     "I8": (torch.int8, 1),
     "U8": (torch.uint8, 1),
 }
-"""The dtypes of quantized update codes (int8, int4 packed two per byte; synchronizer/wire.py),
-accepted by `read_header(codes=True)` only: the update route's, which wire.py then checks."""
+"""The dtypes of quantized update codes (int8, int4 packed two per byte; wire/encodings.py),
+accepted by `read_header(codes=True)` only: the update route's, which encodings.py then checks."""
 
 MAX_HEADER_BYTES: Final = 16 << 20
 """The largest safetensors header accepted (the init payload's carries the whole layout)."""
@@ -215,7 +215,7 @@ def _entry(name: object, raw: object, dtypes: dict[str, tuple[torch.dtype, int]]
 
 def read_header(payload: bytes, *, codes: bool = False) -> Header:
     """Parse and check a safetensors header without touching any tensor data. `codes` also
-    admits the `CODE_DTYPES` of a quantized update (the update route: wire.py checks them)."""
+    admits the `CODE_DTYPES` of a quantized update (the update route: encodings.py checks them)."""
     if len(payload) < 8:
         _bad("shorter than its 8-byte header length")
     n = int.from_bytes(payload[:8], "little")
@@ -303,7 +303,7 @@ def tensor_views(
 
 
 def check_fragment(
-    tensors: dict[str, passes.Term], spec: FragmentSpec, *, finite: bool = True
+    tensors: dict[str, update_passes.Term], spec: FragmentSpec, *, finite: bool = True
 ) -> None:
     """Refuse tensors that do not match the fragment's names, shapes, dtypes, or hold NaN/Inf
     (`finite=False` leaves that to the caller: `finite_norm` sees it in the same pass)."""
@@ -321,8 +321,8 @@ def check_fragment(
             raise PayloadError(
                 f"tensor {name!r} has shape {list(t.shape)}, layout says {want.shape}"
             )
-        if isinstance(t, passes.Quantized):
-            continue  # codes and scales checked as they were decoded (wire.py)
+        if isinstance(t, update_passes.Quantized):
+            continue  # codes and scales checked as they were decoded (encodings.py)
         if t.dtype not in WIRE_DTYPES.values():
             allowed = ", ".join(WIRE_DTYPES)
             raise PayloadError(f"tensor {name!r} has dtype {t.dtype}; allowed: {allowed}")
@@ -340,10 +340,10 @@ def layout_from_metadata(meta: dict[str, str]) -> Layout:
         raise PayloadError(f"init payload has an invalid layout: {str(e)[:500]}") from None
 
 
-def tensor_norms(tensors: dict[str, passes.Term]) -> dict[str, float]:
-    """Each tensor's L2 norm (`passes.norm`: one pass each, no float32 copy of a bf16
+def tensor_norms(tensors: dict[str, update_passes.Term]) -> dict[str, float]:
+    """Each tensor's L2 norm (`update_passes.norm`: one pass each, no float32 copy of a bf16
     tensor)."""
-    return {k: passes.norm(t) for k, t in tensors.items()}
+    return {k: update_passes.norm(t) for k, t in tensors.items()}
 
 
 def total_norm(norms: dict[str, float]) -> float:
@@ -357,7 +357,7 @@ def norm(tensors: dict[str, torch.Tensor]) -> float:
     return total_norm(tensor_norms(tensors))
 
 
-def finite_norms(tensors: dict[str, passes.Term]) -> dict[str, float]:
+def finite_norms(tensors: dict[str, update_passes.Term]) -> dict[str, float]:
     """`tensor_norms`, refusing NaN or Inf: a non-finite entry makes its tensor's norm
     non-finite (NaN and Inf propagate through the sum of squares), so one pass checks both;
     only then is each tensor searched, to say which one and why."""
@@ -366,7 +366,7 @@ def finite_norms(tensors: dict[str, passes.Term]) -> dict[str, float]:
     if math.isfinite(n):
         return norms
     for name, t in tensors.items():
-        if not bool(torch.isfinite(passes.dense(t)).all()):
+        if not bool(torch.isfinite(update_passes.dense(t)).all()):
             raise PayloadError(f"tensor {name!r} contains NaN or Inf")
     raise PayloadError(f"update norm overflows ({n}): not a plausible update")
 

@@ -13,10 +13,10 @@ block's largest value is exact and every other one is off by at most scale / 2. 
 are offset to 0..14 and packed two to a byte, low nibble first. Scales are float32: a
 float16 scale would overflow for a block whose absmax exceeds 65504 * 7.
 
-On the wire (synchronizer/wire.py) the synchronizer keeps a received
+On the wire (wire/encodings.py) the synchronizer keeps a received
 update's codes as they arrived (a `Quantized` of views of its body, checked by
 `check_codes`) and dequantizes them a chunk of blocks at a time (`dequantize_blocks`,
-passes.py): once at admission, into float32 it gives back after its norm and round-sum
+update_passes.py): once at admission, into float32 it gives back after its norm and round-sum
 term, and again wherever a merge or a replay reads them. An int4 update waiting for its
 merge holds 1/8 of the memory of the float32 it stands for.
 
@@ -129,7 +129,7 @@ def check_codes(q: Quantized) -> None:
     """ValueError unless every scale of `q` is finite and non-negative and (int4) every code
     is in 0..14: what a received update is checked for before anything reads it (two
     byte-wide passes for int4's codes, 1.4 ms per 16M values here). The codes' and scales'
-    dtypes and lengths are the caller's to have checked (wire.py, against the layout)."""
+    dtypes and lengths are the caller's to have checked (encodings.py, against the layout)."""
     if not bool(torch.isfinite(q.scales).all()) or bool((q.scales < 0).any()):
         raise ValueError("a scale is non-finite or negative")
     if q.encoding != "int4" or not q.codes.numel():
@@ -171,7 +171,7 @@ def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 def values(q: Quantized, start: int, end: int) -> Quantized:
     """Values `start`..`end` of `q` (flat) as a Quantized of their own, views of its codes
     and scales: `start` a multiple of its block, `end` one too or its last value (a merge's
-    piece, split.py; dequantized, the same bits as those values of `q`)."""
+    piece, parallel_passes.py; dequantized, the same bits as those values of `q`)."""
     if start % q.block or (end % q.block and end != q.numel):
         raise ValueError(f"values {start}..{end} do not start and end on {q.block}-value blocks")
     b0, b1 = start // q.block, _blocks(end, q.block)

@@ -46,16 +46,17 @@ from typing import Any
 import torch
 import xxhash
 
-from ddiloco.synchronizer import admission, codec, wire
+from ddiloco.synchronizer import admission
 from ddiloco.synchronizer.contribution import Contribution
-from ddiloco.synchronizer.journalfile import JournalFile
 from ddiloco.synchronizer.merge import MergeOutcome, MergePolicy
 from ddiloco.synchronizer.outer import OuterNesterov
-from ddiloco.synchronizer.passes import Term
-from ddiloco.synchronizer.protocol import FragmentSpec, UpdateMeta
-from ddiloco.synchronizer.segments import FragmentLog
-from ddiloco.synchronizer.state import FragmentState, Order, StateStore
+from ddiloco.synchronizer.storage.journalfile import JournalFile
+from ddiloco.synchronizer.storage.segments import FragmentLog
+from ddiloco.synchronizer.storage.state import FragmentState, Order, StateStore
 from ddiloco.synchronizer.stream import RoundSum
+from ddiloco.synchronizer.update_passes import Term
+from ddiloco.wire import codec, encodings
+from ddiloco.wire.protocol import FragmentSpec, UpdateMeta
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +218,9 @@ def decode_records(
         done = merged.get(meta.learner_id)
         if done is not None and meta.order() <= done:
             continue  # in the file already; the log was not let go of yet
-        delta = wire.decode_update(payload, header, spec, wire.ALL)  # views of the payload
+        delta = encodings.decode_update(
+            payload, header, spec, encodings.ALL
+        )  # views of the payload
         out.append((meta, delta, admission.delta_norms(delta, spec), payload))
     return out
 

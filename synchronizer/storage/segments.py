@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from ddiloco.synchronizer.pending import PendingLog
+from ddiloco.synchronizer.storage.pending import PendingLog
 
 __all__ = ["FragmentLog", "Ticket"]
 

@@ -27,8 +27,9 @@ from collections.abc import Callable
 
 import torch
 
-from ddiloco.synchronizer import codec, split, wire
-from ddiloco.synchronizer.quant import Quantized
+from ddiloco.synchronizer import parallel_passes
+from ddiloco.wire import codec, encodings
+from ddiloco.wire.quant import Quantized
 
 __all__ = ["Served"]
 
@@ -45,7 +46,7 @@ class Served:
         self.keep = KEEP * kinds
         """Retired buffers kept per fragment: `KEEP` per kind of payload a version serves."""
         self.ways = ways
-        """Pieces a large tensor's conversion is split into (split.py)."""
+        """Pieces a large tensor's conversion is split into (parallel_passes.py)."""
         self.spares: list[list[bytearray]] = [[] for _ in range(fragments)]
         self.lock = threading.Lock()
         self.reused = 0
@@ -57,18 +58,21 @@ class Served:
         """The safetensors payload of `tensors` in the broadcast dtype."""
         entries = [(name, self.dtype, tuple(tensors[name].shape)) for name in sorted(tensors)]
         return self._payload(
-            p, entries, metadata, lambda name, out: split.copy_(out, tensors[name], self.ways)
-        )  # in pieces (split.py)
+            p,
+            entries,
+            metadata,
+            lambda name, out: parallel_passes.copy_(out, tensors[name], self.ways),
+        )  # in pieces (parallel_passes.py)
 
     def encode_codes(
         self, p: int, codes: dict[str, Quantized], metadata: dict[str, str] | None = None
     ) -> memoryview:
         """The payload of quantized tensors (broadcast.py): each `name`'s codes, flat, and
-        its scales as `name#scales` (wire.py's layout), into a recycled buffer too."""
+        its scales as `name#scales` (encodings.py's layout), into a recycled buffer too."""
         parts: dict[str, torch.Tensor] = {}
         for name, q in codes.items():
             parts[name] = q.codes
-            parts[name + wire.SCALES_SUFFIX] = q.scales
+            parts[name + encodings.SCALES_SUFFIX] = q.scales
         entries = [(name, parts[name].dtype, tuple(parts[name].shape)) for name in sorted(parts)]
         return self._payload(
             p, entries, metadata, lambda name, out: out.copy_(parts[name].reshape(-1))
@@ -103,7 +107,7 @@ class Served:
 
     def prime(self, p: int, tensors: dict[str, torch.Tensor]) -> int:
         """Give fragment p `KEEP` idle buffers of its payload's size, every page touched,
-        so its first merges encode into them (prime.py); returns how many."""
+        so its first merges encode into them (prefault.py); returns how many."""
         entries = [(name, self.dtype, tuple(tensors[name].shape)) for name in sorted(tensors)]
         head, offsets = codec.header_bytes(entries, None)
         size = len(head) + (offsets[-1][1] if offsets else 0)

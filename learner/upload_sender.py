@@ -1,4 +1,4 @@
-"""The learner's HTTP/1.1 client of the bulk port: an update's parts sent straight from their
+"""The learner's HTTP/1.1 client of the upload port: an update's parts sent straight from their
 own memory, a fragment's body read straight into its own buffer; no user-space copy either way.
 
     sender = PartsSender("http://127.0.0.1:8471", timeout=60.0, tls=ClientTLS())
@@ -14,7 +14,7 @@ the synchronizer. Here the head and the parts go to `socket.sendmsg`, the kernel
 lies (over TLS the ssl module encrypts each piece from its own memory). A download is the same in
 reverse: libcurl hands a body to Python in 16 KiB bytes chunks to be joined (and safetensors'
 loader copies it twice more); here the body goes by `recv_into` into one buffer of its declared
-length, which the fragment's tensors then view (client.py). Everything else a learner does stays
+length, which the fragment's tensors then view (sync_client.py). Everything else a learner does stays
 on libcurl.
 
 The contract is libcurl's, as `SyncClient` relies on it: one kept-alive connection, made
@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from typing import Final
 from urllib.parse import urlsplit
 
-from ddiloco.synchronizer.tls import ClientTLS
+from ddiloco.wire.tls import ClientTLS
 
 __all__ = ["MAX_DOWNLOAD", "MAX_HEAD", "SLICE", "Failed", "PartsSender"]
 

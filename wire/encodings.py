@@ -7,7 +7,7 @@
 
 An update is a safetensors payload whose metadata is `UpdateMeta` (with `encoding`). The
 float encodings (float32, bfloat16) carry each layout tensor as it is, in a float dtype. The
-quantized ones (int8, int4; synchronizer/quant.py) carry, for each layout tensor `name`,
+quantized ones (int8, int4; wire/quant.py) carry, for each layout tensor `name`,
 `name` -> its codes, flat (I8, or U8 holding two int4 codes per byte, low nibble first, each
 offset to 0..14) and `name#scales` -> one float32 scale per block of `ddiloco.block` values
 (metadata), the last block padded with zeros. A value is code x its block's scale.
@@ -34,9 +34,10 @@ from typing import Final
 
 import torch
 
-from ddiloco.synchronizer import codec, passes, quant
-from ddiloco.synchronizer.errors import PayloadError, Refusal, SyncError
-from ddiloco.synchronizer.protocol import UPDATE_ENCODINGS, FragmentSpec, UpdateMeta
+from ddiloco.synchronizer import update_passes
+from ddiloco.wire import codec, quant
+from ddiloco.wire.errors import PayloadError, Refusal, SyncError
+from ddiloco.wire.protocol import UPDATE_ENCODINGS, FragmentSpec, UpdateMeta
 
 __all__ = [
     "ALL",
@@ -132,11 +133,11 @@ def decode_update(
     header: codec.Header,
     spec: FragmentSpec,
     accepted: frozenset[str],
-) -> dict[str, passes.Term]:
+) -> dict[str, update_passes.Term]:
     """Tensors of `spec`'s names and shapes from an update whose header passed
     `codec.read_header(payload, codes=True)`, as read-only views of the payload, no copy:
     a float encoding's as tensors in their own dtype, a quantized one's as `quant.Quantized`
-    (codes and scales; passes.py reads either where it lies, dequantizing a chunk at a
+    (codes and scales; update_passes.py reads either where it lies, dequantizing a chunk at a
     time). The caller keeps the payload alive and unwritten while it holds them. Raises
     SyncError(ENCODING) for an encoding not in `accepted`, PayloadError for anything
     malformed (the module docstring lists it)."""
@@ -150,7 +151,7 @@ def decode_update(
 
 def _decode_float(
     payload: bytes, header: codec.Header, spec: FragmentSpec, named: str | None
-) -> dict[str, passes.Term]:
+) -> dict[str, update_passes.Term]:
     """The float tensors' views: each of the dtype the update's encoding `named`, or float32
     (None: an older sender's, any float dtype on the wire). float32 is never narrower than
     the encoding named: a learner's outbox sums updates queued behind an outage in float32
@@ -189,7 +190,7 @@ def _decode_quantized(
     header: codec.Header,
     spec: FragmentSpec,
     encoding: str,
-) -> dict[str, passes.Term]:
+) -> dict[str, update_passes.Term]:
     block = _block(header)
     code_dtype = CODE_DTYPE[encoding]
     expected: dict[str, tuple[str, int]] = {}  # payload tensor -> (dtype, numel)
@@ -215,7 +216,7 @@ def _decode_quantized(
                 f"{block} and the layout need {dtype} [{numel}]"
             )
     tensors = codec.tensor_views(payload, header)
-    out: dict[str, passes.Term] = {}
+    out: dict[str, update_passes.Term] = {}
     for t in spec.tensors:
         q = quant.Quantized(
             encoding,  # type: ignore[arg-type]

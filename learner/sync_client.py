@@ -32,10 +32,12 @@ import pycurl
 import torch
 from pydantic import BaseModel
 
-from ddiloco.synchronizer import broadcast, codec
-from ddiloco.synchronizer.auth import StaticTokens, Tokens
+from ddiloco.learner.upload_sender import Failed, PartsSender
+from ddiloco.synchronizer import broadcast
 from ddiloco.synchronizer.broadcast import Download, Held
-from ddiloco.synchronizer.protocol import (
+from ddiloco.wire import codec
+from ddiloco.wire.auth import StaticTokens, Tokens
+from ddiloco.wire.protocol import (
     API_PREFIX,
     CONTENT_TYPE,
     HELD_QUERY,
@@ -52,8 +54,7 @@ from ddiloco.synchronizer.protocol import (
     UpdateMeta,
     UpdateResponse,
 )
-from ddiloco.synchronizer.sender import Failed, PartsSender
-from ddiloco.synchronizer.tls import ClientTLS
+from ddiloco.wire.tls import ClientTLS
 
 __all__ = ["ClientTLS", "SyncClient", "SyncRefused", "SyncUnavailable"]
 
@@ -173,9 +174,9 @@ class SyncClient:
         self.https = self.base_url.lower().startswith("https://")
         self.curl = pycurl.Curl()
         self.sendmsg = sendmsg and not http2
-        """The bulk port's client (bulk.py): a body of parts (a POST) goes from its own memory
+        """The upload port's client (upload_port.py): a body of parts (a POST) goes from its own memory
         over HTTP/1.1, and a fragment (a GET) is read into a buffer of its own, which its
-        tensors view (sender.py), where it saves the learner CPU; not for uvicorn's main port,
+        tensors view (upload_sender.py), where it saves the learner CPU; not for uvicorn's main port,
         which took the same bodies slower that way than through libcurl (bench/RESULTS.md,
         "Figures behind the code")."""
         self.sender: PartsSender | None = None
@@ -297,7 +298,7 @@ class SyncClient:
         self, path: str, body: Sequence[bytes | memoryview], content_type: str, token: str
     ) -> tuple[int, dict[str, str], bytes]:
         """A body of parts over HTTP/1.1 (a learner's update to the upload port), sent from
-        the parts' own memory (sender.py), with libcurl's contract."""
+        the parts' own memory (upload_sender.py), with libcurl's contract."""
         if self.sender is None:
             self.sender = PartsSender(self.base_url, timeout=self.timeout, tls=self.tls)
         try:
@@ -310,7 +311,7 @@ class SyncClient:
         return self._answered("POST", path, body, status, headers, payload)
 
     def _get_into(self, path: str, token: str) -> tuple[int, dict[str, str], bytes]:
-        """A GET over HTTP/1.1 whose body is read straight into a buffer of its own (sender.py),
+        """A GET over HTTP/1.1 whose body is read straight into a buffer of its own (upload_sender.py),
         with libcurl's contract. The body is a bytearray (typed as bytes: read-only to callers
         but `fragment`, whose tensors view it)."""
         if self.sender is None:
@@ -367,7 +368,7 @@ class SyncClient:
 
     def download(self, p: int, held: Held | None = None) -> tuple[int, Download]:
         """Global fragment p, its version and (delta encodings) its token; `held`: the
-        learner's copy of p, for a delta from it (broadcast.py). From the bulk port
+        learner's copy of p, for a delta from it (broadcast.py). From the upload port
         (`sendmsg`) a float fragment's tensors are views of the one buffer the body was read
         into, theirs alone; through libcurl they are decoded from the joined body; a
         quantized one is dequantized into float32 tensors of its own. A delta for a copy the

@@ -1,4 +1,4 @@
-"""The bulk port (DDILOCO_UPLOAD_PORT, "the upload port"): fragment bytes both ways, without
+"""The upload port (DDILOCO_UPLOAD_PORT, "the upload port"): fragment bytes both ways, without
 Python touching them. Update bodies are read straight from the socket into their buffer;
 served fragments are written to the socket straight from their encoded buffer.
 
@@ -13,7 +13,7 @@ synchronizer's own work on it; a thread per connection that calls `recv_into` on
 buffer costs a tenth of that, with the GIL released while the kernel copies. Downloads are the
 same in reverse, and M times over: every merge of a fragment is fetched by every learner, and
 through the main port each copy went through uvicorn's HTTP/2 (pure-Python h2, a 64 KiB window)
-in 16 KiB frames. Here the served payload (served.py: encoded once per merge) goes to
+in 16 KiB frames. Here the served payload (served_buffers.py: encoded once per merge) goes to
 `socket.sendmsg` from its own memory (over TLS, `SSLSocket.send` of slices of it, encrypted
 from where it lies), the GIL released while the kernel copies; the download holds a reference
 to the buffer until it is sent, so a later merge never encodes into it meanwhile.
@@ -78,12 +78,12 @@ from typing import Any, Final
 
 import h11
 
-from ddiloco.synchronizer.auth import Principal, Tokens, authenticate
 from ddiloco.synchronizer.buffers import BODIES
 from ddiloco.synchronizer.config import SyncSettings
-from ddiloco.synchronizer.errors import Refusal, SyncError
-from ddiloco.synchronizer.protocol import API_PREFIX, CONTENT_TYPE, HELD_QUERY, VERSION_HEADER
 from ddiloco.synchronizer.service import Synchronizer
+from ddiloco.wire.auth import Principal, Tokens, authenticate
+from ddiloco.wire.errors import Refusal, SyncError
+from ddiloco.wire.protocol import API_PREFIX, CONTENT_TYPE, HELD_QUERY, VERSION_HEADER
 
 log = logging.getLogger(__name__)
 

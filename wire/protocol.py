@@ -46,7 +46,7 @@ MAX_FRAGMENTS: Final = 4096
 may carry (the synchronizer also refuses one longer than its job's layout)."""
 
 UpdateEncoding = Literal["float32", "bfloat16", "int8", "int4"]
-"""How a learner's update crosses the wire (synchronizer/wire.py): float tensors, or
+"""How a learner's update crosses the wire (wire/encodings.py): float tensors, or
 blockwise absmax codes with float32 scales. float16 stays readable as a float dtype of an old
 sender, but is not a job's encoding."""
 UPDATE_ENCODINGS: Final[tuple[str, ...]] = ("float32", "bfloat16", "int8", "int4")
@@ -183,7 +183,7 @@ class JoinResponse(_Msg):
     """The update encodings this synchronizer accepts (`UpdateEncoding`s); a learner whose
     own is not among them stops at join with one line. [] from an older synchronizer."""
     upload_port: int | None = None
-    """The port of this synchronizer's upload listener (`SyncSettings.upload_port`, bulk.py)
+    """The port of this synchronizer's upload listener (`SyncSettings.upload_port`, upload_port.py)
     on the host the learner reached it by; None: post updates to the main port."""
     broadcast_encoding: str = "float32"
     """How fragments are served (`SyncSettings.broadcast_encoding`, broadcast.py): with a
@@ -231,7 +231,7 @@ class UpdateMeta(_Msg):
     (incarnation, learner_step) it accepted, durably, and answers `duplicate` to anything at
     or below it, however long ago that was."""
     encoding: UpdateEncoding | None = None
-    """The learner's update encoding (synchronizer/wire.py); the synchronizer refuses one it
+    """The learner's update encoding (wire/encodings.py); the synchronizer refuses one it
     was not configured for (415). None: an older sender, whose tensors' float dtype says it."""
 
     def update_id(self) -> str:

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
-from ddiloco.synchronizer.pending import PendingLog, _fsync_dir, records_in
+from ddiloco.synchronizer.storage.pending import PendingLog, _fsync_dir, records_in
 
 __all__ = ["RESERVE", "JournalFile"]
 

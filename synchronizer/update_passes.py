@@ -41,7 +41,7 @@ from typing import Final
 import torch
 
 from ddiloco.synchronizer.buffers import POOL
-from ddiloco.synchronizer.quant import Quantized, dequantize_blocks
+from ddiloco.wire.quant import Quantized, dequantize_blocks
 
 __all__ = ["BLOCK", "CHUNK", "Term", "axpy", "dense", "norm", "scale_into"]
 

@@ -45,12 +45,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ddiloco.synchronizer import codec
-from ddiloco.synchronizer.direct import write_direct
-from ddiloco.synchronizer.ledgerdb import LedgerDB
-from ddiloco.synchronizer.pending import _fsync_dir
-from ddiloco.synchronizer.protocol import EvaluationStatus, Layout, ModelSpec
-from ddiloco.synchronizer.segments import FragmentLog
+from ddiloco.synchronizer.storage.direct_io import write_direct
+from ddiloco.synchronizer.storage.ledgerdb import LedgerDB
+from ddiloco.synchronizer.storage.pending import _fsync_dir
+from ddiloco.synchronizer.storage.segments import FragmentLog
+from ddiloco.wire import codec
+from ddiloco.wire.protocol import EvaluationStatus, Layout, ModelSpec
 
 Tensors = dict[str, torch.Tensor]
 EVALUATION_FORMAT: Final = 1

@@ -1,0 +1,1 @@
+"""Storage of the synchronizer: everything it keeps on disk."""
