@@ -25,12 +25,16 @@ internal service's answer into a job's status, its events or the log.
 
 from __future__ import annotations
 
+import atexit
 import base64
 import binascii
+import hashlib
 import http
 import json
 import os
+import shutil
 import tempfile
+import threading
 from typing import Any, Final
 
 import urllib3
@@ -142,10 +146,26 @@ def _b64(value: object, field: str) -> bytes:
         raise KubeconfigRefused(f"{field} is not base64") from None
 
 
+_private_dir: str | None = None
+_private_lock = threading.Lock()
+
+
 def _private_file(data: bytes) -> str:
-    fd, path = tempfile.mkstemp(prefix="ddiloco-kube-")  # mode 0600
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
+    """A file holding `data` (a CA, a client certificate or key) for the kubernetes client,
+    which reads them by path on every new connection. One directory per process (mode 0700),
+    removed when the process exits; a file per distinct content, so reconnecting clients do
+    not pile up copies of the same key."""
+    global _private_dir
+    with _private_lock:
+        if _private_dir is None:
+            _private_dir = tempfile.mkdtemp(prefix="ddiloco-kube-")
+            atexit.register(shutil.rmtree, _private_dir, True)
+        path = os.path.join(_private_dir, hashlib.sha256(data).hexdigest()[:32])
+        if not os.path.exists(path):
+            fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(path + ".tmp", path)
     return path
 
 

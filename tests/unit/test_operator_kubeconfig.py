@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import base64
 import copy
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -126,3 +129,35 @@ def test_inline_ca_and_client_certificate_go_to_private_files_of_ours() -> None:
         assert Path(path).read_bytes() == data
         assert Path(path).stat().st_mode & 0o077 == 0  # not readable by others
     assert not cfg.api_key
+
+
+def test_credential_files_are_shared_per_content_and_removed_when_the_process_exits(
+    tmp_path: Path,
+) -> None:
+    """The operator builds a client per remote cluster again and again: the same key must not
+    pile up in /tmp, and none may outlive the process that wrote it."""
+    probe = f"""
+import base64, os, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_operator_kubeconfig import config
+from ddiloco.operator.kubeconfig import api_client_from_kubeconfig
+enc = lambda b: base64.b64encode(b).decode()
+paths = set()
+for _ in range(5):
+    c = api_client_from_kubeconfig(config(user={{"client-certificate-data": enc(b"C"), "client-key-data": enc(b"K")}}))
+    paths |= {{c.configuration.cert_file, c.configuration.key_file}}
+    c.close()
+d = {{os.path.dirname(p) for p in paths}}
+assert len(paths) == 2 and len(d) == 1, paths
+assert os.stat(d.pop()).st_mode & 0o077 == 0
+print("\\n".join(sorted(paths)))
+"""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    written = out.stdout.split()
+    assert len(written) == 2 and all(p.startswith(str(tmp_path)) for p in written)
+    assert not any(Path(p).exists() for p in written)
+    assert list(tmp_path.iterdir()) == []
