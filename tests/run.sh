@@ -45,4 +45,4 @@ echo "s3server ready after $(( $(date +%s) - start ))s"
 start=$(date +%s)
 .venv/bin/python tests/integration/image.py build
 echo "image ready after $(( $(date +%s) - start ))s"
-exec .venv/bin/python -m pytest tests "$@"
+exec .venv/bin/python -m pytest tests --durations=40 "$@"
