@@ -156,8 +156,10 @@ class Rank:
         members: list[int] = g["members"]
         self.rank, self.world = members.index(self.args.slot), len(members)
         timeout = timedelta(seconds=self.args.timeout)
-        # the launcher hosts the store for the whole run; each generation its own key space
-        store = dist.TCPStore("127.0.0.1", g["port"], is_master=False, timeout=timeout)
+        # the launcher hosts the store for the whole run; each generation its own key space.
+        # A rank in another network namespace (bench/wan_study.py) reaches it by address.
+        host = os.environ.get("DDILOCO_DP_STORE_HOST", "127.0.0.1")
+        store = dist.TCPStore(host, g["port"], is_master=False, timeout=timeout)
         dist.init_process_group(
             "gloo",
             store=dist.PrefixStore(f"gen{self.gen}/", store),

@@ -119,7 +119,28 @@ def _add_network(p: argparse.ArgumentParser) -> None:
         help="one-way latency between sites, ms",
     )
     p.add_argument("--up-bits", type=int, default=d.up_bits, help="upload precision, bits")
+    p.add_argument(
+        "--down-bits", type=int, default=d.down_bits, help="merged fragment precision, bits"
+    )
     p.add_argument("--grad-bits", type=int, default=d.grad_bits, help="DP gradient bits")
+    p.add_argument(
+        "--ranks-per-site",
+        type=int,
+        default=d.ranks_per_site,
+        help="DP ranks per site in the all-reduce ring (and learners per site)",
+    )
+    p.add_argument(
+        "--ring-step-latencies",
+        type=float,
+        default=d.ring_step_latencies,
+        help="one-way latencies each all-reduce ring step waits (gloo over TCP: 2)",
+    )
+    p.add_argument(
+        "--no-dp-overlap",
+        dest="dp_overlap",
+        action="store_false",
+        help="DP's all-reduce follows its compute instead of overlapping it",
+    )
 
 
 def _network_config(a: argparse.Namespace) -> NetworkConfig:
@@ -128,8 +149,12 @@ def _network_config(a: argparse.Namespace) -> NetworkConfig:
         params=a.params,
         link_gbps=links,
         up_bits=a.up_bits,
+        down_bits=a.down_bits,
         grad_bits=a.grad_bits,
         latency_s=a.latency_ms / 1000,
+        ranks_per_site=a.ranks_per_site,
+        ring_step_latencies=a.ring_step_latencies,
+        dp_overlap=a.dp_overlap,
     )
 
 
@@ -206,12 +231,20 @@ def _add_syncer(p: argparse.ArgumentParser) -> None:
 
 
 def wide_area_figures(
-    net: NetworkConfig, step_s: float, fragments: int, H: int, tau: int, syncer_cfg: Any = None
+    net: NetworkConfig,
+    step_s: float,
+    fragments: int,
+    H: int,
+    tau: int,
+    syncer_cfg: Any = None,
+    dp_compute_s: float | None = None,
 ) -> dict[str, Any]:
     """The four-site run, and the eight-site bandwidth comparison."""
     from ddiloco.simulator.network import decoupled_traffic, dp_bandwidth_gbps, wide_area
 
-    four = wide_area(net, step_s=step_s, fragments=fragments, H=H, tau=tau)
+    four = wide_area(
+        net, step_s=step_s, fragments=fragments, H=H, tau=tau, dp_compute_s=dp_compute_s
+    )
     int4 = NetworkConfig(
         params=net.params,
         up_bits=4,
@@ -294,7 +327,9 @@ def format_wide_area(f: dict[str, Any]) -> str:
 
 
 def cmd_wide_area(a: argparse.Namespace) -> int:
-    f = wide_area_figures(_network_config(a), a.step_s, a.fragments, a.H, a.tau, _syncer_config(a))
+    f = wide_area_figures(
+        _network_config(a), a.step_s, a.fragments, a.H, a.tau, _syncer_config(a), a.dp_compute_s
+    )
     _out(json.dumps(f, indent=2) if a.json else format_wide_area(f))
     return 0
 
@@ -349,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("wide-area", help="12B over four sites with 2-5 Gbps links")
     _add_network(w)
     w.add_argument("--step-s", type=float, default=5.0, help="inner step compute time, s")
+    w.add_argument(
+        "--dp-compute-s", type=float, help="DP's compute per step, s (default: --step-s)"
+    )
     w.add_argument("--fragments", "-P", type=int, default=24, help="fragments P")
     w.add_argument("-H", type=int, default=24, help="inner steps between merges")
     w.add_argument("--tau", type=int, default=2, help="overlap tau, steps")

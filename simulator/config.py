@@ -147,9 +147,24 @@ class NetworkConfig:
     """Wide-area link of each site to the others, Gbit/s (one entry per site)."""
     latency_s: float = 0.035
     """One-way wide-area latency between sites, seconds."""
+    ranks_per_site: int = 1
+    """Data-parallel ranks (and Decoupled learners) per site. The all-reduce is one flat
+    ring over all ranks, a site's ranks next to each other, so each link between sites
+    carries 2(R-1)/R of the gradient per direction and every one of the ring's 2(R-1) steps
+    waits for a chunk to cross it (R = sites x ranks_per_site)."""
+    ring_step_latencies: float = 1.0
+    """One-way latencies each step of the all-reduce ring waits: 1 for a collective that
+    streams each chunk on as it arrives; 2 where every message first waits for the
+    receiver's ready notice (gloo's TCP pairs: measured 2.0-2.1 per step, 4 ranks over a
+    shaped link of 40 and 80 ms round trip, bench/wan_study.py --probe)."""
+    dp_overlap: bool = True
+    """Whether data-parallel's all-reduce overlaps its compute (bucketed backward: the step
+    lasts max(compute, all-reduce)); False: it follows the compute (compute + all-reduce),
+    as in a loop that all-reduces the whole gradient after backward."""
 
     def __post_init__(self) -> None:
-        _positive(self, "params", "grad_bits", "up_bits", "down_bits")
+        _positive(self, "params", "grad_bits", "up_bits", "down_bits", "ranks_per_site")
+        _non_negative(self, "ring_step_latencies")
         _non_negative(self, "latency_s")
         if not self.link_gbps or min(self.link_gbps) <= 0:
             raise ValueError(f"NetworkConfig.link_gbps must be positive, got {self.link_gbps}")

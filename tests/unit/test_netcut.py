@@ -89,3 +89,24 @@ def test_upstream_down_is_passed_on() -> None:
                 raise ConnectionResetError("closed")
     finally:
         proxy.close()
+
+
+def test_delayed_relay_adds_its_delay_each_way_and_keeps_the_bytes(echo_port: int) -> None:
+    proxy = CutProxy(echo_port, delay_s=0.05)
+    proxy.start()
+    try:
+        payload = bytes(range(256)) * 4096  # 1 MiB, in many chunks
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as s:
+            t = time.perf_counter()
+            s.sendall(b"p")
+            assert s.recv(16) == b"p"
+            rtt = time.perf_counter() - t
+            s.sendall(payload)
+            got = b""
+            while len(got) < len(payload):
+                got += s.recv(1 << 16)
+        assert 0.1 <= rtt < 0.5, rtt  # 50 ms there, 50 ms back
+        assert got == payload
+        assert proxy.bytes_relayed >= 2 * len(payload)
+    finally:
+        proxy.close()
