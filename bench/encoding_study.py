@@ -23,7 +23,7 @@ updates (what the encoding changes); down is the synchronizer's broadcasts (floa
 `broadcast_encoding`), the same for every encoding.
 
 `--downloads`: the same runs for pairs of update and broadcast encodings (`DOWNLOAD_ARMS`:
-synchronizer/broadcast.py's float32, bfloat16, int8, int8-delta, int4-delta downloads, with
+wire/broadcast.py's float32, bfloat16, int8, int8-delta, int4-delta downloads, with
 bfloat16 and int4 uploads), paired by seed against bfloat16 up / float32 down, with the bytes
 per token up, down and in all against data-parallel's (one run: its bytes do not depend on
 the seed). Down is what the learners downloaded (their final stats); the synchronizer's count,
@@ -105,15 +105,15 @@ def controlled(
     the decoded deltas (eta 1, mu 0: `ddiloco local`'s outer step), every learner rebased on
     it (its residual kept). The global model's eval loss after `rounds` rounds.
     `download`: the learners rebase on the copy the synchronizer serves in that broadcast
-    encoding (synchronizer/broadcast.py, encoded and read back through the real code: for a
+    encoding (wire/broadcast.py, encoded and read back through the real code: for a
     delta encoding the copy S the deltas build, version 0 named by its content), not on the
     global model itself; its bytes are what each learner downloads after each round."""
     import torch
 
     from ddiloco.learner.task import build_task
-    from ddiloco.synchronizer import broadcast, update_passes
+    from ddiloco.synchronizer import served_versions, update_passes
     from ddiloco.synchronizer.served_buffers import Served
-    from ddiloco.wire import codec, encodings
+    from ddiloco.wire import broadcast, codec, encodings
     from ddiloco.wire.protocol import FragmentSpec, TensorSpec, UpdateMeta
 
     torch.set_num_threads(2)
@@ -136,7 +136,7 @@ def controlled(
     anchors = [{k: v.clone() for k, v in theta.items()} for _ in tasks]
     nbytes = down = 0
     payloads = Served(broadcast.whole_dtype(download), 1, kinds=2)
-    served = broadcast.encode(payloads, download, 0, 0, theta)
+    served = served_versions.encode(payloads, download, 0, 0, theta)
     held = (
         broadcast.Held(broadcast.initial_token(theta), {k: v.clone() for k, v in theta.items()})
         if download in broadcast.DELTAS
@@ -171,7 +171,7 @@ def controlled(
         with torch.no_grad():
             for k in names:
                 theta[k] += sum(d[k] for d in received) / len(received)
-            served = broadcast.encode(payloads, download, 0, r + 1, theta, prev=served)
+            served = served_versions.encode(payloads, download, 0, r + 1, theta, prev=served)
             body, _ = served.body(held.token if held is not None else None)
             down += learners * len(body)
             got = broadcast.read(bytes(body), held)

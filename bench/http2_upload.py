@@ -14,7 +14,7 @@ update route does, then answers 422 (the bytes are not a real model), so only tr
 measured. `--no-tls` and `--no-httpx` drop those arms.
 
 The body goes to PUT /v1/init: the update route of an uninitialized synchronizer now refuses
-a body from its header alone (413, before reading it; updates.py `body_limit`), which would
+a body from its header alone (413, before reading it; service.py `body_limit`), which would
 measure the refusal instead of the transfer. The init route reads the whole body through the
 same guard (`read_body`), then refuses the bytes (422), and keeps no state.
 """

@@ -192,6 +192,7 @@ def client_loop(
                 tokens=c_tokens[p],
                 learner_step=step,
                 incarnation=join.incarnation,
+                encoding="bfloat16",
             )
             r = stats.timed(
                 "update",

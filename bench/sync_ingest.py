@@ -73,8 +73,7 @@ import torch
 from ddiloco.learner.sync_client import SyncClient, SyncRefused, SyncUnavailable
 from ddiloco.learner.uploads import with_port
 from ddiloco.local.processes import free_port
-from ddiloco.synchronizer import broadcast
-from ddiloco.wire import codec, encodings
+from ddiloco.wire import broadcast, codec, encodings
 from ddiloco.wire.protocol import (
     HELD_QUERY,
     LAYOUT_KEY,
@@ -727,7 +726,7 @@ journaled merge's durable part, when its inputs' fsync and its record's fdatasyn
 
 def slow_merges(root: Path, since: float | None = None) -> list[dict[str, Any]]:
     """Every merge the shards logged (served at `since`, a time.time(), or later), slowest
-    first: fragment, version, ms, and its parts in ms (the log line `merging.py` writes as
+    first: fragment, version, ms, and its parts in ms (the log line `service.py` writes as
     the merge is served, after the local time it was)."""
     out = []
     for f in root.glob("sync-*.log"):

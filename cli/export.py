@@ -62,7 +62,9 @@ def from_shard_dirs(paths: list[str]) -> GlobalModel:
     models = [from_state_dir(p, shard_ok=True) for p in paths]
     owners: dict[int, GlobalModel] = {}
     for path, m in zip(paths, models, strict=True):
-        info = json.loads((Path(path) / "shard.json").read_text())
+        from ddiloco.synchronizer.storage.state import StateStore
+
+        info = StateStore(Path(path)).load("shard.json") or {}
         assert m.layout is not None
         for p, s in enumerate(shard_map(m.layout, int(info["shards"]))):
             if s == int(info["shard"]):
@@ -83,7 +85,7 @@ def from_shard_dirs(paths: list[str]) -> GlobalModel:
 def from_state_dir(path: str | os.PathLike[str], *, shard_ok: bool = False) -> GlobalModel:
     """The global model in a synchronizer's state directory (a comma list: a sharded
     synchronizer's, `from_shard_dirs`)."""
-    from ddiloco.synchronizer.storage.journal import recovered
+    from ddiloco.synchronizer.replay import recovered
     from ddiloco.synchronizer.storage.state import StateStore
     from ddiloco.wire.protocol import shard_map
 
@@ -100,9 +102,7 @@ def from_state_dir(path: str | os.PathLike[str], *, shard_ok: bool = False) -> G
     try:
         layout = store.load_layout()
         assert layout is not None
-        info = (
-            json.loads((root / "shard.json").read_text()) if (root / "shard.json").is_file() else {}
-        )
+        info = store.load("shard.json") or {}
         shards = int(info.get("shards", 1))
         if shards > 1 and not shard_ok:
             raise ExportError(
@@ -124,8 +124,8 @@ def from_state_dir(path: str | os.PathLike[str], *, shard_ok: bool = False) -> G
 
 def from_synchronizer(url: str, token: Any, tls: Any = None) -> GlobalModel:
     """The global model a live synchronizer serves (GET /v1/status, /v1/model, fragments)."""
+    from ddiloco.learner.shard_clients import ShardClients
     from ddiloco.learner.sync_client import SyncClient, SyncRefused, SyncUnavailable
-    from ddiloco.synchronizer.shards import ShardClients
 
     urls = [u.strip() for u in url.split(",")]
     for one in urls:
@@ -140,12 +140,7 @@ def from_synchronizer(url: str, token: Any, tls: Any = None) -> GlobalModel:
         status = client.status()
         if not status.initialized:
             raise ExportError(f"{url} holds no global model yet: no learner has initialized it")
-        try:
-            spec = client.model_spec()
-        except SyncRefused as e:
-            if e.status != 404:
-                raise
-            spec = ModelSpec()  # a synchronizer from before GET /v1/model
+        spec = client.model_spec()
         params: dict[str, torch.Tensor] = {}
         versions = []
         for f in status.fragments:

@@ -194,7 +194,7 @@ class ShardedSource:
         self.sources = sources
 
     def fetch(self) -> Snapshot:
-        from ddiloco.synchronizer.shards import merge_statuses
+        from ddiloco.wire.job_status import merge_statuses
         from ddiloco.wire.protocol import Status
 
         statuses = [Status.model_validate(s.fetch().raw) for s in self.sources]

@@ -7,7 +7,7 @@ With your kubeconfig it reads the DecoupledDiLoCoJob (404: exit 2), the bearer t
 job's token Secret (`<job>-token`, key `token`, operator/builders.py), and GET /v1/status from
 each Running synchronizer pod of its StatefulSet through a port-forward (pods/portforward, as
 `kubectl port-forward`): with synchronizer.shards S > 1 from every shard's pod (found by its
-pod-index label), merged into the job's view (`ddiloco.synchronizer.shards.merge_statuses`).
+pod-index label), merged into the job's view (`ddiloco.wire.job_status.merge_statuses`).
 
 Why not the apiserver's service proxy (`.../services/<job>-synchronizer:8470/proxy/v1/status`):
 the apiserver authenticates the caller by the Authorization header and removes it before it
@@ -146,7 +146,7 @@ class JobSource:
         except ApiException as e:
             raise _Refused(f"cannot list the synchronizer's pods: {e.reason}") from None
         shards = job.spec.synchronizer.shards
-        if shards == 1:  # also an older operator's Deployment pod, which has no index
+        if shards == 1:
             if not pods:
                 raise _Refused("no Running synchronizer pod")
             return [str(pods[0].metadata.name)]
@@ -198,12 +198,9 @@ class JobSource:
         ]
         if len(answers) == 1:
             return answers[0]
+        from ddiloco.wire.job_status import merge_statuses
         from ddiloco.wire.protocol import Status
 
-        try:
-            from ddiloco.synchronizer.shards import merge_statuses
-        except ImportError:  # TODO(lead): until synchronizer/shards.py lands
-            return answers[0]
         merged = merge_statuses([Status.model_validate(a) for a in answers])
         return dict(merged.model_dump(mode="json"))
 

@@ -156,24 +156,12 @@ def contribution_shares(status: Status) -> dict[str, float]:
     return {ls.learner_id: ls.contributions / total_c for ls in status.learners}
 
 
-def merged_work_ratio(status: Status) -> float | None:
-    """Tokens merged / tokens the learner slots report having computed (all incarnations):
-    the synchronizer's own figure where it sends one, else computed here (None before any)."""
-    served = getattr(status, "merged_work_ratio", None)
-    if served is not None:
-        return float(served)
-    computed = sum(
-        max(getattr(ls, "tokens_computed", 0) or 0, ls.tokens_total) for ls in status.learners
-    )
-    return status.tokens_merged / computed if computed > 0 else None
-
-
 def summary_line(status: Status) -> str:
     live = sum(ls.alive for ls in status.learners)
     refusals = ", ".join(f"{k} {v}" for k, v in sorted(status.refusals.items()) if v) or "none"
     parts = [
         f"goodput {_num(status.goodput, '{:.3f}')}",
-        f"merged work {_num(merged_work_ratio(status), '{:.3f}')}",
+        f"merged work {_num(status.merged_work_ratio, '{:.3f}')}",
         f"global version {status.global_version} ({status.merges} merges)",
         f"contributors/merge {status.mean_contributors:.2f}",
         f"staleness {status.mean_staleness:.2f}",
@@ -190,13 +178,13 @@ def summary_line(status: Status) -> str:
 
 def budget_text(status: Status) -> str:
     """The job's token budget: progress and the time left ("" without a budget)."""
-    total = getattr(status, "total_tokens", 0) or 0
+    total = status.total_tokens
     if total <= 0:
         return ""
-    if getattr(status, "finished", False):
+    if status.finished:
         return f"budget reached: {status.tokens_merged:,} of {total:,} tokens merged (finished)"
-    progress = getattr(status, "progress", None) or 0.0
-    left = getattr(status, "estimated_remaining_seconds", None)
+    progress = status.progress or 0.0
+    left = status.estimated_remaining_seconds
     return f"budget {progress:.1%} of {total:,} tokens, {_duration(left)} left"
 
 
@@ -214,7 +202,7 @@ def _duration(seconds: float | None) -> str:
 
 def fragments_table(status: Status) -> Table:
     t = Table(title="fragments", title_justify="left")
-    sharded = getattr(status, "shards", 1) > 1  # which shard owns each (synchronizer/shards.py)
+    sharded = status.shards > 1  # which shard owns each (synchronizer/shards.py)
     t.add_column("fragment", justify="right")
     if sharded:
         t.add_column("shard", justify="right")

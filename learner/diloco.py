@@ -404,7 +404,7 @@ class DecoupledDiLoCo:
         event: dict[str, Any] = {"event": "adopt", "fragment": p, "version": version}
         if self.digests:
             event["digest"] = g.digest(list(self.params.items()))
-            if g.root and self.base[p]:  # the global copy adopted (broadcast.py's S_v)
+            if g.root and self.base[p]:  # the global copy adopted (wire/broadcast.py's S_v)
                 event["global_digest"] = g.digest(list(self.base[p].items()))
         self._write({"t": time.time(), **event, "step": self.step})
 

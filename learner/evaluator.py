@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
+from ddiloco.learner.shard_clients import ShardClients, split_urls
 from ddiloco.learner.sync_client import ClientTLS, SyncClient, SyncRefused, SyncUnavailable
 from ddiloco.learner.task import build_task
-from ddiloco.synchronizer.shards import ShardClients, split_urls
 from ddiloco.wire.protocol import EvaluationReport
 
 log = logging.getLogger(__name__)

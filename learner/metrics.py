@@ -24,8 +24,6 @@ from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from ddiloco.synchronizer.metrics import NOOP  # the same no-op instrument
-
 log = logging.getLogger(__name__)
 
 STEP_SECONDS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -33,6 +31,25 @@ LAG_STEPS: Final = (0, 1, 2, 4, 8, 16, 32)
 RESULTS: Final = ("accepted", "duplicate", "refused", "error")
 """`result` of ddiloco_learner_uploads_total: answered accepted, duplicate (the synchronizer
 already had it), refused (4xx: its work is lost), or error (no definitive answer: re-sent)."""
+
+
+class _Noop:
+    """Stands in for every instrument when metrics are off: costs one call, counts nothing."""
+
+    def labels(self, *_: Any, **__: Any) -> _Noop:
+        return self
+
+    def observe(self, *_: Any) -> None:
+        return None
+
+    def inc(self, *_: Any) -> None:
+        return None
+
+    def set(self, *_: Any) -> None:
+        return None
+
+
+NOOP: Final = _Noop()
 
 
 class LearnerMetrics:

@@ -90,8 +90,7 @@ def poll(cfg: Any, pod: str, *, wait_s: float = WAIT_S) -> dict[str, Any]:
     identity and its learner credential, `SpareGrant`); an unreachable synchronizer is
     retried with a capped backoff."""
     from ddiloco.learner.sync_client import SyncClient, SyncRefused, SyncUnavailable
-    from ddiloco.synchronizer.spares import SpareGrant
-    from ddiloco.wire.protocol import API_PREFIX
+    from ddiloco.wire.protocol import API_PREFIX, SpareGrant
 
     client = SyncClient(
         # a sharded synchronizer: shard 0 keeps the spares' book (the first URL)

@@ -32,9 +32,8 @@ may only lag. The incarnation is the highest any shard answered, and never goes 
 Fragments come from the shard's upload port (the upload port, synchronizer/upload_port.py) when it named
 one, each body read into a buffer of its own that the adopted tensors view (upload_sender.py), by the
 uploads' rules (learner/uploads.py): while the port is unreachable, from the main URL; a fetch
-the port turns away (503, a reset) or fails otherwise goes to the main URL at once; a port that
-does not serve fragments (404 or 405: an older synchronizer) is not asked again. With a delta
-broadcast encoding (synchronizer/broadcast.py) each fetch names the copy held of the fragment
+the port turns away (503, a reset) or fails otherwise goes to the main URL at once. With a delta
+broadcast encoding (wire/broadcast.py) each fetch names the copy held of the fragment
 (`held`: its last download, or at join our own initial values by their content) and gets the
 quantized delta from it, or nothing when it is current, or the whole fragment.
 """
@@ -60,14 +59,14 @@ from ddiloco.learner.metrics import LearnerMetrics
 from ddiloco.learner.outbox import Entry, Outbox
 from ddiloco.learner.sync_client import SyncClient, SyncRefused, SyncUnavailable
 from ddiloco.learner.uploads import UPLOAD_FALLBACK_S, upload_overrides, with_port
-from ddiloco.synchronizer import broadcast
-from ddiloco.synchronizer.broadcast import Held
-from ddiloco.wire import codec
+from ddiloco.wire import broadcast, codec
+from ddiloco.wire.broadcast import Held
 from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     MODEL_KEY,
     Heartbeat,
     JoinRequest,
+    JoinResponse,
     Layout,
     UpdateMeta,
     UpdateResponse,
@@ -116,32 +115,28 @@ class Streamer:
         self.stop_event = threading.Event()
         self.snapshot: Heartbeat | None = None
         self.requested: set[int] = set()
-        self.urls: list[str] = getattr(cfg, "sync_urls", None) or [cfg.sync_url]
+        self.urls: list[str] = cfg.sync_urls
         """The synchronizer's shard URLs, in shard order (one: unsharded)."""
         self.owners = shard_map(layout, len(self.urls))
         """The shard that owns each fragment: where its updates and fetches go."""
         self.shard_requested: list[set[int]] = [set() for _ in self.urls]
-        self.upload_urls: list[str | None] = upload_overrides(
-            getattr(cfg, "upload_url", "") or "", len(self.urls)
-        )
+        self.upload_urls: list[str | None] = upload_overrides(cfg.upload_url, len(self.urls))
         """Each shard's upload URL (None: its main URL), from `cfg.upload_url` or the upload
         port the shard names at join."""
-        self.fixed_uploads = bool(getattr(cfg, "upload_url", "") or "")
+        self.fixed_uploads = bool(cfg.upload_url)
         self.fallback_until = [0.0] * len(self.urls)
         """Per shard: until when uploads go to the main URL (its upload port unreachable)."""
         self.turned_away: list[SyncClient | None] = [None] * len(self.urls)
         """Per shard: the main URL's client for updates its upload port turned away."""
         self.turned_away_said = [-UPLOAD_FALLBACK_S] * len(self.urls)
         """Per shard: when a turned-away update was last logged as a warning."""
-        self.no_downloads = [False] * len(self.urls)
-        """Per shard: its upload port does not serve fragments (404/405): fetch from main."""
         self.versions: list[int] = [0] * len(layout.fragments)
         self.held: dict[int, Held] = {}
         """Per fragment served in a delta encoding: the copy last downloaded and its token
         (each fragment's downloads run in its shard's one thread, or at startup); before
         the first, our own initial values under their content's token (`_hold_initial`)."""
         self.broadcast_encoding = "float32"
-        """How the synchronizer serves fragments, as it said at join (broadcast.py)."""
+        """How the synchronizer serves fragments, as it said at join (wire/broadcast.py)."""
         self.outbox = Outbox(len(layout.fragments))
         self.left: dict[int, dict[str, int]] = {}
         self.arrived: queue.Queue[tuple[int, int, Tensors]] = queue.Queue()
@@ -157,10 +152,10 @@ class Streamer:
         """The incarnation each shard answered at its last join."""
         self.resume_position = 0
         """The synchronizer's data position for this learner id at the last join (windows of
-        its slot's stream counted so far; 0 from a synchronizer that keeps none)."""
+        its slot's stream counted so far; 0 for a new slot)."""
         self.slot_steps = 0
         """Where the slot's inner LR schedule resumes: the highest `slot_steps` any shard
-        answered at join (0 from a synchronizer that keeps none)."""
+        answered at join (0 for a new slot)."""
         self.finished = False
         """A shard said the job's token budget is merged (at join or in a heartbeat's
         answer): the learner hands over what it holds and stops (synchronizer/budget.py)."""
@@ -181,11 +176,11 @@ class Streamer:
         return [p for p, s in enumerate(self.owners) if s == shard]
 
     # ---- startup -----------------------------------------------------------------
-    def _check_shard(self, resp: object, shard: int) -> None:
+    def _check_shard(self, resp: JoinResponse, shard: int) -> None:
         """Refuse (one line) a shard list that is not the job's shards in order."""
-        got = (getattr(resp, "shard", 0), getattr(resp, "shards", 1))
+        got = (resp.shard, resp.shards)
         mine = self.owned(shard)
-        owned = getattr(resp, "owned", None) or mine
+        owned = resp.owned or mine  # [] before init
         if got != (shard, len(self.urls)) or owned != mine:
             raise UsageError(
                 f"the synchronizer at {self.urls[shard]} is shard {got[0]} of {got[1]} owning "
@@ -205,7 +200,7 @@ class Streamer:
             # the draws before our first heartbeat lands (learner/corpus.py, the data contract)
             data_reserve=join_reserve(
                 self.cfg.batch_size * self.cfg.grad_accum,
-                int(os.environ.get("WORLD_SIZE") or getattr(self.cfg, "nproc_per_node", 1)),
+                int(os.environ.get("WORLD_SIZE") or self.cfg.nproc_per_node),
             ),
             tokens_per_step=self.tokens_per_step or None,
         )
@@ -216,8 +211,8 @@ class Streamer:
                 msg = f"the synchronizer at {self.urls[shard]} refused: {e.detail}"
                 raise UsageError(msg) from None
             raise
-        accepted = getattr(resp, "update_encodings", None)  # [] from an older synchronizer
-        if accepted and self.cfg.update_encoding not in accepted:
+        accepted = resp.update_encodings
+        if self.cfg.update_encoding not in accepted:
             # a job misconfigured, not an outage: stop with one line (exit 2, learner/cli.py)
             raise UsageError(
                 f"the synchronizer at {self.cfg.sync_url} accepts update encodings "
@@ -226,16 +221,15 @@ class Streamer:
                 "synchronizer's DDILOCO_UPDATE_ENCODINGS"
             )
         self._check_shard(resp, shard)
-        self.broadcast_encoding = getattr(resp, "broadcast_encoding", "float32")
-        if not self.fixed_uploads and not getattr(self.cfg, "upload_http2", False):
-            port = getattr(resp, "upload_port", None)
+        self.broadcast_encoding = resp.broadcast_encoding
+        if not self.fixed_uploads and not self.cfg.upload_http2:
+            port = resp.upload_port
             self.upload_urls[shard] = with_port(self.urls[shard], port) if port else None
         self.incarnation = max(self.incarnation, resp.incarnation)
         self.issued[shard] = resp.incarnation
-        position = int(getattr(resp, "data_position", 0) or 0)
-        self.resume_position = max(self.resume_position, position)  # the module docstring
-        self.slot_steps = max(self.slot_steps, int(getattr(resp, "slot_steps", 0) or 0))
-        if getattr(resp, "finished", False):
+        self.resume_position = max(self.resume_position, resp.data_position)  # module docstring
+        self.slot_steps = max(self.slot_steps, resp.slot_steps)
+        if resp.finished:
             self.finished = True
         self.total_tokens = max(self.total_tokens, resp.total_tokens)
         self.tokens_merged = max(self.tokens_merged, resp.tokens_merged)
@@ -243,7 +237,7 @@ class Streamer:
             meta = {LAYOUT_KEY: self.layout.model_dump_json()}
             try:  # what the job trains, for `ddiloco export` (learner/hf.py model_spec)
                 meta[MODEL_KEY] = hf.spec_metadata(
-                    self.cfg.model, self.cfg.model_entry, getattr(self.cfg, "tokenizer", None)
+                    self.cfg.model, self.cfg.model_entry, self.cfg.tokenizer
                 )
             except (OSError, ValueError) as e:
                 log.warning("Initializing without a model spec (an export will lack it): %s", e)
@@ -453,7 +447,7 @@ class Streamer:
         thread's client for it), else, or when the port fails, through `main` (the module
         docstring)."""
         url = self._upload_target(shard)
-        if url == self.urls[shard] or self.no_downloads[shard]:
+        if url == self.urls[shard]:
             return self._download(main, p)
         port = ports.get(shard)
         if port is None or port.base_url != url.rstrip("/"):
@@ -467,23 +461,13 @@ class Streamer:
         except SyncUnavailable as e:  # a GET is safe to repeat: the main URL at once
             if not self._fall_back(shard, port, e):
                 log.debug("Upload port %s: fragment %d from %s (%s)", url, p, main.base_url, e)
-        except SyncRefused as e:
-            if e.status not in (404, 405):
-                raise
-            self.no_downloads[shard] = True
-            log.warning(
-                "Upload port %s serves no fragments (%s); downloading from %s",
-                url,
-                e,
-                main.base_url,
-            )
         finally:
             self._count(port)
         return self._download(main, p)
 
     def _download(self, client: SyncClient, p: int) -> tuple[int, Tensors]:
         """Fragment p through `client`, asking for a delta from the copy held of it (a delta
-        broadcast encoding, synchronizer/broadcast.py); the copy it arrives as is held next.
+        broadcast encoding, wire/broadcast.py); the copy it arrives as is held next.
         The arrived tensors are never written to (the loop adopts them; the next delta is
         written into tensors of its own): holding them keeps one float32 copy of p."""
         version, got = client.download(p, self.held.get(p))

@@ -33,10 +33,9 @@ import torch
 from pydantic import BaseModel
 
 from ddiloco.learner.upload_sender import Failed, PartsSender
-from ddiloco.synchronizer import broadcast
-from ddiloco.synchronizer.broadcast import Download, Held
-from ddiloco.wire import codec
+from ddiloco.wire import broadcast, codec
 from ddiloco.wire.auth import StaticTokens, Tokens
+from ddiloco.wire.broadcast import Download, Held
 from ddiloco.wire.protocol import (
     API_PREFIX,
     CONTENT_TYPE,
@@ -362,13 +361,13 @@ class SyncClient:
 
     def fragment(self, p: int) -> tuple[int, dict[str, torch.Tensor]]:
         """Global fragment p and its version, whole, in whatever broadcast encoding the
-        synchronizer serves (broadcast.py): float tensors, or float32 ones dequantized."""
+        synchronizer serves (wire/broadcast.py): float tensors, or float32 ones dequantized."""
         version, got = self.download(p)
         return version, got.tensors
 
     def download(self, p: int, held: Held | None = None) -> tuple[int, Download]:
         """Global fragment p, its version and (delta encodings) its token; `held`: the
-        learner's copy of p, for a delta from it (broadcast.py). From the upload port
+        learner's copy of p, for a delta from it (wire/broadcast.py). From the upload port
         (`sendmsg`) a float fragment's tensors are views of the one buffer the body was read
         into, theirs alone; through libcurl they are decoded from the joined body; a
         quantized one is dequantized into float32 tensors of its own. A delta for a copy the

@@ -18,7 +18,7 @@ is never written (every certificate the run needs is issued up front).
 
 With `sync_shards` S > 1 it runs S synchronizer processes (`synchronizer-<i>`, state in
 <out>/sync-<i>, a port each); learners get the comma list of their URLs in shard order, and
-the launcher's own calls (health, status, evaluation) go through `shards.ShardClients`, so
+the launcher's own calls (health, status, evaluation) go through `ShardClients`, so
 the live table, the samples and the report are `merge_statuses` of the shards'. The chaos
 `sync` event kills shard `seed % S` (or the shard a ready schedule names).
 """
@@ -39,7 +39,6 @@ from ddiloco.local.config import LocalConfig
 from ddiloco.local.netcut import CutProxies
 from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
 from ddiloco.local.supervisor import Supervisor
-from ddiloco.synchronizer import shards
 from ddiloco.wire import tls
 from ddiloco.wire.auth import learner_token
 from ddiloco.wire.tls import ClientTLS
@@ -50,6 +49,13 @@ if TYPE_CHECKING:  # sync_client.py imports torch: not before a run starts (`ddi
 __all__ = ["LocalConfig", "LocalRun"]  # LocalConfig lives in local/config.py
 
 log = logging.getLogger(__name__)
+
+
+def state_dirs(root: Path, shards: int) -> list[Path]:
+    """Where a run keeps each synchronizer shard's state: <root>/state (one), <root>/sync-<i>."""
+    if shards == 1:
+        return [root / "state"]
+    return [root / f"sync-{i}" for i in range(shards)]
 
 
 class LocalRun(Supervisor):
@@ -131,18 +137,17 @@ class LocalRun(Supervisor):
     def client(self, timeout: float = 60.0) -> SyncClient:
         """A SyncClient for the launcher's own calls (health, status), TLS files included;
         with shards, a `ShardClients` (the same calls, the status merged)."""
+        from ddiloco.learner.shard_clients import ShardClients
         from ddiloco.learner.sync_client import SyncClient
 
         if len(self.urls) > 1:
-            clients = shards.ShardClients(
-                self.urls, self.token, timeout=timeout, tls=self.client_tls
-            )
+            clients = ShardClients(self.urls, self.token, timeout=timeout, tls=self.client_tls)
             return clients  # type: ignore[return-value]
         return SyncClient(self.url, self.token, timeout=timeout, tls=self.client_tls)
 
     def _sync_child(self, shard: int = 0) -> Child:
         c = self.cfg
-        state = shards.state_dirs(self.out, c.sync_shards)[shard]
+        state = state_dirs(self.out, c.sync_shards)[shard]
         argv = ddiloco_command(
             "synchronizer",
             "--port",

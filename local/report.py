@@ -195,7 +195,7 @@ def build_report(run: LocalRun) -> dict[str, Any]:
         "budget": {
             "total_tokens": cfg.total_tokens,
             "tokens_merged": status.tokens_merged,
-            "reached": bool(getattr(status, "finished", False)),
+            "reached": status.finished,
             "learners_finished": sorted(
                 c.name for c in run.learners if c.finished and getattr(run, "budget_reached", False)
             ),

@@ -10,7 +10,7 @@ local run decided that), split into incarnations (a killed process loses its sta
 replacement joins afresh), the tokens behind each step, and stretches in which the process
 was frozen (SIGSTOP: no heartbeat). This module decides what becomes of that work.
 
-Synchronizer (synchronizer/updates.py `submit`, merging.py `merge`; admission.py): the
+Synchronizer (synchronizer/service.py `submit` and `merge`, fragment.py; admission.py): the
 service's own `ddiloco.synchronizer.rounds.Rounds`, on the event loop's clock. A running
 learner process heartbeats (long polls) from its join until it is killed or frozen; before
 Rounds is consulted, each learner's latest heartbeat is delivered to `Rounds.heard` at its

@@ -37,11 +37,13 @@ from typing import Literal
 
 import torch
 
+from ddiloco.synchronizer import update_passes
 from ddiloco.synchronizer.storage.state import FragmentState, Order
 from ddiloco.synchronizer.update_passes import Term
 from ddiloco.wire import codec
 from ddiloco.wire.errors import PayloadError, Refusal, SyncError
 from ddiloco.wire.protocol import FragmentSpec, Layout, UpdateMeta
+from ddiloco.wire.quant import Quantized
 
 NORM_HISTORY = 32
 """Recent accepted update norms kept per fragment for the relative guard."""
@@ -89,7 +91,7 @@ def initial_fragments(layout: Layout, tensors: dict[str, torch.Tensor]) -> list[
         if missing:
             raise PayloadError(f"init payload lacks tensors {missing[:5]}")
         params = {t.name: tensors[t.name].float().clone() for t in spec.tensors}
-        codec.check_fragment(params, spec)
+        check_fragment(params, spec)
         out.append(FragmentState(params, {k: torch.zeros_like(v) for k, v in params.items()}))
     return out
 
@@ -129,13 +131,70 @@ def delta_norms(delta: dict[str, Term], spec: FragmentSpec) -> dict[str, float]:
     """Refuse a delta of the wrong shape or dtype, or non-finite; return each tensor's norm
     (a pass over the tensors that needs no lock: `check_norm` judges their total against
     the fragment, and the merge's radial-directional average reuses them)."""
-    codec.check_fragment(delta, spec, finite=False)
-    return codec.finite_norms(delta)  # NaN/Inf and an overflowing norm refused in one pass
+    check_fragment(delta, spec, finite=False)
+    return finite_norms(delta)  # NaN/Inf and an overflowing norm refused in one pass
 
 
 def delta_norm(delta: dict[str, Term], spec: FragmentSpec) -> float:
     """`delta_norms`, totalled."""
-    return codec.total_norm(delta_norms(delta, spec))
+    return total_norm(delta_norms(delta, spec))
+
+
+def check_fragment(tensors: dict[str, Term], spec: FragmentSpec, *, finite: bool = True) -> None:
+    """Refuse tensors that do not match the fragment's names, shapes, dtypes, or hold NaN/Inf
+    (`finite=False` leaves that to the caller: `finite_norms` sees it in the same pass)."""
+    expected = {t.name: t for t in spec.tensors}
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise PayloadError(
+            f"fragment {spec.index} tensors do not match the layout: missing {missing[:5]}, "
+            f"unexpected {extra[:5]}"
+        )
+    for name, t in tensors.items():
+        want = expected[name]
+        if list(t.shape) != want.shape:
+            raise PayloadError(
+                f"tensor {name!r} has shape {list(t.shape)}, layout says {want.shape}"
+            )
+        if isinstance(t, Quantized):
+            continue  # codes and scales checked as they were decoded (encodings.py)
+        if t.dtype not in codec.WIRE_DTYPES.values():
+            allowed = ", ".join(codec.WIRE_DTYPES)
+            raise PayloadError(f"tensor {name!r} has dtype {t.dtype}; allowed: {allowed}")
+        if finite and not bool(torch.isfinite(t).all()):  # a float tensor
+            raise PayloadError(f"tensor {name!r} contains NaN or Inf")
+
+
+def tensor_norms(tensors: dict[str, Term]) -> dict[str, float]:
+    """Each tensor's L2 norm (`update_passes.norm`: one pass each, no float32 copy of a bf16
+    tensor)."""
+    return {k: update_passes.norm(t) for k, t in tensors.items()}
+
+
+def total_norm(norms: dict[str, float]) -> float:
+    """The norm of all the tensors together from their own norms (in float64)."""
+    return math.sqrt(sum(n * n for n in norms.values()))
+
+
+def norm(tensors: dict[str, Term]) -> float:
+    """The L2 norm of all the tensors together, accumulated in float32 per tensor (one pass
+    each, no float32 copy of a bf16 tensor) and in float64 across them."""
+    return total_norm(tensor_norms(tensors))
+
+
+def finite_norms(tensors: dict[str, Term]) -> dict[str, float]:
+    """`tensor_norms`, refusing NaN or Inf: a non-finite entry makes its tensor's norm
+    non-finite (NaN and Inf propagate through the sum of squares), so one pass checks both;
+    only then is each tensor searched, to say which one and why."""
+    norms = tensor_norms(tensors)
+    n = total_norm(norms)
+    if math.isfinite(n):
+        return norms
+    for name, t in tensors.items():
+        if not bool(torch.isfinite(update_passes.dense(t)).all()):
+            raise PayloadError(f"tensor {name!r} contains NaN or Inf")
+    raise PayloadError(f"update norm overflows ({n}): not a plausible update")
 
 
 def check_norm(

@@ -22,7 +22,7 @@ merged tokens may therefore end a little above the budget.
 
 With shards each shard counts its own fragments; since every fragment sees every token each
 shard's count estimates the job's, and the job is finished as soon as any shard says so
-(`shards.merge_statuses`; learners stop on the first shard's `finished`).
+(`wire/job_status.merge_statuses`; learners stop on the first shard's `finished`).
 """
 
 from __future__ import annotations

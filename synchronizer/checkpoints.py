@@ -202,8 +202,9 @@ def take_snapshot(sync: Synchronizer) -> Checkpoint | None:
         # several times the copy itself, and uploads and merges of p wait while it is held
         params = {t.name: torch.zeros(t.shape, dtype=torch.float32) for t in spec.tensors}
         momentum = {t.name: torch.zeros(t.shape, dtype=torch.float32) for t in spec.tensors}
-        with sync.frag_locks[p]:
-            fs = sync.fragments[p]
+        frag = sync.fragments[p]
+        with frag.lock:
+            fs = frag.state
             for name, t in fs.params.items():
                 params[name].copy_(t)
             for name, t in fs.momentum.items():
@@ -615,16 +616,16 @@ refusal at join names it, after restarts too)."""
 
 def origin(state_dir: Path) -> str | None:
     """The `--init-from` this state dir started from (None: a learner's init upload)."""
+    from ddiloco.synchronizer.storage.records import load_json
+
     path = Path(state_dir) / ORIGIN
-    return str(json.loads(path.read_text())["source"]) if path.is_file() else None
+    return str(load_json(path, "source")) if path.is_file() else None
 
 
 def save_origin(state_dir: Path, source: str) -> None:
-    from ddiloco.synchronizer.storage.state import _replace
+    from ddiloco.synchronizer.storage.records import save_json
 
-    tmp = Path(state_dir) / f".{ORIGIN}.tmp"
-    tmp.write_text(json.dumps({"source": shown(source)}))
-    _replace(tmp, Path(state_dir) / ORIGIN)
+    save_json(Path(state_dir) / ORIGIN, "source", shown(source))
 
 
 def start_from(sync: Synchronizer, source: str) -> None:

@@ -8,8 +8,14 @@ DDILOCO_TLS_CLIENT_CA_FILE also requires a client certificate signed by that CA 
 Tokens: DDILOCO_TOKEN, or DDILOCO_TOKEN_FILE whose every non-empty line is accepted and which is
 re-read when it changes (rotation, auth.py).
 
-Every knob of the merge service lives here, with the paper's symbol where it has one
-(the paper's §3; README "How it fits together"). `get_settings()` is cached; tests build `SyncSettings(...)` directly.
+Two groups. `SyncSettings`: the service and the method (quorum, grace window, merge rule and
+weights, outer optimizer, staleness, guards), with the paper's symbol where it has one (README
+"How it fits together"). `TuningSettings` (`SyncSettings.tuning`): how fast the same results are
+reached (threads, pieces, upload slots, the fragment files' lag, buffer priming); no tuning knob
+changes what a merge computes. Both read `DDILOCO_<NAME>` (one namespace: a tuning knob is
+`DDILOCO_SNAPSHOT_LAG`, not a nested name), and `SyncSettings(snapshot_lag=0)` files a tuning
+knob given by name under `tuning`. `get_settings()` is cached; tests build `SyncSettings(...)`
+directly.
 """
 
 from __future__ import annotations
@@ -29,6 +35,81 @@ from ddiloco.wire.protocol import BroadcastEncoding, MergeRule, UpdateEncoding
 DEFAULT_PORT = 8470
 
 
+class TuningSettings(BaseSettings):
+    """Performance knobs of the synchronizer: each changes how fast it works, never what it
+    computes or keeps (the merge's bits, the crash guarantees). The defaults suit any core
+    count; bench/RESULTS.md ("Figures behind the code") has the measurements behind them.
+
+    - `cpu_slots` (0: the usable cores less one, at least 1): uploads that run their passes
+      over the bytes (decode, norm, checksum, their term of the round's sum) at once. The
+      merge takes no slot, so it shares the cores with this many uploads, not with every
+      connection.
+    - `merge_first` (on): while a merge computes, the upload port's body reads wait at their
+      next chunk (at most 1 s; locks.py `MergeGate`), so the merge gets the cores.
+    - `prime_buffers` (on): when the layout is adopted (at init, at a restart before
+      serving), make and touch the buffers the first merges and uploads take (prefault.py),
+      so that the first merge of each fragment is not the slowest.
+    - `snapshot_lag` (8): merges a fragment's file may trail the version served. A merge is
+      durable once its journal record is (storage/journal.py; a restart redoes it from the
+      pending log), and the file is written in the background; the state volume holds up to
+      this many rounds of updates per fragment beside the files, and a restart redoes up to
+      this many merges. 0: each merge writes its file before its version is served.
+    - `snapshot_every` (0: half of `snapshot_lag`, at least 1; at most `snapshot_lag`): merges
+      between the background writer's files of a fragment (the latest state each time).
+    - `torch_threads` (0: a quarter of the cores, at least 1): threads one tensor operation
+      may use (`torch.set_num_threads`); the synchronizer runs many operations at once.
+    - `merge_threads` (0: the usable cores over `torch_threads`; 1: none): pieces a merge's
+      passes over a large tensor are split into, each on a thread (parallel_passes.py; the
+      same bits as one piece).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="DDILOCO_", extra="ignore")
+
+    cpu_slots: int = Field(0, ge=0, le=4096)
+    merge_first: bool = True
+    prime_buffers: bool = True
+    snapshot_lag: int = Field(8, ge=0, le=64)
+    snapshot_every: int = Field(0, ge=0, le=64)
+    torch_threads: int = Field(0, ge=0, le=1024)
+    merge_threads: int = Field(0, ge=0, le=64)
+
+    def op_threads(self) -> int:
+        """`torch_threads`, or its default: a quarter of the cores, at least one."""
+        return self.torch_threads or max(1, (os.cpu_count() or 1) // 4)
+
+    def merge_ways(self) -> int:
+        """`merge_threads`, or its default: the usable cores over `op_threads`, at least 1."""
+        if self.merge_threads:
+            return self.merge_threads
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        return max(1, (cores or os.cpu_count() or 1) // self.op_threads())
+
+    def upload_slots(self) -> int:
+        """`cpu_slots`, or its default: the usable cores less one, at least one."""
+        if self.cpu_slots:
+            return self.cpu_slots
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        return max(1, (cores or os.cpu_count() or 1) - 1)
+
+    def snapshot_period(self) -> int:
+        """Merges between the background writer's files of a fragment (`snapshot_every`)."""
+        return self.snapshot_every or max(1, self.snapshot_lag // 2)
+
+    @model_validator(mode="after")
+    def _snapshot_every(self) -> TuningSettings:
+        if self.snapshot_lag and self.snapshot_every > self.snapshot_lag:
+            raise ValueError(
+                f"DDILOCO_SNAPSHOT_EVERY={self.snapshot_every} exceeds DDILOCO_SNAPSHOT_LAG="
+                f"{self.snapshot_lag}: a fragment's file would trail more than the lag before "
+                "the writer wrote it; give at most the lag (0: half of it)"
+            )
+        return self
+
+
+TUNING = frozenset(TuningSettings.model_fields)
+"""The tuning knobs' names: `SyncSettings(**{name: value})` files them under `tuning`."""
+
+
 class SyncSettings(BaseSettings):
     """Synchronizer knobs. Invalid values are refused at startup with the field's name."""
 
@@ -43,7 +124,7 @@ class SyncSettings(BaseSettings):
     upload_port: int | None = Field(None, ge=0, le=65535)
     """A second port that serves only update uploads (POST /v1/fragments/{p}/updates, HTTP/1.1
     or HTTPS with the same certificate, client CA and tokens): a thread per connection reads
-    each body straight into its buffer, 8x cheaper than through the ASGI server (upload_port.py).
+    each body straight into its buffer, far cheaper than through the ASGI server (upload_port.py).
     Learners learn it at join and fall back to `port` when they cannot reach it. None: off;
     0: any free port (tests)."""
     token: SecretStr | None = None
@@ -61,59 +142,6 @@ class SyncSettings(BaseSettings):
     state_dir: Path = Path("ddiloco-state")
     """Where global fragments, outer momentum, versions, pending updates and the learner
     ledger persist."""
-    cpu_slots: int = Field(0, ge=0, le=4096)
-    """Uploads that may run their passes over the bytes (decode, norm, checksum, adding
-    their term to the round's sum) at once; 0: the cores this process may run on, less
-    one (at least 1). The merge takes no slot, so under load it shares the cores with this
-    many uploads instead of with every connection, and its tail latency falls to a third
-    or less (bench/RESULTS.md, "Figures behind the code")."""
-    merge_first: bool = True
-    """While a merge computes, the upload port's body reads wait at their next chunk (at
-    most 1 s; synchronizer/locks.py `MergeGate`): the merge gets the cores the socket copies
-    took: the merge's compute tail shrinks for a few percent of ingest at saturation
-    (bench/RESULTS.md, "Figures behind the code"). False
-    (`DDILOCO_MERGE_FIRST=0`): reads go on beside the merge."""
-    prime_buffers: bool = True
-    """When the layout is adopted (at init, before its answer; at a restart, before serving), make
-    and touch the buffers the fragments' first merges and uploads take, within the pools' limits
-    (synchronizer/prefault.py): on a cold process under load, the first merge of each fragment
-    otherwise takes several times any later one (bench/RESULTS.md, "Figures behind the code"). False
-    (`DDILOCO_PRIME_BUFFERS=0`): pools fill as the work needs them."""
-    snapshot_lag: int = Field(8, ge=0, le=64)
-    """How many merges a fragment's file may trail the version it serves. A merge is durable
-    once a small record of its inputs is in the merge journal (synchronizer/storage/journal.py): the
-    updates it took are in the pending log already, and a restart redoes it from them. The
-    128 MB file of a 16M-parameter fragment is then written in the background, and that
-    many merges' updates stay on disk until it is (the state volume holds up to this many
-    rounds of updates per fragment beside the files), and a restart redoes up to that many
-    merges. 8: with `snapshot_every` at its default (half of this) the files are written
-    every 4th merge, and the disk's flushes that a merge's durable part waits for hold
-    fewer bytes (bench/RESULTS.md, "Figures behind the code"). 0: every merge writes
-    its fragment file before its version is served (the old path, half of the merge's
-    time)."""
-    snapshot_every: int = Field(0, ge=0, le=64)
-    """How many merges a fragment's file trails (or the version being written, if one is)
-    before the background writer writes it again (the latest state; the merges in between
-    are in the journal). 0: half of `snapshot_lag`, at least 1. Each file is 128 MB for a
-    16M-parameter fragment (Theta and momentum): written after every merge, those writes
-    were most of the disk's bytes, and a merge's journal fsync waited behind them
-    (bench/RESULTS.md, "Figures behind the code"). A restart
-    redoes at most `snapshot_lag` merges either way. At most `snapshot_lag`: the writer
-    needs the merges in between to finish before a merge would write the file itself."""
-    torch_threads: int = Field(0, ge=0, le=1024)
-    """Threads one tensor operation may use (`torch.set_num_threads`, set by `ddiloco
-    synchronizer`). The synchronizer runs many operations at once (a thread per upload, a merge per
-    fragment), so threads inside each mostly wait on each other: one thread per operation lowers
-    both the merge's tail and the CPU per GB against torch's default of one per core
-    (bench/RESULTS.md, "Figures behind the code"). 0 (default): a quarter of the cores, at least 1
-    (1 on 2 cores; 4 on 16, where one fragment's merge alone gains from a few)."""
-    merge_threads: int = Field(0, ge=0, le=64)
-    """Pieces a merge splits its passes over a large tensor into, each on a thread of its own
-    (synchronizer/parallel_passes.py; the same bits as one). On cores shared with uploads (and here with the
-    clients) a merge's one thread got one share of them, and the slowest merges spent most of their
-    compute waiting for a core (bench/RESULTS.md, "Figures behind the code"). 0 (default): the cores
-    this process may run on over `torch_threads` (2 on 2 cores; 4 on 16). 1: one thread, no
-    pieces."""
     max_init_bytes: int = Field(16 << 30, ge=1 << 10)
     """The largest initial-model upload accepted, before the layout is known (413 above).
     Update bodies are capped by their fragment's size in float32, from the layout."""
@@ -125,6 +153,8 @@ class SyncSettings(BaseSettings):
     only those, with its own state directory; the others are refused (421, naming the owner)."""
     shards: int = Field(1, ge=1)
     """S, the job's synchronizer shards (`DDILOCO_SHARDS`); 1: one synchronizer for all."""
+    tuning: TuningSettings = Field(default_factory=TuningSettings)
+    """The performance knobs (`TuningSettings`), read from their own `DDILOCO_` names."""
     metrics: bool = True
     """Serve Prometheus metrics on GET /metrics (docs/operations.md "Metrics"). False
     (`DDILOCO_METRICS=0`): every instrument is a no-op and /metrics answers 404."""
@@ -210,8 +240,8 @@ class SyncSettings(BaseSettings):
     per period), so K = 1 moves Theta like averaging over every learner. `contributors`:
     the contributions present in the merge only (the paper's rule; since late work is
     merged too, with K = 1 and one contributor per merge Theta then moves by the *sum* of
-    the learners' deltas over a period). bench/RESULTS.md "Quality study": at equal tokens,
-    5 seeds, `live` is 7.0% lower in eval loss than `contributors` and level with K = M."""
+    the learners' deltas over a period). docs/design.md "The merge scale" has the measurements
+    behind the default."""
     outer_lr: float = Field(0.7, gt=0.0)
     """eta: outer learning rate."""
     outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
@@ -233,7 +263,7 @@ class SyncSettings(BaseSettings):
     """Refuse an update whose norm exceeds this multiple of the recent median norm (kept in
     the fragment file, so it too survives a restart)."""
     broadcast_encoding: BroadcastEncoding = "float32"
-    """How merged fragments are served to learners (synchronizer/broadcast.py): `float32`,
+    """How merged fragments are served to learners (wire/broadcast.py): `float32`,
     `bfloat16`, `int8` (blockwise absmax codes of Theta, a float32 scale per 128 values),
     `int8-delta` or `int4-delta` (the difference from the served copy the learner holds,
     quantized so that its error is carried into the next one: a learner that follows every
@@ -248,16 +278,18 @@ class SyncSettings(BaseSettings):
     any other is refused (415) before anything is written; a learner learns the list at join
     and stops with one line if its own is not in it."""
 
-    def op_threads(self) -> int:
-        """`torch_threads`, or its default: a quarter of the cores, at least one."""
-        return self.torch_threads or max(1, (os.cpu_count() or 1) // 4)
-
-    def merge_ways(self) -> int:
-        """`merge_threads`, or its default: the usable cores over `op_threads`, at least 1."""
-        if self.merge_threads:
-            return self.merge_threads
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-        return max(1, (cores or os.cpu_count() or 1) // self.op_threads())
+    @model_validator(mode="before")
+    @classmethod
+    def _file_tuning(cls, values: object) -> object:
+        """Tuning knobs given by name (`SyncSettings(snapshot_lag=0)`, the CLI's flags) go
+        into `tuning`, the rest of it read from the environment as usual."""
+        if not isinstance(values, dict) or not TUNING & values.keys():
+            return values
+        rest = {k: v for k, v in values.items() if k not in TUNING}
+        given = rest.pop("tuning", None)
+        knobs = given.model_dump() if isinstance(given, TuningSettings) else dict(given or {})
+        knobs |= {k: v for k, v in values.items() if k in TUNING}
+        return rest | {"tuning": TuningSettings(**knobs)}
 
     @field_validator("update_encodings", mode="before")
     @classmethod
@@ -303,20 +335,6 @@ class SyncSettings(BaseSettings):
                 "only its own; run one synchronizer to checkpoint or resume"
             )
         return self
-
-    @model_validator(mode="after")
-    def _snapshot_every(self) -> SyncSettings:
-        if self.snapshot_lag and self.snapshot_every > self.snapshot_lag:
-            raise ValueError(
-                f"DDILOCO_SNAPSHOT_EVERY={self.snapshot_every} exceeds DDILOCO_SNAPSHOT_LAG="
-                f"{self.snapshot_lag}: a fragment's file would trail more than the lag before "
-                "the writer wrote it; give at most the lag (0: half of it)"
-            )
-        return self
-
-    def snapshot_period(self) -> int:
-        """Merges between the background writer's files of a fragment (`snapshot_every`)."""
-        return self.snapshot_every or max(1, self.snapshot_lag // 2)
 
     @model_validator(mode="after")
     def _tls_files(self) -> SyncSettings:

@@ -1,9 +1,13 @@
-"""The learner calls of `Synchronizer`: join, heartbeat, poll, and the ledger behind them.
+"""The learners the synchronizer knows: their records and the job's totals, and the ledger
+that keeps both on disk (`Learners`, owned by the service).
 
-A mixin, as merging.py is: its methods read and write the synchronizer's state (`learners`,
-`rounds`, `layout`, `store`, ...), set up in service.py. What a learner is told here is
-durable before the answer where handing it out twice would be wrong: an incarnation, a data
-position (learner/corpus.py).
+    learners.join(req, now, waiting)    # a record for the slot, its next incarnation
+    learners.beat(hb, now, initialized) # a heartbeat's report in its record
+    learners.save()                     # every changed record and the totals, durably
+
+What a learner is told is durable before the answer where handing it out twice would be
+wrong: an incarnation, a data position (learner/corpus.py); the service saves before it
+answers.
 
 What a learner can make the synchronizer keep is bounded, whatever it sends and however
 often: at most `max_learners` records (a new id beyond that is refused unless a retired
@@ -17,18 +21,25 @@ incarnation a dropped one had, so no (learner id, incarnation) is ever issued tw
 from __future__ import annotations
 
 import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
+from typing import Any
 
 from ddiloco.synchronizer import ledger
+from ddiloco.synchronizer.config import SyncSettings
+from ddiloco.synchronizer.contribution import Contribution
 from ddiloco.synchronizer.ledger import MAX_TOTAL, MAX_TOTAL_SECONDS, LearnerRecord
+from ddiloco.synchronizer.merge import MergeOutcome, cap_counters
+from ddiloco.synchronizer.storage.state import StateStore
 from ddiloco.wire.errors import PayloadError, Refusal, SyncError
 from ddiloco.wire.protocol import (
     MAX_COUNT,
     MAX_DATA_POSITION,
     Heartbeat,
-    HeartbeatResponse,
     JoinRequest,
-    JoinResponse,
-    ModelSpec,
+    UpdateMeta,
 )
 
 log = logging.getLogger(__name__)
@@ -39,18 +50,71 @@ PER_FRAGMENT = ("steps", "tokens", "base_versions", "known_versions", "known_req
 """A heartbeat's lists indexed by fragment: none may be longer than the layout."""
 
 
-class Learners:
-    """The learner calls of `Synchronizer` (a mixin: see the module docstring)."""
+class Learners(Mapping[str, LearnerRecord]):
+    """The learner records by id (a read-only mapping), the job's totals and refusal counts,
+    and their saving. Every method but `save` runs with the service's `lock` held (it takes
+    it: an RLock)."""
 
-    def _save_ledger(self) -> None:
+    def __init__(
+        self,
+        settings: SyncSettings,
+        store: StateStore,
+        lock: AbstractContextManager[Any],
+        clock: Callable[[], float],
+        counter_cap_steps: float | None,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.lock = lock
+        self.clock = clock
+        self.counter_cap_steps = counter_cap_steps
+        self.started = clock()
+        """When this process started: a learner not heard since counts as heard then, for
+        its retirement (`retire_after_s`)."""
+        self.save_lock = threading.Lock()
+        """Orders ledger writes: the snapshot is taken and written under it."""
+        saved = store.load_ledger()
+        self.records: dict[str, LearnerRecord] = ledger.load_records(saved["learners"])
+        self.dirty: set[str] = set()
+        """Learner ids whose records changed since the ledger last saved them."""
+        self.dropped: set[str] = set()
+        """Learner ids whose records were dropped and whose rows the next save deletes."""
+        self.totals: dict = {
+            "bytes_up": 0,
+            "bytes_down": 0,
+            "merged_contributors": 0,
+            "merge_scale_sum": 0.0,
+            "merges_scaled": 0,
+            "staleness_sum": 0,
+            "merges_refused": 0,
+            "dropped_incarnation": 0,
+        }
+        """The job's counts, saved with the records."""
+        totals, refusals = ledger.load_totals(saved["totals"])
+        self.totals.update(totals)
+        self.refusals: Counter[str] = Counter(refusals)
+        """Refused requests, by kind."""
+
+    # ---- the mapping ----------------------------------------------------------------
+    def __getitem__(self, learner_id: str) -> LearnerRecord:
+        return self.records[learner_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    # ---- the ledger -----------------------------------------------------------------
+    def save(self) -> None:
         """Write every record changed since the last save, the dropped records' deletions
-        and the totals, durably; under `ledger_lock`, so saves land in the order their
+        and the totals, durably; under `save_lock`, so saves land in the order their
         contents were taken (a record marked before a save began is on disk when it ends)."""
-        with self.ledger_lock:
+        with self.save_lock:
             with self.lock:
                 ids, drop = self.dirty, self.dropped
                 self.dirty, self.dropped = set(), set()
-                rows = {i: ledger.record_row(self.learners[i]) for i in ids if i in self.learners}
+                rows = {i: ledger.record_row(self.records[i]) for i in ids if i in self.records}
                 totals = {**self.totals, "refusals": dict(self.refusals)}
             try:
                 self.store.save_ledger(rows, totals, sorted(drop - set(rows)))
@@ -60,8 +124,9 @@ class Learners:
                     self.dropped |= drop
                 raise
 
-    def _learner(self, learner_id: str) -> LearnerRecord:
-        rec = self.learners.get(learner_id)
+    def known(self, learner_id: str) -> LearnerRecord:
+        """The record of a learner that joined; refused (unknown learner) otherwise."""
+        rec = self.records.get(learner_id)
         if rec is None:
             raise SyncError(
                 Refusal.UNKNOWN_LEARNER,
@@ -77,64 +142,69 @@ class Learners:
         return now - heard > max(s.retire_after_s, s.liveness_s)
 
     def listed(self, now: float) -> dict[str, LearnerRecord]:
-        """The records status and metrics show: every one not retired (the caller holds
-        the lock)."""
-        return {k: r for k, r in self.learners.items() if not self.is_retired(r, now)}
+        """The records status and metrics show: every one not retired."""
+        with self.lock:
+            return {k: r for k, r in self.records.items() if not self.is_retired(r, now)}
 
-    def _make_room(self, learner_id: str) -> None:
+    def _make_room(self, learner_id: str, waiting: set[str]) -> str | None:
         """Before a record for a new id: refuse (409) at `max_learners` records, unless a
-        retired record that holds nothing (`ledger.droppable`, in no open round) can go;
-        the caller holds the lock."""
+        retired record that holds nothing (`ledger.droppable`, not `waiting` in a round or a
+        merge) can go; returns the id dropped, if any."""
         cap = self.settings.max_learners
-        if len(self.learners) < cap:
-            return
+        if len(self.records) < cap:
+            return None
         now = self.clock()
-        waiting = {k for r in self.rounds.rounds for k in r.contributions}
-        waiting |= {k for m in self.merging for k in m}
         candidates = [
             r
-            for k, r in self.learners.items()
+            for k, r in self.records.items()
             if self.is_retired(r, now) and ledger.droppable(r) and k not in waiting
         ]
         if candidates:  # the one unheard the longest
             r = min(candidates, key=lambda r: r.last_seen)
-            del self.learners[r.learner_id]
-            self.rounds.forget(r.learner_id)
+            del self.records[r.learner_id]
             self.dirty.discard(r.learner_id)
             self.dropped.add(r.learner_id)
             floor = max(int(self.totals["dropped_incarnation"]), r.incarnation)
             self.totals["dropped_incarnation"] = floor
             log.info("Dropped retired learner %s's empty record for %s", r.learner_id, learner_id)
-            return
+            return r.learner_id
         raise SyncError(
             Refusal.CONFLICT,
             f"this synchronizer keeps at most {cap} learner records (max_learners) and "
-            f"holds {len(self.learners)}, none of them retired and empty: learner "
+            f"holds {len(self.records)}, none of them retired and empty: learner "
             f"{learner_id!r} is new and cannot join. Reuse a slot's learner id, or raise "
             "DDILOCO_MAX_LEARNERS",
         )
 
-    def join(self, req: JoinRequest) -> JoinResponse:
+    # ---- what learners say ----------------------------------------------------------
+    def check_join(self, req: JoinRequest) -> None:
+        """Refuse (422) a join that declares more tokens per step than allowed."""
         limit = self.settings.max_tokens_per_step
         if req.tokens_per_step is not None and req.tokens_per_step > limit:
             raise PayloadError(
                 f"tokens_per_step {req.tokens_per_step} exceeds this synchronizer's "
                 f"max_tokens_per_step {limit} (DDILOCO_MAX_TOKENS_PER_STEP)"
             )
+
+    def join(
+        self,
+        req: JoinRequest,
+        waiting: Callable[[], set[str]],
+        forget: Callable[[str], None],
+    ) -> tuple[LearnerRecord, int]:
+        """The slot's record (new if need be: `waiting()`, the ids in a round or a merge,
+        are never dropped to make room; `forget` is told a dropped one's id) with its next
+        incarnation, and its data reservation taken; returns it and the data position it
+        resumes at. Saved by the caller before it answers."""
         with self.lock:
-            digest = self.layout.digest() if self.layout else None
-            if digest and req.layout_digest and req.layout_digest != digest:
-                raise SyncError(
-                    Refusal.CONFLICT,
-                    f"layout digest {req.layout_digest} differs from the "
-                    f"job's {digest}: same model, P and fragment rule on every learner"
-                    f"{self.origin_note()}",
-                )
-            rec = self.learners.get(req.learner_id)
+            rec = self.records.get(req.learner_id)
             if rec is None:
-                self._make_room(req.learner_id)
+                if len(self.records) >= self.settings.max_learners:
+                    dropped = self._make_room(req.learner_id, waiting())
+                    if dropped is not None:
+                        forget(dropped)
                 floor = int(self.totals["dropped_incarnation"])
-                rec = self.learners[req.learner_id] = LearnerRecord(req.learner_id, floor)
+                rec = self.records[req.learner_id] = LearnerRecord(req.learner_id, floor)
             if rec.incarnation >= MAX_COUNT:
                 raise SyncError(
                     Refusal.CONFLICT,
@@ -154,100 +224,77 @@ class Learners:
             rec.incarnation = max(rec.incarnation + 1, req.incarnation_floor)
             rec.tokens_per_step = req.tokens_per_step or 0
             rec.last_seen = self.clock()
-            self.rounds.heard(req.learner_id)
-            incarnation = rec.incarnation
             # the slot resumes where it was counted; the joiner reserves what it will draw
             # before its first heartbeat can report it (learner/corpus.py)
             resume = rec.data_position
             rec.data_position = min(MAX_DATA_POSITION, resume + req.data_reserve)
-            slot_steps = rec.slot_steps  # where the slot's LR schedule resumes
-            finished = self.finished()
-            merged = self.tokens_merged()
             self.dirty.add(req.learner_id)
-        # durable before the answer: an incarnation (and a data position) is never handed
-        # out twice
-        self._save_ledger()
-        log.info(
-            "Learner joined learner=%s incarnation=%d host=%s",
-            req.learner_id,
-            incarnation,
-            req.host,
-        )
-        return JoinResponse(
-            initialized=self.layout is not None,
-            layout_digest=digest,
-            versions=self.versions(),
-            incarnation=incarnation,
-            data_position=resume,
-            update_encodings=list(self.settings.update_encodings),
-            shard=self.settings.shard,
-            shards=self.settings.shards,
-            owned=list(self.owned),
-            upload_port=self.upload_port,
-            broadcast_encoding=self.settings.broadcast_encoding,
-            slot_steps=slot_steps,
-            finished=finished,
-            total_tokens=self.budget.total,
-            tokens_merged=merged,
-        )
+            return rec, resume
 
-    def _check_lists(self, hb: Heartbeat) -> None:
-        """Refuse (422, naming the field) a per-fragment list longer than the layout."""
-        if self.layout is None:
+    @staticmethod
+    def check_lists(hb: Heartbeat, fragments: int | None) -> None:
+        """Refuse (422, naming the field) a per-fragment list longer than the layout's
+        `fragments` (None: no layout yet, nothing to check against)."""
+        if fragments is None:
             return
-        n = len(self.layout.fragments)
         for name in PER_FRAGMENT:
             got = len(getattr(hb, name))
-            if got > n:
+            if got > fragments:
                 raise PayloadError(
-                    f"heartbeat field {name} has {got} entries; the job has {n} fragments"
+                    f"heartbeat field {name} has {got} entries; the job has {fragments} fragments"
                 )
 
-    def heartbeat(self, hb: Heartbeat) -> HeartbeatResponse:
-        self._check_lists(hb)
+    def beat(self, hb: Heartbeat, initialized: bool) -> bool:
+        """A heartbeat's report in the learner's record; returns whether its data position
+        advanced (a new reservation: saved before it is answered, learner/corpus.py)."""
         with self.lock:
-            rec = self._learner(hb.learner_id)
+            rec = self.known(hb.learner_id)
             rec.last_seen = self.clock()
             rec.step, rec.tokens_total, rec.step_seconds = hb.step, hb.tokens_total, hb.step_seconds
             rec.compute_seconds, rec.uptime_seconds = hb.compute_seconds, hb.uptime_seconds
             # the counters matter once there are rounds to request (after init)
-            rec.loss, rec.steps = hb.loss, (hb.steps if self.layout is not None else [])
-            self.rounds.heard(hb.learner_id, hb.step_seconds)
+            rec.loss, rec.steps = hb.loss, (hb.steps if initialized else [])
             advanced = hb.data_position > rec.data_position
             rec.data_position = max(rec.data_position, hb.data_position)
             # saved with the next ledger write (a data position's, at least every reservation)
             rec.slot_steps = max(rec.slot_steps, hb.slot_step)
             self.dirty.add(hb.learner_id)
-        if advanced:  # a new reservation is durable before it is answered (learner/corpus.py)
-            self._save_ledger()
-        return self.poll(hb.learner_id)
+            return advanced
 
-    def model_spec(self) -> ModelSpec:
-        """What the job trains, as its init upload said (kind `unknown` if it said nothing)."""
-        if self.layout is None:
-            raise SyncError(
-                Refusal.NOT_INITIALIZED, "no global model yet: the first learner uploads it"
-            )
-        return self.model or ModelSpec()
+    def noted(self, meta: UpdateMeta) -> None:
+        """An update of the learner's is in its round: its (capped) tokens are what it hands
+        over per period (`merge_scale = live`). The caller holds the lock."""
+        if (rec := self.records.get(meta.learner_id)) is not None:
+            rec.period_tokens = cap_counters(meta.tokens, meta.steps, self.counter_cap_steps)[0]
 
-    def poll(self, learner_id: str) -> HeartbeatResponse:
-        """What a learner should know now: versions, and rounds it could still join."""
+    def credit(self, taken: dict[str, Contribution], outcome: MergeOutcome | None) -> None:
+        """A merge of `taken` (`outcome` None: nothing weighed) in the records and totals."""
         with self.lock:
-            steps = self.learners[learner_id].steps
-            requested = [
-                p
-                for p in self.rounds.collecting()
-                if learner_id not in self.rounds.rounds[p].contributions
-                and p < len(steps)
-                and steps[p] > 0
-            ]
-            return HeartbeatResponse(
-                versions=self.versions(),
-                requested=requested,
-                finished=self.finished(),
-                tokens_merged=self.tokens_merged(),
-            )
+            for learner_id in taken:
+                if learner_id in self.records:
+                    self.records[learner_id].contributions += 1
+                    self.dirty.add(learner_id)  # its counts, and its period's tokens
+            if outcome is not None:
+                items = list(taken.items())
+                for i in outcome.included:
+                    learner_id, c = items[i]
+                    if learner_id in self.records:
+                        self.records[learner_id].fragment_tokens_merged += c.tokens
+                self.totals["merged_contributors"] += outcome.contributors
+                self.totals["staleness_sum"] += outcome.staleness
+                self.totals["merge_scale_sum"] += outcome.scale
+                self.totals["merges_scaled"] += 1
 
-    @staticmethod
-    def news(hb: Heartbeat, resp: HeartbeatResponse) -> bool:
-        return resp.versions != hb.known_versions or set(resp.requested) != set(hb.known_requested)
+    def count(self, key: str, n: int | float = 1) -> None:
+        """Add `n` to the total `key` (bytes up and down, merges refused)."""
+        with self.lock:
+            self.totals[key] += n
+
+    def reject(self, kind: Refusal | str = Refusal.INVALID) -> None:
+        with self.lock:
+            self.refusals[str(kind)] += 1
+
+    def mean_merge_scale(self) -> float:
+        """Over the merges counted (1 before any)."""
+        counted = self.totals["merges_scaled"]
+        return self.totals["merge_scale_sum"] / counted if counted else 1.0

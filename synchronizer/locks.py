@@ -14,14 +14,14 @@ fair: a merge waiting to install its version waited behind one upload after anot
 a merge waits for the holder only: plain acquirers wait while anyone waits in `first`.
 
     gate = MergeGate()
-    with gate:              # a merge computing (merging.py `_merged`)
+    with gate:              # a merge computing (fragment.py `Fragment._computed`)
         ...
     gate.wait()             # an upload port's body read, before each chunk (upload_port.py)
 
 On few cores a merge's arithmetic shares them with many connections' socket copies (kernel
 time, outside any CPU slot), which stretched its tail many times over. While a merge
 computes, the reads wait at their next chunk (TCP holds the senders back) for at most
-`max_wait_s` (`SyncSettings.merge_first`; bench/RESULTS.md, "How ingest reached its figure").
+`max_wait_s` (`TuningSettings.merge_first`; bench/RESULTS.md, "How ingest reached its figure").
 """
 
 from __future__ import annotations

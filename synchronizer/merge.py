@@ -17,6 +17,10 @@ which, per contribution m with progress delta_m, computes
 into new tensors (the inputs stay as they were), and refuses (raises `NonFiniteMerge`) a
 result that is not finite everywhere.
 
+The sums inside the rule (RDA's direction, the mean's sum) are formed in stream.py only, as a
+round's contributions arrive or at once (`stream.sum_terms`). synchronizer/reference_merge.py is
+the same method written plainly, and the test that the two agree.
+
 Speed (the synchronizer's bound is memory traffic, not arithmetic): one pass per operation over each
 tensor, in place where the inputs allow, the average summed with weights relative to the first
 contribution's (so it can be summed as contributions arrive: stream.py) and the outer gradient's
@@ -37,12 +41,11 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from ddiloco.synchronizer import parallel_passes, update_passes
+from ddiloco.synchronizer import parallel_passes, stream, update_passes
 from ddiloco.synchronizer.buffers import POOL
 from ddiloco.synchronizer.contribution import Contribution
 from ddiloco.synchronizer.outer import OuterNesterov
 from ddiloco.synchronizer.update_passes import Term
-from ddiloco.wire import quant
 from ddiloco.wire.protocol import FragmentSpec, MergeRule
 
 if TYPE_CHECKING:
@@ -52,7 +55,9 @@ if TYPE_CHECKING:
 Tensors = dict[str, torch.Tensor]
 Weighting = Literal["tokens2_per_step", "tokens", "uniform"]
 
-_EPS = 1e-12
+DIRECTIONS_CANCEL = 1e-6
+"""||u|| (the weighted mean of unit directions, at most 1) at or below which RDA's directions
+are taken to cancel and the weighted mean is used instead."""
 
 
 def contribution_weight(tokens: int, steps: int, how: Weighting = "tokens2_per_step") -> float:
@@ -90,114 +95,6 @@ def relative(weights: Sequence[float], ref: float | None = None) -> tuple[list[f
     return rel, float(sum(rel))
 
 
-def term_alpha(rel: float, norm: float) -> float | None:
-    """The factor of a delta of norm `norm` and relative weight `rel` in RDA's direction
-    (None: a delta of norm ~0 has no direction; it counts in the radius only)."""
-    return rel / norm if norm > _EPS else None
-
-
-def _weighted_sum(terms: Sequence[tuple[Term, float]], like: Term, ways: int = 1) -> torch.Tensor:
-    """sum of alpha * t into a new float32 tensor (`accumulate`)."""
-    out = POOL.take(like.shape)
-    if not terms:
-        return out.zero_()
-    accumulate(out, terms, True, ways)
-    return out
-
-
-def accumulate(
-    dst: torch.Tensor, terms: Sequence[tuple[Term, float]], fresh: bool, ways: int = 1
-) -> None:
-    """dst (+)= each alpha * t in order (`fresh`: the first written, not added: no zeroed
-    pass before it; update_passes.py: a bf16 term is read once, in cache-sized chunks), in `ways`
-    pieces (parallel_passes.py: each piece adds every term over its values, the same bits; a
-    quantized term's whole blocks dequantized in each; one piece when a term's blocks do
-    not divide the pieces' stride). A merge's sum, and the terms a round's sum still
-    queues when the merge claims it (stream.py)."""
-    if not all(splits(t) for t, _ in terms):
-        ways = 1  # one piece: the whole of every term
-    d = dst.view(-1)
-    flats = [(t.reshape(-1) if isinstance(t, torch.Tensor) else t, a) for t, a in terms]
-
-    def piece(s: slice) -> None:
-        for k, (t, a) in enumerate(flats):
-            (update_passes.scale_into if k == 0 and fresh else update_passes.axpy)(
-                d[s], piece_of(t, s), a
-            )
-
-    parallel_passes.run(d.numel(), piece, ways)
-
-
-def splits(t: Term) -> bool:
-    """Whether a term can be summed in pieces: a tensor, or codes whose blocks divide the
-    pieces' stride (a piece then holds whole blocks)."""
-    return isinstance(t, torch.Tensor) or parallel_passes.STRIDE % t.block == 0
-
-
-def piece_of(t: Term, s: slice) -> Term:
-    return t[s] if isinstance(t, torch.Tensor) else quant.values(t, s.start, s.stop)
-
-
-def weighted_mean(
-    deltas: Sequence[Term],
-    weights: Sequence[float],
-    scale: float = 1.0,
-    summed: torch.Tensor | None = None,
-    ways: int = 1,
-    ref: float | None = None,
-) -> torch.Tensor:
-    """scale * sum_m w_m delta_m / sum_m w_m (a new float32 tensor): the sum with relative
-    weights, then one multiplication (in `ways` pieces: parallel_passes.py). `summed`: that sum,
-    already formed (stream.py; it is consumed), its weights relative to `ref`."""
-    rel, total = relative(weights, ref)
-    if summed is None:
-        terms = [(d, r) for d, r in zip(deltas, rel, strict=True) if r]
-        summed = _weighted_sum(terms, deltas[0], ways)
-    return parallel_passes.scale_(summed, scale / total, ways)
-
-
-def rda(
-    deltas: Sequence[Term],
-    weights: Sequence[float],
-    norms: Sequence[float | None] | None = None,
-    scale: float = 1.0,
-    summed: torch.Tensor | None = None,
-    ways: int = 1,
-    ref: float | None = None,
-) -> torch.Tensor:
-    """Radial-directional averaging: mean length times the direction of the mean direction.
-
-        r = sum w ||d|| / sum w;   u = sum w d/||d|| / sum w;   result = scale * r * u / ||u||
-
-    Equal-norm inputs keep their norm whatever their number; identical directions give
-    the weighted mean. If the directions cancel (||u|| ~ 0) it falls back to the mean.
-    `norms[i]`, when given and not None, is ||deltas[i]|| already measured (admission's).
-    `scale` (the merge's sign and `merge_scale`) rides on the final multiplication.
-    u is summed with weights relative to the first (`relative`, `term_alpha`): its scale
-    cancels in u / ||u||. `summed`: that sum, already formed as the round's contributions
-    arrived (stream.py; it is consumed), its weights relative to `ref`. `ways`: the final
-    multiplication's pieces (parallel_passes.py).
-    """
-    rel, total = relative(weights, ref)
-    known = list(norms) if norms is not None else [None] * len(deltas)
-    radius = 0.0
-    terms = []
-    for d, r, measured in zip(deltas, rel, known, strict=True):
-        if not r:
-            continue
-        n = update_passes.norm(d) if measured is None else measured
-        radius += r * n
-        if (alpha := term_alpha(r, n)) is not None:
-            terms.append((d, alpha))
-    radius /= total
-    direction = summed if summed is not None else _weighted_sum(terms, deltas[0], ways)
-    dn = float(torch.linalg.vector_norm(direction))  # of sum w u / w_ref
-    if dn / total <= 1e-6 * max(radius, _EPS) or dn <= _EPS:
-        POOL.give([direction])
-        return weighted_mean(deltas, weights, scale, ways=ways, ref=ref)
-    return parallel_passes.scale_(direction, scale * radius / dn, ways)
-
-
 def merge_fragment(
     deltas: Sequence[dict[str, Term]],
     weights: Sequence[float],
@@ -210,44 +107,69 @@ def merge_fragment(
     ref: float | None = None,
 ) -> Tensors:
     """Combine per-learner outer gradients of one fragment into one outer gradient, times
-    `scale`. `norms[i]`: the per-tensor norms of `deltas[i]` when known (per-tensor RDA
-    uses them). `summed`: per tensor, the sum of the rule's terms already formed
-    (stream.py; consumed; per-tensor granularity only), with weights relative to `ref`.
-    `ways`: pieces of the final multiplication (parallel_passes.py)."""
+    `scale`: the weighted mean, or radial-directional averaging per tensor or over the
+    fragment (`granularity`):
+
+        r = sum w ||d|| / sum w;   u = sum w d/||d|| / sum w;   result = scale * r * u / ||u||
+
+    Equal-norm inputs keep their norm whatever their number; identical directions give the
+    weighted mean; where the directions cancel (||u|| ~ 0) it falls back to the mean.
+
+    The sums (u, or the mean's) are stream.py's: `summed`, formed as the round's
+    contributions arrived (consumed), its terms relative to the weight `ref`; else summed
+    here by `stream.sum_terms`. `norms[i]`: the per-tensor norms of `deltas[i]` when known
+    (admission's; measured here otherwise). `ways`: pieces of each pass (parallel_passes.py)."""
     names = list(deltas[0])
-    given = summed or {}
+    known = list(norms) if norms is not None else [None] * len(deltas)
+    if method != "mean":
+        known = [
+            k if k is not None else {n: update_passes.norm(d[n]) for n in names}
+            for d, k in zip(deltas, known, strict=True)
+        ]
+    if summed is None:
+        summed, ref = stream.sum_terms(deltas, weights, known, method, granularity, ways)
+    rel, total = relative(weights, ref)
     if method == "mean":
-        return {
-            n: weighted_mean([d[n] for d in deltas], weights, scale, given.get(n), ways, ref)
-            for n in names
-        }
-    if granularity == "tensor":
-        known = list(norms) if norms is not None else [None] * len(deltas)
-        return {
-            n: rda(
-                [d[n] for d in deltas],
-                weights,
-                [k[n] if k else None for k in known],
-                scale,
-                given.get(n),
-                ways,
-                ref,
-            )
-            for n in names
-        }
-    POOL.give(given.values())
-    # Whole-fragment RDA: flatten every contribution, merge once, split back.
-    flat = [torch.cat([update_passes.dense(d[n]).reshape(-1) for n in names]) for d in deltas]
-    merged = rda(flat, weights, scale=scale, ways=ways)
+        return {n: parallel_passes.scale_(summed[n], scale / total, ways) for n in names}
     out: Tensors = {}
-    offset = 0
-    for n in names:
-        shape = tuple(deltas[0][n].shape)
-        numel = math.prod(shape)
-        out[n] = merged[offset : offset + numel].view(shape).clone()
-        offset += numel
-    POOL.give([merged])
+    for group in [[n] for n in names] if granularity == "tensor" else [names]:
+        radius = (
+            sum(
+                r * math.hypot(*(k[n] for n in group))  # type: ignore[index]
+                for r, k in zip(rel, known, strict=True)
+            )
+            / total
+        )
+        parts = [summed[n] for n in group if n in summed]  # none: no input had a direction
+        dn = math.hypot(*(float(torch.linalg.vector_norm(t)) for t in parts))  # of sum w u / w_ref
+        if dn / total <= DIRECTIONS_CANCEL or dn <= stream.EPS:
+            POOL.give(parts)
+            some = [{n: d[n] for n in group} for d in deltas]
+            out.update(merge_fragment(some, weights, "mean", scale=scale, ways=ways))
+            continue
+        out.update({n: parallel_passes.scale_(summed[n], scale * radius / dn, ways) for n in group})
     return out
+
+
+def rda(
+    deltas: Sequence[Term],
+    weights: Sequence[float],
+    norms: Sequence[float | None] | None = None,
+    scale: float = 1.0,
+    ways: int = 1,
+) -> torch.Tensor:
+    """Radial-directional averaging of one tensor's outer gradients (`merge_fragment`)."""
+    known = [None if n is None else {"": n} for n in norms] if norms is not None else None
+    return merge_fragment(
+        [{"": d} for d in deltas], weights, "rda", "tensor", known, scale, ways=ways
+    )[""]
+
+
+def weighted_mean(
+    deltas: Sequence[Term], weights: Sequence[float], scale: float = 1.0, ways: int = 1
+) -> torch.Tensor:
+    """scale * sum_m w_m delta_m / sum_m w_m (`merge_fragment`)."""
+    return merge_fragment([{"": d} for d in deltas], weights, "mean", scale=scale, ways=ways)[""]
 
 
 class NonFiniteMerge(ArithmeticError):
@@ -286,7 +208,7 @@ class MergePolicy:
     scale: Literal["contributors", "live"] = "contributors"
     outer: OuterNesterov = field(default_factory=OuterNesterov)  # outer.py
     threads: int = 1
-    """Pieces a large tensor's passes are split into (parallel_passes.py; `SyncSettings.merge_threads`):
+    """Pieces a large tensor's passes are split into (parallel_passes.py; `TuningSettings.merge_threads`):
     how the merge runs, not what it computes (the same bits), so no journal record names it."""
 
     @classmethod
@@ -298,8 +220,13 @@ class MergePolicy:
             counter_cap_steps=s.counter_cap_steps,
             scale=s.merge_scale,
             outer=OuterNesterov(lr=s.outer_lr, momentum=s.outer_momentum, nesterov=s.nesterov),
-            threads=s.merge_ways(),
+            threads=s.tuning.merge_ways(),
         )
+
+    def weight(self, c: Contribution) -> tuple[float, int]:
+        """A contribution's weight and the tokens it counts for, its counters capped."""
+        tokens, steps = cap_counters(c.tokens, c.steps, self.counter_cap_steps)
+        return contribution_weight(tokens, steps, self.weighting), tokens
 
     def rule_for(self, spec: FragmentSpec) -> MergeRule:
         return "mean" if spec.embedding else self.rule
@@ -329,8 +256,7 @@ class MergePolicy:
         norms: list[dict[str, float] | None] = []
         capped_tokens = 0
         for i, c in enumerate(contributions):
-            tok, steps = cap_counters(c.tokens, c.steps, self.counter_cap_steps)
-            w = contribution_weight(tok, steps, self.weighting)
+            w, tok = self.weight(c)
             if w <= 0:
                 continue
             # Outer gradient Delta_m = -delta_m: the learner's own progress. For an update

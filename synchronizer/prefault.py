@@ -15,7 +15,7 @@ pool's tensors (`adopt`). Loaded from a file or an init body they were tensors t
 make, so the first merge's install dropped them and each fragment's second merge faulted two fresh
 float32 tensors per tensor (bench/RESULTS.md, "Figures behind the code"); adopted, they come back to
 the pool when superseded, as a merged state's do. Not in a background thread: under the first
-uploads it finished after the first merges it was meant for. `SyncSettings.prime_buffers` turns it
+uploads it finished after the first merges it was meant for. `TuningSettings.prime_buffers` turns it
 off.
 """
 

@@ -275,7 +275,7 @@ async def init(request: Request, sync: SyncDep, who: PrincipalDep) -> InitRespon
     responses={200: {"content": {CONTENT_TYPE: {}}, "description": "the global fragment"}},
 )
 async def fragment(p: int, sync: SyncDep, held: Annotated[str | None, Query()] = None) -> Response:
-    """The served fragment p; `held`: the token of the copy the learner holds (broadcast.py),
+    """The served fragment p; `held`: the token of the copy the learner holds (wire/broadcast.py),
     for a delta from it where the encoding has one."""
     version, body = await asyncio.to_thread(sync.fragment, p, held)
     return Response(body, media_type=CONTENT_TYPE, headers={VERSION_HEADER: str(version)})

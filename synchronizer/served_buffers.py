@@ -1,5 +1,5 @@
 """The buffers downloads are served from: each fragment's safetensors bytes in a float dtype
-(`encode`) or as quantized codes (`encode_codes`, broadcast.py's encodings), encoded into
+(`encode`) or as quantized codes (`encode_codes`, served_versions.py's encodings), encoded into
 buffers that are reused once no download holds them.
 
     served = Served("bfloat16", fragments=4)
@@ -7,12 +7,11 @@ buffers that are reused once no download holds them.
     ...                                     # install it; the one it replaces:
     served.retire(p, old_view)              # reused by a later encode once nobody reads it
 
-A merge used to encode its fragment with `v.to(bfloat16)` and then `b"".join`: two fresh
-allocations of the payload's size (32 MB for 16M parameters) whose every page faults on
-first touch, which cost a merge more than the outer step's arithmetic.
-Here the header is laid out first and each tensor converted straight into its place in the
+The header is laid out first and each tensor converted straight into its place in the
 payload (one pass, torch's copy, the GIL released), in the buffer of a superseded version
-when one is idle (bench/RESULTS.md, "Figures behind the code").
+when one is idle: a converted copy joined into a fresh payload would be two new allocations
+of the payload's size whose every page faults on first touch, which costs a merge more than
+the outer step's arithmetic (bench/RESULTS.md, "Figures behind the code").
 
 A retired buffer is idle when nothing but this object refers to it: a download that took
 the view (`Synchronizer.fragment`) keeps a reference until its response is sent, and every
@@ -35,7 +34,7 @@ __all__ = ["Served"]
 
 KEEP = 2
 """Retired buffers kept per fragment and payload kind (a slow download holds one; the next
-merge takes the other). A delta encoding serves two kinds per version (broadcast.py)."""
+merge takes the other). A delta encoding serves two kinds per version (served_versions.py)."""
 
 
 class Served:
@@ -67,7 +66,7 @@ class Served:
     def encode_codes(
         self, p: int, codes: dict[str, Quantized], metadata: dict[str, str] | None = None
     ) -> memoryview:
-        """The payload of quantized tensors (broadcast.py): each `name`'s codes, flat, and
+        """The payload of quantized tensors (served_versions.py): each `name`'s codes, flat, and
         its scales as `name#scales` (encodings.py's layout), into a recycled buffer too."""
         parts: dict[str, torch.Tensor] = {}
         for name, q in codes.items():

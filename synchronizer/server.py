@@ -37,7 +37,7 @@ from typing import Any
 
 import uvicorn
 
-from ddiloco.cli.errors import usage_errors
+from ddiloco.cli.errors import RuntimeFailure, usage_errors
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.shards import check_state_dir
 from ddiloco.wire import tls
@@ -194,7 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     with usage_errors("ddiloco synchronizer"):  # one line, exit 2 (cli/errors.py)
         settings = SyncSettings(**overrides)
         settings.tokens()  # refuse a missing or empty token file now, by name
-        Path(settings.state_dir).mkdir(parents=True, exist_ok=True)  # else at startup, traced
+        from ddiloco.synchronizer.storage.statedir import StateDirBusy, open_state_dir
+
+        try:  # the lock held while `held` is open: for the process's life
+            held = open_state_dir(Path(settings.state_dir))  # every file's format checked
+        except StateDirBusy as e:  # another synchronizer on it: one line, exit 1
+            raise RuntimeFailure(str(e)) from None
         check_state_dir(settings)  # another shard's (or another S's) state dir: one line
         if settings.init_from and not (Path(settings.state_dir) / "layout.json").exists():
             from ddiloco.synchronizer.checkpoints import check_source
@@ -204,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ddiloco.synchronizer.app import create_app  # torch: after the settings are checked
 
-    torch.set_num_threads(settings.op_threads())
+    torch.set_num_threads(settings.tuning.op_threads())
 
     shown = settings.model_dump(exclude={"token"})  # paths only: never a token or a key
     log.info("Starting synchronizer config=%s op_threads=%d", shown, torch.get_num_threads())
@@ -225,4 +230,5 @@ def main(argv: list[str] | None = None) -> int:
     # default a merge's tail was mostly that wait (bench/RESULTS.md, "Figures behind the code").
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     uvicorn.Server(config).run()
+    held.close()
     return 0

@@ -4,13 +4,16 @@
 block (decoding, merging, fsync) and take locks, so the routes call every one of them from a
 worker thread, never on the event loop.
 
-Who owns what: `admission` decides accept / duplicate / refuse; `Rounds` owns the quorum,
-the grace window and all of its inputs (liveness, step times); `MergePolicy` turns a round
-into the next version; `StateStore` keeps fragments, pending updates and the ledger on disk.
-Three mixins hold the rest of its methods: the update path (`submit`, from a body to a
-durable record in its round) in updates.py, the learner calls (`join`, `heartbeat`, `poll`)
-in learners.py, the merge path (`merge`) in merging.py, and making a merge durable, the
-background file writes and a restart's replay in durable.py.
+Who owns what: each `Fragment` (fragment.py) its state, its round's sum, its pending log,
+journal and file, its served copy and its locks: what is done to one fragment (admit an
+update, merge its round, make the merge durable, serve it) is its method. `Learners`
+(learners.py) owns the learner records, the job's totals and their ledger. `admission`
+decides accept / duplicate / refuse; `Rounds` owns the quorum, the grace window and all of
+its inputs (liveness, step times); `MergePolicy` turns a round into the next version;
+`StateStore` keeps fragments, pending updates and the ledger on disk. The service holds
+these and what is global (layout, model spec, budget, evaluations, checkpoints, metrics),
+and its methods are what a route asks: `submit` (an update: checked, decoded, then its
+fragment's), `merge`, `join`, `heartbeat`, `poll`, `fragment` (a download), `status`.
 
 The contract: an update answered `accepted` is in the fragment's pending log on disk before
 the answer, and is merged exactly once, whatever crashes: a restarted synchronizer replays
@@ -34,49 +37,55 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 
 import torch
 
-from ddiloco.synchronizer import broadcast, checkpoints, ledger, shards
-from ddiloco.synchronizer.broadcast import Broadcast
+from ddiloco.synchronizer import admission, checkpoints, ledger, shards, update_passes
 from ddiloco.synchronizer.budget import Budget
+from ddiloco.synchronizer.buffers import POOL
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.contribution import Contribution
 from ddiloco.synchronizer.evaluations import Evaluations
+from ddiloco.synchronizer.fragment import SCHED_ONLY, Fragment, Shared
 from ddiloco.synchronizer.learners import Learners
-from ddiloco.synchronizer.ledger import LearnerRecord
-from ddiloco.synchronizer.locks import FragmentLock, MergeGate
-from ddiloco.synchronizer.merge import MergePolicy
-from ddiloco.synchronizer.merging import Merging
-from ddiloco.synchronizer.metrics import SyncMetrics
+from ddiloco.synchronizer.locks import MergeGate
+from ddiloco.synchronizer.merge import MergePolicy, NonFiniteMerge
+from ddiloco.synchronizer.metrics import SyncMetrics, encoding_of
 from ddiloco.synchronizer.prefault import prime
 from ddiloco.synchronizer.rounds import GracePolicy, Rounds
 from ddiloco.synchronizer.served_buffers import Served
-from ddiloco.synchronizer.storage.journal import MergeJournal
 from ddiloco.synchronizer.storage.pending import PendingLog
 from ddiloco.synchronizer.storage.snapshots import Snapshots
 from ddiloco.synchronizer.storage.state import FragmentState, StateStore
-from ddiloco.synchronizer.stream import RoundSum
-from ddiloco.synchronizer.updates import Updates
-from ddiloco.wire import codec
+from ddiloco.wire import broadcast, codec, encodings
+from ddiloco.wire.auth import JOB, Principal
 from ddiloco.wire.errors import PayloadError, Refusal, SyncError
 from ddiloco.wire.protocol import (
     MODEL_KEY,
     FragmentStatus,
+    Heartbeat,
+    HeartbeatResponse,
     InitResponse,
+    JoinRequest,
+    JoinResponse,
     Layout,
     ModelSpec,
     Status,
+    UpdateResponse,
 )
+from ddiloco.wire.quant import Quantized
 
 log = logging.getLogger(__name__)
 
 
-__all__ = ["SyncError", "Synchronizer"]
+__all__ = ["HEADER_SLACK", "SyncError", "Synchronizer"]
+
+HEADER_SLACK = 1 << 20
+"""Bytes a safetensors header with metadata may add to a fragment's tensors."""
 
 
 def model_from_metadata(meta: dict[str, str]) -> ModelSpec | None:
@@ -90,8 +99,13 @@ def model_from_metadata(meta: dict[str, str]) -> ModelSpec | None:
         raise PayloadError(f"init payload has an invalid model spec: {str(e)[:500]}") from None
 
 
-class Synchronizer(Updates, Learners, Merging):
-    """State: layout, per-fragment Theta/momentum/version, open rounds, learner ledger."""
+class Synchronizer:
+    """The job's global model and its learners: what the routes and the upload port ask.
+
+    Holds the layout and model spec, one `Fragment` per fragment of the layout (its state,
+    round sum, log, journal, file and served copy: fragment.py), the learners and the job's
+    totals (`Learners`, learners.py), the rounds' timing (`Rounds`), and what is global: the
+    token budget, evaluations, checkpoints and metrics."""
 
     def __init__(self, settings: SyncSettings, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = s = settings
@@ -100,9 +114,7 @@ class Synchronizer(Updates, Learners, Merging):
         self.clock = clock
         self.store = StateStore(s.state_dir)
         self.lock = threading.RLock()
-        """Guards learners, totals and rounds; never held across disk writes."""
-        self.ledger_lock = threading.Lock()
-        """Orders ledger writes: the snapshot is taken and written under it."""
+        """Guards the learners, the totals and the rounds; never held across disk writes."""
         self.policy = MergePolicy.from_settings(s)
         self.grace = GracePolicy(
             enabled=s.grace,
@@ -119,46 +131,17 @@ class Synchronizer(Updates, Learners, Merging):
         """The fragments this shard owns ([] before init; all of them with one shard)."""
         self.model: ModelSpec | None = self.store.load_model()
         """What the job trains, from the init upload (None: it said nothing, or no init)."""
-        self.fragments: list[FragmentState] = []
-        self.frag_locks: list[FragmentLock] = []
-        """One per fragment, held by an update's admission, and by a merge of that fragment
-        only while it takes the round and while it installs the merged version: not while it
-        computes nor while it persists (posts of the fragment went on waiting ~1 s for that);
-        then before any waiting post (`first`, locks.py)."""
-        self.merge_locks: list[threading.Lock] = []
-        """One per fragment: one merge of it at a time."""
-        self.merging: list[dict[str, Contribution]] = []
-        """Per fragment, the contributions a merge has taken and not yet installed: their
-        high-water marks still count (a re-send of one is a duplicate)."""
-        self.served: list[Broadcast] = []
-        """Per fragment, the version served and its payloads (broadcast.py; served_buffers.py's
-        buffers): `served[p][0]` is its version."""
+        self.fragments: list[Fragment] = []
+        """One per fragment of the layout, owned here or not (fragment.py)."""
         self.payloads = self._payloads(0)
-        self.journals: list[MergeJournal] = []
-        """Per fragment, the merges its file does not hold yet (journal.py)."""
-        self.file_versions: list[int] = []
-        """Per fragment, the version its file holds (`snapshot_lag` behind at most)."""
-        self.writing: list[FragmentState | None] = []
-        """Per fragment, the state being written to its file: not recycled meanwhile."""
-        self.retired: list[FragmentState | None] = []
-        """Per fragment, a state superseded while its file was being written from it: the
-        writer gives its buffers back once done (fresh 64 MB buffers cost page faults)."""
-        self.unsnapped: list[list[tuple[int, list[PendingLog]]]] = []
-        """Per fragment, (version, the log segments its merge sealed) of each journaled
-        merge: deleted once the file holds that version."""
-        self.resync: list[bool] = []
-        """Per fragment, a refused merge's round was put back: its sums are not in the
-        log's order, so the next merge writes its file before serving (journal.py)."""
-        self.sums: list[RoundSum] = []
-        """Per fragment, its open round's merge direction summed as contributions arrive."""
-        self.cpu = threading.BoundedSemaphore(
-            settings.cpu_slots or max(1, len(os.sched_getaffinity(0)) - 1)
-        )
-        """Uploads in their passes over the bytes at once (`SyncSettings.cpu_slots`; by
+        """The served payloads' buffers (served_buffers.py)."""
+        self.cpu = threading.BoundedSemaphore(settings.tuning.upload_slots())
+        """Uploads in their passes over the bytes at once (`TuningSettings.cpu_slots`; by
         default all cores but one): a merge, which takes no slot, is not one runnable
         thread among every connection's."""
         self.snapshots: Snapshots | None = None
-        self.computing = MergeGate(enabled=s.merge_first)
+        """The background writer of the fragments' files (snapshots.py)."""
+        self.computing = MergeGate(enabled=s.tuning.merge_first)
         """Merges computing now: the upload port's body reads wait for them (locks.py)."""
         self.primings: dict[str, int] = {}
         """What the last priming made, by pool."""
@@ -174,28 +157,8 @@ class Synchronizer(Updates, Learners, Merging):
         """The latest evaluation of the global model an evaluator posted (evaluations.py)."""
         self.metrics = SyncMetrics(self.status, enabled=s.metrics)
         """Prometheus instruments, observed below as things happen (metrics.py)."""
-        self.started = clock()
-        """When this process started: a learner not heard since counts as heard then, for
-        its retirement (`retire_after_s`)."""
-        saved = self.store.load_ledger()
-        self.learners: dict[str, LearnerRecord] = ledger.load_records(saved["learners"])
-        self.dirty: set[str] = set()
-        """Learner ids whose records changed since the ledger last saved them."""
-        self.dropped: set[str] = set()
-        """Learner ids whose records were dropped and whose rows the next save deletes."""
-        self.totals: dict = {
-            "bytes_up": 0,
-            "bytes_down": 0,
-            "merged_contributors": 0,
-            "merge_scale_sum": 0.0,
-            "merges_scaled": 0,
-            "staleness_sum": 0,
-            "merges_refused": 0,
-            "dropped_incarnation": 0,
-        }
-        totals, refusals = ledger.load_totals(saved["totals"])
-        self.totals.update(totals)
-        self.refusals: Counter[str] = Counter(refusals)
+        self.learners = Learners(s, self.store, self.lock, clock, self.policy.counter_cap_steps)
+        """The learner records, the job's totals and their ledger (learners.py)."""
         self.rounds: Rounds[Contribution] = self._rounds(0)
         if self.layout is not None:
             self._adopt(shards.load_owned(self.store, self.layout, self.owned))
@@ -240,54 +203,59 @@ class Synchronizer(Updates, Learners, Merging):
             clock=self.clock,
         )
 
-    def _adopt(self, fragments: list[FragmentState]) -> None:
-        self.fragments = fragments
-        self.frag_locks = [FragmentLock() for _ in fragments]
-        self.merge_locks = [threading.Lock() for _ in fragments]
-        self.merging = [{} for _ in fragments]
-        self.payloads = self._payloads(len(fragments))
-        self.served = [self._encode(p, fs) for p, fs in enumerate(fragments)]
-        self.rounds = self._rounds(len(fragments))
-        n = len(fragments)
-        self.journals = [MergeJournal(self.store.root, p) for p in range(n)]
-        self.file_versions = [fs.version for fs in fragments]
-        self.writing = [None] * n
-        self.retired = [None] * n
-        self.unsnapped = [[] for _ in range(n)]
-        self.resync = [False] * n
-        self.sums = [self._round_sum(p) for p in range(n)]
+    def _adopt(self, states: list[FragmentState]) -> None:
+        """Make `states` the fragments (the layout's, in order): each a `Fragment` serving its
+        state, with new rounds, payload buffers and file writer."""
+        assert self.layout is not None
+        n = len(states)
+        self.payloads = self._payloads(n)
+        self.rounds = self._rounds(n)
         if self.snapshots is not None:
             self.snapshots.close()
         self.snapshots = Snapshots(
-            self._write_file, n, lambda p: self.fragments[p].version - self.file_versions[p]
+            lambda p: self.fragments[p].write_file(), n, lambda p: self.fragments[p].behind()
         )
-        if self.settings.prime_buffers:  # before a round can close (prefault.py)
+        shared = Shared(
+            settings=self.settings,
+            policy=self.policy,
+            store=self.store,
+            payloads=self.payloads,
+            rounds=self.rounds,
+            lock=self.lock,
+            computing=self.computing,
+            metrics=self.metrics,
+            clock=self.clock,
+            lost=lambda p, e: self.on_fatal(),
+            snapshots=self.snapshots,
+        )
+        self.fragments = [
+            Fragment(p, spec, fs, shared)
+            for p, (spec, fs) in enumerate(zip(self.layout.fragments, states, strict=True))
+        ]
+        if self.settings.tuning.prime_buffers:  # before a round can close (prefault.py)
             self.primings = prime(
-                fragments, self.owned, self.payloads, self.journals, self.accepted
+                [f.state for f in self.fragments],
+                self.owned,
+                self.payloads,
+                [f.journal for f in self.fragments],
+                self.accepted,
             )
-
-    def _round_sum(self, p: int) -> RoundSum:
-        """A new round of fragment p's direction, summed as its contributions arrive."""
-        assert self.layout is not None
-        return RoundSum(self.policy, self.policy.rule_for(self.layout.fragments[p]))
 
     def _payloads(self, n: int) -> Served:
         """Buffers for n fragments' served payloads (two kinds a version for a delta
         encoding: the delta and the whole)."""
         encoding = self.settings.broadcast_encoding
         kinds = 2 if encoding in broadcast.DELTAS else 1
-        return Served(broadcast.whole_dtype(encoding), n, self.settings.merge_ways(), kinds)
+        return Served(broadcast.whole_dtype(encoding), n, self.settings.tuning.merge_ways(), kinds)
 
-    def _encode(self, p: int, fs: FragmentState, prev: Broadcast | None = None) -> Broadcast:
-        """Fragment p's served payloads of `fs` (broadcast.py): a delta encoding's delta from
-        `prev`, the version served before; without it, its served copy restarts from Theta."""
-        return broadcast.encode(
-            self.payloads, self.settings.broadcast_encoding, p, fs.version, fs.params, prev
-        )
+    def _replay(self) -> int:
+        """A restart: each owned fragment redoes the journaled merges its file lacks and puts
+        its log's pending updates back in its round (fragment.py); returns how many."""
+        return sum(self.fragments[p].replay(self.learners.noted) for p in self.owned)
 
     def versions(self) -> list[int]:
         """Published versions: durable on disk and served (a merge in progress is not)."""
-        return [served.version for served in self.served]
+        return [f.version for f in self.fragments]
 
     def init(self, payload: bytes) -> InitResponse:
         header = codec.read_header(payload)
@@ -345,9 +313,10 @@ class Synchronizer(Updates, Learners, Merging):
             " must train that model, with its P and fragment rule)"
         )
 
+    # ---- downloads ---------------------------------------------------------------
     def fragment(self, p: int, held: str | None = None) -> tuple[int, memoryview]:
         """Fragment p's served version and the payload for a learner holding `held` (the
-        token of its last download, broadcast.py): the delta from it when the encoding has
+        token of its last download, wire/broadcast.py): the delta from it when the encoding has
         one and `held` names the version before, else the whole fragment."""
         if self.layout is None:
             raise SyncError(
@@ -358,10 +327,8 @@ class Synchronizer(Updates, Learners, Merging):
                 Refusal.INVALID, f"fragment {p} does not exist (0..{len(self.fragments) - 1})"
             )
         self.check_owner(p)
-        served = self.served[p]
-        body, label = served.body(held)
-        with self.lock:
-            self.totals["bytes_down"] += len(body)
+        served, body, label = self.fragments[p].serve(held)
+        self.learners.count("bytes_down", len(body))
         self.metrics.bytes_served.labels(label).inc(len(body))
         return served.version, body
 
@@ -377,18 +344,277 @@ class Synchronizer(Updates, Learners, Merging):
                 "DDILOCO_SYNC_URL lists the shards in order)",
             )
 
-    # ---- status ------------------------------------------------------------------
-    def _mean_merge_scale(self) -> float:
-        """Over the merges this process and its restored ledger counted (a ledger from before
-        the setting existed has no sum: its merges read 1)."""
-        counted = self.totals["merges_scaled"]
-        return self.totals["merge_scale_sum"] / counted if counted else 1.0
+    # ---- updates -----------------------------------------------------------------
+    def body_limit(self, p: int | None) -> int:
+        """The largest body the update route of fragment p (None: the init route) can need;
+        pure and lock-free. An update before init, or to a fragment that does not exist, is
+        refused from its header alone."""
+        if p is None:
+            return self.settings.max_init_bytes
+        if self.layout is None or not 0 <= p < len(self.layout.fragments):
+            return HEADER_SLACK
+        return self.layout.fragments[p].numel() * 4 + HEADER_SLACK
 
+    def submit(
+        self, payload: bytes, path_fragment: int | None = None, speaker: Principal = JOB
+    ) -> UpdateResponse:
+        """Admit one update sent with `speaker`'s credential (routes.py and the upload port
+        pass the request's; the job key by default): decode, check, hold in its fragment's
+        round, log, fsync; then `accepted`.
+
+        Checked in this order, each refusal a `SyncError` that changes nothing: a model to
+        update (init done), its header (admission.parse_update), the shard that owns its
+        fragment, its learner, duplicate (under the lock, no decode), its encoding and
+        shapes (encodings.py), a finite norm, then under the fragment's lock its staleness
+        and the norm guard against the durable history (`Fragment.admit`)."""
+        if self.layout is None:
+            raise SyncError(Refusal.NOT_INITIALIZED, "no global model yet: nothing to update")
+        header = codec.read_header(payload, codes=True)  # checked once, used twice
+        meta = admission.parse_update(header, path_fragment, len(self.fragments))
+        if not speaker.speaks_for(meta.learner_id):
+            raise SyncError(
+                Refusal.FORBIDDEN,
+                f"this credential ({speaker}) does not speak for learner {meta.learner_id!r}: "
+                "a learner sends only its own updates",
+            )
+        self.check_owner(meta.fragment)
+        rec = self.learners.known(meta.learner_id)
+        admission.check_tokens(meta, rec.tokens_per_step, self.settings.max_tokens_per_step)
+        if meta.incarnation > rec.incarnation:  # the ledger's count is durable: a restart keeps it
+            raise SyncError(
+                Refusal.FORBIDDEN,
+                f"update says incarnation {meta.incarnation} of learner {meta.learner_id!r}, "
+                f"which has joined {rec.incarnation} time(s): incarnations are issued at join",
+            )
+        p = meta.fragment
+        frag = self.fragments[p]
+        with self.lock:  # a duplicate stays one (high-water marks only grow): no decode
+            if admission.is_duplicate(meta, frag.high_water(meta.learner_id)):
+                return UpdateResponse(
+                    status="duplicate", fragment=p, round_version=frag.state.version
+                )
+        # The passes over the bytes run before the fragment's lock, so concurrent updates
+        # of one fragment decode side by side: views of the body in the layout's shapes, in
+        # an accepted encoding (415 else, encodings.py), its finite norm, the log record's
+        # checksum. At most `cpu_slots` uploads measure and checksum at once (`cpu`): a merge
+        # is not one runnable thread of sixteen. A quantized update is dequantized once into
+        # float32 of `POOL` for its norm and its round-sum term (update_passes.py, stream.py),
+        # with no slot: dequantizing is where its ingest spends its cores; it waits between
+        # chunks while a merge computes instead (`merge_first`, locks.py). The round keeps
+        # only its codes.
+        delta = encodings.decode_update(payload, header, frag.spec, self.accepted)  # views
+        dense = None
+        if any(isinstance(t, Quantized) for t in delta.values()):
+            dense = {k: update_passes.dense(t, self.computing.wait) for k, t in delta.items()}
+        held = False
+        try:
+            with self.cpu:
+                norms = admission.delta_norms(dense or delta, frag.spec)
+                n = admission.total_norm(norms)
+                record = PendingLog.record(payload)
+            ticket, summing, round_version = frag.admit(
+                meta, delta, norms, n, payload, dense, self.learners.noted
+            )
+            if ticket is None or summing is None:
+                return UpdateResponse(status="duplicate", fragment=p, round_version=round_version)
+            held = True
+        finally:
+            if not held and dense is not None:  # refused, or a duplicate
+                POOL.give(dense.values())
+        frag.fill(ticket, payload, record)  # its bytes, beside the fragment's others
+        with self.cpu:
+            summing.drain()  # its term in the round's sum (stream.py), unless another adds it
+        frag.make_durable(ticket)  # one fsync for every record filled before it
+        with self.lock:
+            self.rounds.heard(meta.learner_id)
+            self.learners.totals["bytes_up"] += len(payload)
+        m = self.metrics
+        m.updates_accepted.inc()
+        m.update_bytes.observe(len(payload))
+        m.bytes_received.labels(encoding_of(e.dtype for e in header.tensors.values())).inc(
+            len(payload)
+        )
+        self.on_change()
+        return UpdateResponse(status="accepted", fragment=p, round_version=round_version)
+
+    def reject(self, kind: Refusal | str = Refusal.INVALID) -> None:
+        """Count a refused request (routes.py, the upload port)."""
+        self.learners.reject(kind)
+
+    # ---- learners ----------------------------------------------------------------
+    def _waiting(self) -> set[str]:
+        """The learner ids in an open round or a merge in flight (the caller holds the
+        lock): their records are never dropped."""
+        waiting = {k for r in self.rounds.rounds for k in r.contributions}
+        return waiting | {k for f in self.fragments for k in f.merging}
+
+    def join(self, req: JoinRequest) -> JoinResponse:
+        """A learner (re)joins: its next incarnation and where its data resumes, durable
+        before the answer (never handed out twice)."""
+        self.learners.check_join(req)
+        with self.lock:
+            digest = self.layout.digest() if self.layout else None
+            if digest and req.layout_digest and req.layout_digest != digest:
+                raise SyncError(
+                    Refusal.CONFLICT,
+                    f"layout digest {req.layout_digest} differs from the "
+                    f"job's {digest}: same model, P and fragment rule on every learner"
+                    f"{self.origin_note()}",
+                )
+            rec, resume = self.learners.join(req, self._waiting, self.rounds.forget)
+            self.rounds.heard(req.learner_id)
+            incarnation = rec.incarnation
+            slot_steps = rec.slot_steps  # where the slot's LR schedule resumes
+            finished = self.finished()
+            merged = self.tokens_merged()
+        self.learners.save()
+        log.info(
+            "Learner joined learner=%s incarnation=%d host=%s",
+            req.learner_id,
+            incarnation,
+            req.host,
+        )
+        return JoinResponse(
+            initialized=self.layout is not None,
+            layout_digest=digest,
+            versions=self.versions(),
+            incarnation=incarnation,
+            data_position=resume,
+            update_encodings=list(self.settings.update_encodings),
+            shard=self.settings.shard,
+            shards=self.settings.shards,
+            owned=list(self.owned),
+            upload_port=self.upload_port,
+            broadcast_encoding=self.settings.broadcast_encoding,
+            slot_steps=slot_steps,
+            finished=finished,
+            total_tokens=self.budget.total,
+            tokens_merged=merged,
+        )
+
+    def heartbeat(self, hb: Heartbeat) -> HeartbeatResponse:
+        Learners.check_lists(hb, len(self.layout.fragments) if self.layout else None)
+        with self.lock:
+            advanced = self.learners.beat(hb, self.layout is not None)
+            self.rounds.heard(hb.learner_id, hb.step_seconds)
+        if advanced:  # a new reservation is durable before it is answered (learner/corpus.py)
+            self.learners.save()
+        return self.poll(hb.learner_id)
+
+    def model_spec(self) -> ModelSpec:
+        """What the job trains, as its init upload said (kind `unknown` if it said nothing)."""
+        if self.layout is None:
+            raise SyncError(
+                Refusal.NOT_INITIALIZED, "no global model yet: the first learner uploads it"
+            )
+        return self.model or ModelSpec()
+
+    def poll(self, learner_id: str) -> HeartbeatResponse:
+        """What a learner should know now: versions, and rounds it could still join."""
+        with self.lock:
+            steps = self.learners[learner_id].steps
+            requested = [
+                p
+                for p in self.rounds.collecting()
+                if learner_id not in self.rounds.rounds[p].contributions
+                and p < len(steps)
+                and steps[p] > 0
+            ]
+            return HeartbeatResponse(
+                versions=self.versions(),
+                requested=requested,
+                finished=self.finished(),
+                tokens_merged=self.tokens_merged(),
+            )
+
+    @staticmethod
+    def news(hb: Heartbeat, resp: HeartbeatResponse) -> bool:
+        return resp.versions != hb.known_versions or set(resp.requested) != set(hb.known_requested)
+
+    # ---- merges ------------------------------------------------------------------
+    def due(self) -> list[int]:
+        with self.lock:
+            return self.rounds.due()
+
+    def _live_period_tokens(self, taken: dict[str, Contribution]) -> float:
+        """The tokens the live set (and this merge's contributors) hands over per period,
+        for `merge_scale = live`: each one's last update, a live learner not yet heard from
+        counted at the mean of the others (the caller holds the lock)."""
+        ids = self.rounds.live() | set(taken)
+        records = self.learners.records
+        known = [
+            records[i].period_tokens for i in ids if i in records and records[i].period_tokens > 0
+        ]
+        if not known:
+            return 0.0
+        return statistics.fmean(known) * len(ids)
+
+    def merge(self, p: int) -> int | None:
+        """Merge the open round of fragment p (`Fragment.merge`), then count it in the
+        learners' records and the totals, durably; returns the new version (None if
+        nothing changed: an empty round, or a merge refused because its result is not
+        finite, whose contributions wait)."""
+        t0 = self.clock()
+        frag = self.fragments[p]
+        with frag.merge_lock:
+            try:
+                done = frag.merge(self._live_period_tokens)
+            except NonFiniteMerge as e:
+                self.learners.count("merges_refused")
+                log.error("Refused merge of fragment %d: %s; its contributions wait", p, e)
+                return None
+            if done is None:
+                return None
+            outcome = done.outcome
+            if outcome is not None:  # published: its histograms, each observed once
+                timed = {k: v for k, v in done.phases.items() if k not in SCHED_ONLY}
+                self.metrics.merged(  # served since its install: `finish` lets go after
+                    p,
+                    done.round,
+                    outcome,
+                    done.started,
+                    done.finished,
+                    len(self.fragments),
+                    done.version - 1,
+                    timed,
+                    served=done.published,
+                )
+            with self.lock:
+                self.learners.credit(done.taken, outcome)
+                self.rounds.observe_sync(self.clock() - t0)
+        self.learners.save()
+        self.on_change()
+        if outcome is None:
+            return None
+        log.info(  # served `finished`: its time and parts, as the merge histograms saw them
+            "Merged fragment=%d version=%d rule=%s contributors=%d tokens=%d sum=%s in %.0f ms"
+            " (%s)",
+            p,
+            done.version,
+            outcome.rule,
+            outcome.contributors,
+            outcome.tokens,
+            "streamed" if outcome.streamed else "resummed",
+            (done.finished - done.started) * 1e3,
+            ", ".join(f"{part} {s * 1e3:.0f}" for part, s in done.phases.items()),
+        )
+        return done.version
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Return once every fragment file holds its served version (tests, export), those
+        the writer was not yet asked for (`snapshot_every`) too."""
+        if self.snapshots is not None:
+            for p in self.owned:
+                if self.fragments[p].behind() > 0:
+                    self.snapshots.request(p)
+            self.snapshots.flush(timeout)
+
+    # ---- status ------------------------------------------------------------------
     def tokens_merged(self) -> int:
         """Tokens behind merged contributions, averaged over this shard's fragments (every
         fragment sees every token); from the fragments' durable counts."""
         owned = self.owned
-        return sum(self.fragments[p].tokens_merged for p in owned) // max(1, len(owned))
+        return sum(self.fragments[p].state.tokens_merged for p in owned) // max(1, len(owned))
 
     def finished(self) -> bool:
         """The job's token budget is merged (budget.py); the caller holds the lock."""
@@ -399,29 +625,29 @@ class Synchronizer(Updates, Learners, Merging):
     def status(self) -> Status:
         with self.lock:
             now, live = self.clock(), self.rounds.live()
-            merges = sum(fs.merges for fs in self.fragments)
-            contributions = sum(fs.contributions for fs in self.fragments)
-            merged = self.totals["merged_contributors"]
+            states = [f.state for f in self.fragments]
+            merges = sum(fs.merges for fs in states)
+            contributions = sum(fs.contributions for fs in states)
+            totals = self.learners.totals
+            merged = totals["merged_contributors"]
             owned = self.owned  # a shard's status is over its fragments (shards.py)
             tokens_merged = self.tokens_merged()
             self.budget.observe(tokens_merged, now)
             frags = [
                 FragmentStatus(
-                    index=i,
-                    merge=self.policy.rule_for(spec),
-                    version=self.served[i][0],
-                    contributors_pending=self.rounds.pending(i),
-                    tokens_merged=fs.tokens_merged,
-                    tokens_pending=sum(
-                        c.tokens for c in self.rounds.rounds[i].contributions.values()
-                    ),
+                    index=f.index,
+                    merge=self.policy.rule_for(f.spec),
+                    version=f.version,
+                    contributors_pending=self.rounds.pending(f.index),
+                    tokens_merged=f.state.tokens_merged,
+                    tokens_pending=sum(c.tokens for c in f.round.contributions.values()),
                     shard=self.settings.shard,
                 )
-                for i, (spec, fs) in enumerate(
-                    zip(self.layout.fragments if self.layout else [], self.fragments, strict=True)
-                )
-                if i in owned
+                for f in self.fragments
+                if f.index in owned
             ]
+            records = self.learners.records
+            refusals = self.learners.refusals
             return Status(
                 initialized=self.layout is not None,
                 global_version=sum(self.versions()),
@@ -429,20 +655,18 @@ class Synchronizer(Updates, Learners, Merging):
                 # every fragment sees every token: average over fragments, not a sum
                 tokens_merged=tokens_merged,
                 contributions_merged=contributions,
-                contributions_rejected=sum(self.refusals.values()),
-                refusals=dict(self.refusals),
-                merges_refused=int(self.totals["merges_refused"]),
+                contributions_rejected=sum(refusals.values()),
+                refusals=dict(refusals),
+                merges_refused=int(totals["merges_refused"]),
                 mean_contributors=contributions / merges if merges else 0.0,
-                mean_staleness=self.totals["staleness_sum"] / merged if merged else 0.0,
-                mean_merge_scale=self._mean_merge_scale(),
-                bytes_up=int(self.totals["bytes_up"]),
-                bytes_down=int(self.totals["bytes_down"]),
-                goodput=ledger.goodput(self.learners),
-                merged_work_ratio=ledger.merged_work_ratio(
-                    self.learners, tokens_merged, len(owned)
-                ),
+                mean_staleness=totals["staleness_sum"] / merged if merged else 0.0,
+                mean_merge_scale=self.learners.mean_merge_scale(),
+                bytes_up=int(totals["bytes_up"]),
+                bytes_down=int(totals["bytes_down"]),
+                goodput=ledger.goodput(records),
+                merged_work_ratio=ledger.merged_work_ratio(records, tokens_merged, len(owned)),
                 fragments=frags,
-                learners=ledger.learner_statuses(self.listed(now), live, now, len(owned)),
+                learners=ledger.learner_statuses(self.learners.listed(now), live, now, len(owned)),
                 xi={
                     "step": self.rounds.xi_step(live),
                     "quorum": self.rounds.xi_quorum.value,
@@ -465,6 +689,6 @@ class Synchronizer(Updates, Learners, Merging):
             self.snapshots.close()
             for p in self.owned:
                 self.snapshots.write(p)
-        for j in self.journals:
-            j.close()
+        for f in self.fragments:
+            f.close()
         self.store.close()

@@ -31,61 +31,17 @@ from dataclasses import dataclass, field
 from typing import Annotated, Final
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ddiloco.synchronizer.routes import ERRORS, GuardedRoute, PrincipalDep, require_token
 from ddiloco.wire.auth import Principal, Tokens, learner_token
 from ddiloco.wire.errors import Refusal, SyncError
-from ddiloco.wire.protocol import API_PREFIX
+from ddiloco.wire.protocol import API_PREFIX, SpareAnswer, SpareAssignment, SpareGrant
 
 MAX_WAIT_S: Final = 30.0
 DEFAULT_WAIT_S: Final = 20.0
 MAX_PODS: Final = 4096
 """Assignments kept; past it the oldest delivered ones are forgotten first."""
 POD_NAME: Final = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"  # a DNS-1123 subdomain
-
-
-class SpareAssignment(BaseModel):
-    """A learner slot's identity, as a slot pod has it in its env (DDILOCO_LEARNER_ID,
-    DDILOCO_LEARNER_INDEX, DDILOCO_NUM_LEARNERS), and where it stands in the slot's books."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    learner_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
-    """The slot's learner id, `<group>-<index>`."""
-    learner_index: int = Field(ge=0, le=1 << 20)
-    """The slot's data part."""
-    num_learners: int = Field(ge=1, le=1 << 20)
-    """The number of data parts."""
-    group: str | None = Field(None, max_length=63)
-    """The slot's learner group."""
-    slot: int | None = Field(None, ge=0, le=1 << 20)
-    """The slot's index in its group."""
-    attempt: int = Field(0, ge=0, le=1 << 30)
-    """Which incarnation of the slot the spare becomes."""
-
-    @model_validator(mode="after")
-    def _shard_in_range(self) -> SpareAssignment:
-        if self.learner_index >= self.num_learners:
-            raise ValueError(
-                f"learner_index {self.learner_index} must be below num_learners {self.num_learners}"
-            )
-        return self
-
-
-class SpareGrant(SpareAssignment):
-    """What the spare is answered: its slot's identity and the slot's learner credential."""
-
-    token: str = Field(repr=False)
-    """`auth.learner_token` of `learner_id` under the job key in force: the spare's credential
-    from now on (never logged)."""
-
-
-class SpareAnswer(BaseModel):
-    pod: str
-    delivered: bool
-    """The spare has fetched this assignment (GET answered it)."""
-    assignment: SpareAssignment
 
 
 @dataclass

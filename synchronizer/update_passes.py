@@ -41,12 +41,9 @@ from typing import Final
 import torch
 
 from ddiloco.synchronizer.buffers import POOL
-from ddiloco.wire.quant import Quantized, dequantize_blocks
+from ddiloco.wire.quant import Quantized, Term, dequantize_blocks
 
 __all__ = ["BLOCK", "CHUNK", "Term", "axpy", "dense", "norm", "scale_into"]
-
-Term = torch.Tensor | Quantized
-"""An update's tensor as admission decoded it: float32, bf16 views, or quantized views."""
 
 CHUNK: Final = 1 << 20
 """Values converted at a time: 4 MiB of float32, in the L3 cache (32 MiB here). An axpy of

@@ -24,7 +24,7 @@ and client CA), each with the main port's contract and `{"error", "detail"}` bod
   spare's, and `Synchronizer.submit` checks that the update's learner is the credential's), the
   same refusals before a byte of the body is read (401, 403, 421, 413 on a declared
   Content-Length over the fragment's limit);
-- `GET /v1/fragments/{p}` (`?held=<token>`: a delta from the learner's copy, broadcast.py):
+- `GET /v1/fragments/{p}` (`?held=<token>`: a delta from the learner's copy, wire/broadcast.py):
   the served fragment with its `X-DDiLoCo-Version` header, for any
   valid credential (401 without one), 421 from a shard that does not own p, 422 for a fragment
   that does not exist, 409 before the job is initialized (`Synchronizer.fragment`, as the main
@@ -125,7 +125,7 @@ _QUOTED: Final = re.compile(r":? *(bytearray\(|b'|b\").*", re.DOTALL)
 
 
 def _held(target: str) -> str | None:
-    """A download's `held` query parameter (broadcast.py: the token of the learner's copy),
+    """A download's `held` query parameter (wire/broadcast.py: the token of the learner's copy),
     the last one given as on the main port; None when absent."""
     _, _, query = target.partition("?")
     values = urllib.parse.parse_qs(query).get(HELD_QUERY, [])

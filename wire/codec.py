@@ -1,4 +1,4 @@
-"""Safetensors payloads: tensors <-> bytes, and the checks an incoming update must pass.
+"""Safetensors payloads: tensors <-> bytes, every header checked before anything reads it.
 
 Only safetensors crosses the network (no pickle, no torch.load): decoding cannot run code.
 Every payload's header is parsed and checked here first (`read_header`: a JSON object of at
@@ -20,27 +20,22 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ddiloco.synchronizer import update_passes
 from ddiloco.wire.errors import PayloadError
-from ddiloco.wire.protocol import LAYOUT_KEY, FragmentSpec, Layout
+from ddiloco.wire.protocol import LAYOUT_KEY, Layout
 
 __all__ = [
     "MAX_HEADER_BYTES",
     "WIRE_DTYPES",
     "Header",
     "PayloadError",
-    "check_fragment",
     "decode",
     "encode",
-    "finite_norm",
-    "finite_norms",
     "header_bytes",
+    "layout_from_metadata",
     "pieces",
     "read_header",
     "read_metadata",
-    "tensor_norms",
     "tensor_views",
-    "total_norm",
 ]
 
 WIRE_DTYPES: Final[dict[str, torch.dtype]] = {
@@ -302,34 +297,6 @@ def tensor_views(
     return out
 
 
-def check_fragment(
-    tensors: dict[str, update_passes.Term], spec: FragmentSpec, *, finite: bool = True
-) -> None:
-    """Refuse tensors that do not match the fragment's names, shapes, dtypes, or hold NaN/Inf
-    (`finite=False` leaves that to the caller: `finite_norm` sees it in the same pass)."""
-    expected = {t.name: t for t in spec.tensors}
-    missing = sorted(set(expected) - set(tensors))
-    extra = sorted(set(tensors) - set(expected))
-    if missing or extra:
-        raise PayloadError(
-            f"fragment {spec.index} tensors do not match the layout: missing {missing[:5]}, "
-            f"unexpected {extra[:5]}"
-        )
-    for name, t in tensors.items():
-        want = expected[name]
-        if list(t.shape) != want.shape:
-            raise PayloadError(
-                f"tensor {name!r} has shape {list(t.shape)}, layout says {want.shape}"
-            )
-        if isinstance(t, update_passes.Quantized):
-            continue  # codes and scales checked as they were decoded (encodings.py)
-        if t.dtype not in WIRE_DTYPES.values():
-            allowed = ", ".join(WIRE_DTYPES)
-            raise PayloadError(f"tensor {name!r} has dtype {t.dtype}; allowed: {allowed}")
-        if finite and not bool(torch.isfinite(t).all()):  # a float tensor
-            raise PayloadError(f"tensor {name!r} contains NaN or Inf")
-
-
 def layout_from_metadata(meta: dict[str, str]) -> Layout:
     raw = meta.get(LAYOUT_KEY)
     if raw is None:
@@ -338,39 +305,3 @@ def layout_from_metadata(meta: dict[str, str]) -> Layout:
         return Layout.model_validate_json(raw)
     except ValueError as e:
         raise PayloadError(f"init payload has an invalid layout: {str(e)[:500]}") from None
-
-
-def tensor_norms(tensors: dict[str, update_passes.Term]) -> dict[str, float]:
-    """Each tensor's L2 norm (`update_passes.norm`: one pass each, no float32 copy of a bf16
-    tensor)."""
-    return {k: update_passes.norm(t) for k, t in tensors.items()}
-
-
-def total_norm(norms: dict[str, float]) -> float:
-    """The norm of all the tensors together from their own norms (in float64)."""
-    return math.sqrt(sum(n * n for n in norms.values()))
-
-
-def norm(tensors: dict[str, torch.Tensor]) -> float:
-    """The L2 norm of all the tensors together, accumulated in float32 per tensor (one pass
-    each, no float32 copy of a bf16 tensor) and in float64 across them."""
-    return total_norm(tensor_norms(tensors))
-
-
-def finite_norms(tensors: dict[str, update_passes.Term]) -> dict[str, float]:
-    """`tensor_norms`, refusing NaN or Inf: a non-finite entry makes its tensor's norm
-    non-finite (NaN and Inf propagate through the sum of squares), so one pass checks both;
-    only then is each tensor searched, to say which one and why."""
-    norms = tensor_norms(tensors)
-    n = total_norm(norms)
-    if math.isfinite(n):
-        return norms
-    for name, t in tensors.items():
-        if not bool(torch.isfinite(update_passes.dense(t)).all()):
-            raise PayloadError(f"tensor {name!r} contains NaN or Inf")
-    raise PayloadError(f"update norm overflows ({n}): not a plausible update")
-
-
-def finite_norm(tensors: dict[str, torch.Tensor]) -> float:
-    """`norm`, refusing NaN or Inf (`finite_norms`)."""
-    return total_norm(finite_norms(tensors))

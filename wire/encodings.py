@@ -22,9 +22,8 @@ The synchronizer refuses an encoding it was not configured for (`accepted`,
 for the layout shape and block, a scale non-finite or negative, an int4 code above 14, a
 block size that is not a sane even integer, a float update holding integer tensors, or one
 whose tensors are not of the float dtype its `encoding` names (bfloat16 tensors labelled
-float32 would pass a synchronizer that does not accept bfloat16). Only safetensors is read
-(no pickle). An update with no `encoding` (an older learner) has the encoding of its float
-tensors: bfloat16 if any is, else float32.
+float32 would pass a synchronizer that does not accept bfloat16), or one whose metadata names
+no encoding. Only safetensors is read (no pickle).
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ from typing import Final
 
 import torch
 
-from ddiloco.synchronizer import update_passes
 from ddiloco.wire import codec, quant
 from ddiloco.wire.errors import PayloadError, Refusal, SyncError
 from ddiloco.wire.protocol import UPDATE_ENCODINGS, FragmentSpec, UpdateMeta
@@ -102,17 +100,18 @@ def encode_update(
 
 
 def encoding_of(header: codec.Header) -> str:
-    """The update's encoding: its metadata's `encoding`, else (an older sender) that of its
-    float tensors. PayloadError if the metadata names no known encoding."""
+    """The update's encoding, its metadata's `encoding`. PayloadError if the metadata names
+    none, or no known one."""
     named = header.metadata.get("encoding")
-    if named is not None:
-        if named not in UPDATE_ENCODINGS:
-            raise PayloadError(
-                f"update encoding {named[:32]!r} is not one of {', '.join(UPDATE_ENCODINGS)}"
-            )
-        return named
-    dtypes = {t.dtype for t in header.tensors.values()}
-    return "bfloat16" if "BF16" in dtypes else "float32"
+    if named is None:
+        raise PayloadError(
+            f"update metadata names no encoding (one of {', '.join(UPDATE_ENCODINGS)})"
+        )
+    if named not in UPDATE_ENCODINGS:
+        raise PayloadError(
+            f"update encoding {named[:32]!r} is not one of {', '.join(UPDATE_ENCODINGS)}"
+        )
+    return named
 
 
 def require(encoding: str, accepted: frozenset[str]) -> None:
@@ -133,38 +132,37 @@ def decode_update(
     header: codec.Header,
     spec: FragmentSpec,
     accepted: frozenset[str],
-) -> dict[str, update_passes.Term]:
+) -> dict[str, quant.Term]:
     """Tensors of `spec`'s names and shapes from an update whose header passed
     `codec.read_header(payload, codes=True)`, as read-only views of the payload, no copy:
     a float encoding's as tensors in their own dtype, a quantized one's as `quant.Quantized`
-    (codes and scales; update_passes.py reads either where it lies, dequantizing a chunk at a
-    time). The caller keeps the payload alive and unwritten while it holds them. Raises
+    (codes and scales; the synchronizer reads either where it lies, dequantizing a chunk at
+    a time). The caller keeps the payload alive and unwritten while it holds them. Raises
     SyncError(ENCODING) for an encoding not in `accepted`, PayloadError for anything
     malformed (the module docstring lists it)."""
     encoding = encoding_of(header)
     require(encoding, accepted)
     if encoding in FLOAT_ENCODINGS:
-        named = header.metadata.get("encoding") is not None
-        return _decode_float(payload, header, spec, encoding if named else None)
+        return _decode_float(payload, header, spec, encoding)
     return _decode_quantized(payload, header, spec, encoding)
 
 
 def _decode_float(
-    payload: bytes, header: codec.Header, spec: FragmentSpec, named: str | None
-) -> dict[str, update_passes.Term]:
-    """The float tensors' views: each of the dtype the update's encoding `named`, or float32
-    (None: an older sender's, any float dtype on the wire). float32 is never narrower than
-    the encoding named: a learner's outbox sums updates queued behind an outage in float32
-    (learner/outbox.py), which keeps bits a job's bf16 would drop and claims no encoding the
-    synchronizer was not configured for; a narrower dtype than named is refused."""
-    want = FLOAT_WIRE_DTYPES[named] if named is not None else None
+    payload: bytes, header: codec.Header, spec: FragmentSpec, named: str
+) -> dict[str, quant.Term]:
+    """The float tensors' views: each of the dtype the update's encoding `named`, or
+    float32. float32 is never narrower than the encoding named: a learner's outbox sums
+    updates queued behind an outage in float32 (learner/outbox.py), which keeps bits a job's
+    bf16 would drop and claims no encoding the synchronizer was not configured for; a
+    narrower dtype than named is refused."""
+    want = FLOAT_WIRE_DTYPES[named]
     for name, t in header.tensors.items():
         if t.dtype not in codec.ST_DTYPES:
             allowed = ", ".join(codec.ST_DTYPES)
             raise PayloadError(
                 f"tensor {name!r} has dtype {t.dtype}; a float update allows {allowed}"
             )
-        if want is not None and t.dtype not in (want, "F32"):
+        if t.dtype not in (want, "F32"):
             raise PayloadError(
                 f"tensor {name!r} has dtype {t.dtype}, but the update's encoding is {named} "
                 f"({want}): an update's tensors are of the dtype its encoding names"
@@ -190,7 +188,7 @@ def _decode_quantized(
     header: codec.Header,
     spec: FragmentSpec,
     encoding: str,
-) -> dict[str, update_passes.Term]:
+) -> dict[str, quant.Term]:
     block = _block(header)
     code_dtype = CODE_DTYPE[encoding]
     expected: dict[str, tuple[str, int]] = {}  # payload tensor -> (dtype, numel)
@@ -216,7 +214,7 @@ def _decode_quantized(
                 f"{block} and the layout need {dtype} [{numel}]"
             )
     tensors = codec.tensor_views(payload, header)
-    out: dict[str, update_passes.Term] = {}
+    out: dict[str, quant.Term] = {}
     for t in spec.tensors:
         q = quant.Quantized(
             encoding,  # type: ignore[arg-type]

@@ -15,6 +15,8 @@ Bulk payloads are safetensors bytes (never pickle). Control messages are JSON:
     GET  /v1/model                   -> ModelSpec (what the init upload said the job trains)
     GET  /v1/status                  -> Status
     POST /v1/evaluations             EvaluationReport (an evaluator's)   -> EvaluationStatus
+    PUT  /v1/spares/{pod}            SpareAssignment (the operator's)    -> SpareAnswer
+    GET  /v1/spares/{pod}?wait_s=20  -> SpareGrant (a hot spare's), or 204: poll again
     GET  /healthz, GET /metrics
 
 Every /v1 call carries `Authorization: Bearer <credential>`: the job key, or a learner's,
@@ -27,7 +29,7 @@ import hashlib
 import json
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 API_PREFIX: Final = "/v1"
 VERSION_HEADER: Final = "X-DDiLoCo-Version"
@@ -47,12 +49,11 @@ may carry (the synchronizer also refuses one longer than its job's layout)."""
 
 UpdateEncoding = Literal["float32", "bfloat16", "int8", "int4"]
 """How a learner's update crosses the wire (wire/encodings.py): float tensors, or
-blockwise absmax codes with float32 scales. float16 stays readable as a float dtype of an old
-sender, but is not a job's encoding."""
+blockwise absmax codes with float32 scales."""
 UPDATE_ENCODINGS: Final[tuple[str, ...]] = ("float32", "bfloat16", "int8", "int4")
 
 BroadcastEncoding = Literal["float32", "bfloat16", "int8", "int8-delta", "int4-delta"]
-"""How the synchronizer serves merged fragments (synchronizer/broadcast.py): float tensors,
+"""How the synchronizer serves merged fragments (wire/broadcast.py): float tensors,
 int8 codes of Theta, or int8 / int4 deltas from the version a learner holds."""
 BROADCAST_ENCODINGS: Final[tuple[str, ...]] = (
     "float32",
@@ -63,7 +64,7 @@ BROADCAST_ENCODINGS: Final[tuple[str, ...]] = (
 )
 HELD_QUERY: Final = "held"
 """GET /v1/fragments/{p}?held=<token>: the token of the fragment the learner holds (the
-`ddiloco.served` metadata of its last download), for a delta from it (broadcast.py)."""
+`ddiloco.served` metadata of its last download), for a delta from it (wire/broadcast.py)."""
 
 MergeRule = Literal["rda", "mean"]
 """How a fragment's contributions combine: radial-directional averaging, or the weighted mean."""
@@ -181,12 +182,12 @@ class JoinResponse(_Msg):
     """The fragments this shard owns ([] before init)."""
     update_encodings: list[str] = []
     """The update encodings this synchronizer accepts (`UpdateEncoding`s); a learner whose
-    own is not among them stops at join with one line. [] from an older synchronizer."""
+    own is not among them stops at join with one line."""
     upload_port: int | None = None
     """The port of this synchronizer's upload listener (`SyncSettings.upload_port`, upload_port.py)
     on the host the learner reached it by; None: post updates to the main port."""
     broadcast_encoding: str = "float32"
-    """How fragments are served (`SyncSettings.broadcast_encoding`, broadcast.py): with a
+    """How fragments are served (`SyncSettings.broadcast_encoding`, wire/broadcast.py): with a
     delta encoding a joiner names the copy it holds already (its own initial values) by
     their content, and needs no download of a version 0 that equals them."""
     slot_steps: int = 0
@@ -230,9 +231,10 @@ class UpdateMeta(_Msg):
     updates of a fragment: the synchronizer keeps, per learner and fragment, the highest
     (incarnation, learner_step) it accepted, durably, and answers `duplicate` to anything at
     or below it, however long ago that was."""
-    encoding: UpdateEncoding | None = None
-    """The learner's update encoding (wire/encodings.py); the synchronizer refuses one it
-    was not configured for (415). None: an older sender, whose tensors' float dtype says it."""
+    encoding: UpdateEncoding = "float32"
+    """The update's encoding (wire/encodings.py): its tensors are of the float dtype it names
+    (or float32, never narrower), or its quantized codes. Always in the metadata; the
+    synchronizer refuses one it was not configured for (415)."""
 
     def update_id(self) -> str:
         return f"{self.learner_id}/{self.fragment}/{self.incarnation}/{self.learner_step}"
@@ -427,7 +429,7 @@ class Status(_Msg):
     """Current moving averages: step (slowest live learner), quorum, sync; seconds."""
     shard: int = 0
     """The shard that answered (a shard's status lists only the fragments it owns, and its
-    counts are over those; `shards.merge_statuses` makes the job's view, `shard` 0 there)."""
+    counts are over those; `job_status.merge_statuses` makes the job's view, `shard` 0 there)."""
     shards: int = 1
     """S, the job's synchronizer shards (1: one synchronizer owns every fragment)."""
     total_tokens: int = 0
@@ -443,3 +445,46 @@ class Status(_Msg):
     evaluation: EvaluationStatus | None = None
     """The latest held-out evaluation of the global model an evaluator posted (None before
     any)."""
+
+
+class SpareAssignment(BaseModel):
+    """A learner slot's identity, as a slot pod has it in its env (DDILOCO_LEARNER_ID,
+    DDILOCO_LEARNER_INDEX, DDILOCO_NUM_LEARNERS), and where it stands in the slot's books."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    learner_id: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    """The slot's learner id, `<group>-<index>`."""
+    learner_index: int = Field(ge=0, le=1 << 20)
+    """The slot's data part."""
+    num_learners: int = Field(ge=1, le=1 << 20)
+    """The number of data parts."""
+    group: str | None = Field(None, max_length=63)
+    """The slot's learner group."""
+    slot: int | None = Field(None, ge=0, le=1 << 20)
+    """The slot's index in its group."""
+    attempt: int = Field(0, ge=0, le=1 << 30)
+    """Which incarnation of the slot the spare becomes."""
+
+    @model_validator(mode="after")
+    def _shard_in_range(self) -> SpareAssignment:
+        if self.learner_index >= self.num_learners:
+            raise ValueError(
+                f"learner_index {self.learner_index} must be below num_learners {self.num_learners}"
+            )
+        return self
+
+
+class SpareGrant(SpareAssignment):
+    """What the spare is answered: its slot's identity and the slot's learner credential."""
+
+    token: str = Field(repr=False)
+    """`auth.learner_token` of `learner_id` under the job key in force: the spare's credential
+    from now on (never logged)."""
+
+
+class SpareAnswer(BaseModel):
+    pod: str
+    delivered: bool
+    """The spare has fetched this assignment (GET answered it)."""
+    assignment: SpareAssignment

@@ -1,11 +1,10 @@
-"""Blockwise absmax quantization of update deltas (int8, int4), and the learner's error feedback.
+"""Blockwise absmax quantization of update deltas and served fragments (int8, int4).
 
     q = quantize(delta, "int8")              # Quantized: codes (int8 / packed uint8) + scales
     approx = dequantize(q)                   # float32, delta's shape
-    ef = ErrorFeedback("int4")
-    q = ef.encode("fragment-3", delta)       # delta + what earlier hand-overs dropped
-    # ... later hand-overs of that fragment carry the residual on, so over T hand-overs
-    # sum(dequantize(q_t)) == sum(delta_t) - residual_T, and |residual_T| <= scale_T / 2.
+
+What quantization drops from an update is not lost: the learner's anchor moves by what the
+synchronizer decodes, so the rest goes out with the fragment's next hand-over (encodings.py).
 
 The tensor is flattened and cut into blocks of `block` values (the last one padded with zeros);
 each block's scale is its largest magnitude over qmax (127 for int8, 7 for int4), so the
@@ -13,12 +12,12 @@ block's largest value is exact and every other one is off by at most scale / 2. 
 are offset to 0..14 and packed two to a byte, low nibble first. Scales are float32: a
 float16 scale would overflow for a block whose absmax exceeds 65504 * 7.
 
-On the wire (wire/encodings.py) the synchronizer keeps a received
-update's codes as they arrived (a `Quantized` of views of its body, checked by
-`check_codes`) and dequantizes them a chunk of blocks at a time (`dequantize_blocks`,
-update_passes.py): once at admission, into float32 it gives back after its norm and round-sum
-term, and again wherever a merge or a replay reads them. An int4 update waiting for its
-merge holds 1/8 of the memory of the float32 it stands for.
+On the wire (wire/encodings.py) the synchronizer keeps a received update's codes as they
+arrived (a `Quantized` of views of its body, checked by `check_codes`) and dequantizes them a
+chunk of blocks at a time (`dequantize_blocks`, synchronizer/update_passes.py): once at
+admission, into float32 it gives back after its norm and round-sum term, and again wherever a
+merge or a replay reads them. An int4 update waiting for its merge holds 1/8 of the memory of
+the float32 it stands for.
 
 `quantize` and `dequantize` are vectorised over the whole tensor (one pass per operation, no
 Python loop over blocks); non-finite input is refused, because one inf would make its
@@ -60,6 +59,11 @@ class Quantized:
     @property
     def nbytes(self) -> int:
         return self.codes.numel() * self.codes.element_size() + self.scales.numel() * 4
+
+
+Term = torch.Tensor | Quantized
+"""An update's tensor as the synchronizer decodes it (wire/encodings.py): a float tensor in
+its own dtype, or quantized codes and scales."""
 
 
 def _blocks(n: int, block: int) -> int:
@@ -193,30 +197,3 @@ def dequantize_blocks(q: Quantized, b0: int, b1: int, out: torch.Tensor) -> torc
         seg.copy_(q.codes[b0 * block : b1 * block])
     seg.view(b1 - b0, block).mul_(q.scales[b0:b1, None])
     return seg
-
-
-class ErrorFeedback:
-    """What quantization dropped from a key's last hand-over, added to its next one.
-
-    One residual per key (a fragment's tensor), float32, on the learner; nothing dropped is
-    ever lost, only delayed: the sum of what was sent trails the sum of what was meant by
-    the last residual alone, at most half a scale per value.
-    """
-
-    def __init__(self, encoding: Encoding, block: int = DEFAULT_BLOCK) -> None:
-        self.encoding: Encoding = encoding
-        self.block = block
-        self.residual: dict[str, torch.Tensor] = {}
-
-    def encode(self, key: str, delta: torch.Tensor) -> Quantized:
-        target = delta.detach().to(torch.float32)
-        carried = self.residual.get(key)
-        if carried is not None and carried.shape == target.shape:
-            target = target + carried
-        q = quantize(target, self.encoding, self.block)
-        self.residual[key] = target - dequantize(q)
-        return q
-
-    def drop(self, key: str) -> None:
-        """Forget a key's residual (its hand-over was refused for good, or the layout changed)."""
-        self.residual.pop(key, None)

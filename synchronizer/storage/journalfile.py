@@ -17,10 +17,9 @@ at p99 where its own bytes are one 8 KiB record. Written in place over blocks th
 disk already, the record changes no metadata that `fdatasync` must write: it writes the record's
 blocks and flushes the disk's cache.
 
-The format is the pending log's (`PendingLog`, aligned records: a 4 KiB block holding the header,
-then the payload padded to whole blocks); a header of zeros ends the records (`records_in`). A file
-with no zeros after its records (the format of older synchronizers) is read the same way and given
-its zeros before the first append. A torn record (a crash in the middle of `append`, or of `clear`,
+The format is the pending log's (records.py: a header block naming the kind and format version,
+then records of a 4 KiB block holding the record header and the payload padded to whole blocks),
+with its own magic; a header of zeros ends the records (`records_in`). A torn record (a crash in the middle of `append`, or of `clear`,
 which zeroes in place) ends the records; `read` zeroes everything after them, so no stale record can
 follow a later one. What a torn `clear` leaves is a prefix of records the fragment file holds
 already: replay skips those (journal.py `replay`: a record below the file's version).
@@ -34,7 +33,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
-from ddiloco.synchronizer.storage.pending import PendingLog, _fsync_dir, records_in
+from ddiloco.synchronizer.buffers import ALIGN
+from ddiloco.synchronizer.storage.records import (
+    JOURNAL,
+    check_file_header,
+    encoded,
+    file_header,
+    fsync_dir,
+    records_in,
+)
 
 __all__ = ["RESERVE", "JournalFile"]
 
@@ -54,8 +61,8 @@ class JournalFile:
         self.path = path
         self.reserve = reserve
         self.fd: int | None = None
-        self.end = 0
-        """Where the next record goes: the end of the records."""
+        self.end = ALIGN
+        """Where the next record goes: the end of the records (after the file header)."""
         self.size = 0
         """The file's size: `end` and the zeros after it."""
 
@@ -67,15 +74,21 @@ class JournalFile:
         try:
             size = os.fstat(fd).st_size
             data = os.pread(fd, size, 0) if size else b""
-            _, self.end = records_in(data, zero_ends=True)
+            changed = False
+            if check_file_header(self.path, data, JOURNAL) is None:  # new, or never durable
+                data = file_header(JOURNAL) + bytes(max(0, size - ALIGN))
+                _write_all(fd, data, 0)
+                size = len(data)
+                changed = True
+            _, self.end = records_in(data)
             self.size = size
-            changed = self._zero_after(fd, data)
-            if self.size - self.end < self.reserve:  # new, or an older synchronizer's
+            changed = self._zero_after(fd, data) or changed
+            if self.size - self.end < self.reserve:  # new
                 self._grow(fd, self.end + self.reserve)
             elif changed:
                 os.fsync(fd)
             if new:
-                _fsync_dir(self.path.parent)
+                fsync_dir(self.path.parent)
         except BaseException:
             os.close(fd)
             raise
@@ -105,9 +118,9 @@ class JournalFile:
 
     def append(self, payload: bytes) -> None:
         """One record, durable on return. A failed write is zeroed again (best effort)
-        and raised; a failed `fdatasync` is raised (the caller stops: updates.py)."""
+        and raised; a failed `fdatasync` is raised (the caller stops: fragment.py)."""
         fd = self._open()
-        rec = PendingLog.encoded(payload)
+        rec = encoded(payload)
         if self.end + len(rec) > self.size:
             self._grow(fd, self.end + len(rec) + self.reserve)
         try:
@@ -125,7 +138,10 @@ class JournalFile:
         if not self.path.exists():
             return []
         data = self.path.read_bytes()
-        out, end = records_in(data, zero_ends=True)
+        start = check_file_header(self.path, data, JOURNAL)
+        if start is None:  # created, its header never durable: no record either
+            return []
+        out, end = records_in(data, start)
         if repair and data[end:].strip(b"\0"):
             fd = os.open(self.path, os.O_WRONLY)
             try:
@@ -140,16 +156,16 @@ class JournalFile:
     def clear(self) -> None:
         """No records: zeros over them, in place (one fdatasync: no metadata changes)."""
         fd = self._open()
-        if self.end:
-            _write_all(fd, bytes(self.end), 0)
+        if self.end > ALIGN:
+            _write_all(fd, bytes(self.end - ALIGN), ALIGN)
             _datasync(fd)
-        self.end = 0
+        self.end = ALIGN
 
     def prepare(self, keep: Sequence[bytes]) -> Path:
         """A file of `keep` and zeros beside this one, fsynced (`replace` puts it in
         place): written without the owner's lock, while merges append here."""
         tmp = self.path.with_name(f".{self.path.name}.tmp")
-        body = b"".join(PendingLog.encoded(r) for r in keep)
+        body = file_header(JOURNAL) + b"".join(encoded(r) for r in keep)
         with open(tmp, "wb") as f:
             f.write(body + bytes(max(self.reserve, self.size - len(body))))
             f.flush()
@@ -163,20 +179,20 @@ class JournalFile:
             fd = os.open(tmp, os.O_RDWR)
             try:
                 data = os.pread(fd, os.fstat(fd).st_size, 0)
-                _, end = records_in(data, zero_ends=True)
-                _write_all(fd, b"".join(PendingLog.encoded(r) for r in since), end)
+                _, end = records_in(data)
+                _write_all(fd, b"".join(encoded(r) for r in since), end)
                 os.fsync(fd)
             finally:
                 os.close(fd)
         self.close()
         os.replace(tmp, self.path)
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
 
     def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
         self.fd = None
-        self.end = self.size = 0
+        self.end, self.size = ALIGN, 0
 
 
 def _write_all(fd: int, data: bytes, offset: int) -> None:

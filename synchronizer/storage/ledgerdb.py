@@ -11,8 +11,8 @@ each commit atomic and durable: write-ahead log, `synchronous=FULL` (the log is 
 before a commit returns), so a SIGKILL at any instant leaves the ledger as of the last
 commit, and whatever a join answered (an incarnation, a data position) was on disk first.
 
-The format is versioned (`PRAGMA user_version` = `FORMAT`): a database of another version
-is refused with one line rather than misread. Records and totals are JSON (the dataclass's
+The format is versioned (`PRAGMA user_version` = `FORMAT`, the state directory's, records.py):
+a database of another version is refused with one line rather than misread. Records and totals are JSON (the dataclass's
 fields, ledger.py), so a field added later reads back with its default.
 """
 
@@ -25,8 +25,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final
 
-FORMAT: Final = 1
-"""The on-disk format version (`PRAGMA user_version`)."""
+from ddiloco.synchronizer.storage.records import FORMAT, StateFormatError
 
 _SCHEMA: Final = (
     "CREATE TABLE IF NOT EXISTS learners (learner_id TEXT PRIMARY KEY, record TEXT NOT NULL)",
@@ -34,7 +33,7 @@ _SCHEMA: Final = (
 )
 
 
-class LedgerFormatError(RuntimeError):
+class LedgerFormatError(StateFormatError):
     """The ledger database is of a format this synchronizer does not read."""
 
 
@@ -56,10 +55,7 @@ class LedgerDB:
                 db.execute("PRAGMA synchronous=FULL")
                 version = db.execute("PRAGMA user_version").fetchone()[0]
                 if version not in (0, FORMAT):
-                    raise LedgerFormatError(
-                        f"{self.path} is ledger format {version}; this synchronizer reads "
-                        f"format {FORMAT}: use a state directory of this version"
-                    )
+                    raise LedgerFormatError(self.path, version, "its SQLite user_version")
                 if version == 0:
                     with db:  # one transaction: the tables and the version together
                         db.execute("BEGIN IMMEDIATE")
@@ -113,6 +109,11 @@ class LedgerDB:
             found = db.execute("SELECT body FROM totals WHERE id = 0").fetchone()
         rows = [r for r in (_object(text) for (text,) in raw) if r is not None]
         return rows, (_object(found[0]) or {}) if found else {}
+
+    def check(self) -> None:
+        """Open the database (its version checked, `LedgerFormatError`), then close it."""
+        self._conn()
+        self.close()
 
     def rows_written(self) -> int:
         """Rows this connection has inserted, updated or deleted: what its saves cost."""

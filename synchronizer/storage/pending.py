@@ -6,80 +6,42 @@
     log.fill(ticket, payload, header)        # outside it: the bytes written there
     log.sync(ticket)                         # durable on return (group commit)
 
-A record is an 8-byte length, a 4-byte checksum and the payload (see `PendingLog`); a
-record torn by a crash, or whose place was reserved and never written (either way it was
-never acknowledged), is cut off when the log is read back, with every record after it.
+The file starts with a header block naming its format (records.py, which also lays out a
+record: a header block of length and XXH3-64, then the payload in whole blocks). A record
+torn by a crash, or whose place was reserved and never written (either way it was never
+acknowledged), is cut off when the log is read back, with every record after it.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import struct
 import threading
-import zlib
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from ddiloco.synchronizer.buffers import ALIGN, BODIES, aligned
+from ddiloco.synchronizer.storage.records import (
+    PENDING,
+    check_file_header,
+    encoded,
+    file_header,
+    fsync_dir,
+    record_header,
+    records_in,
+)
 
-__all__ = ["PendingLog", "records_in"]
-
-_RECORD = struct.Struct("<QI")  # payload length (| _XXH3 | _ALIGNED), checksum of the payload
-_XXH3 = 1 << 63
-_ALIGNED = 1 << 62
-"""A record of `ALIGN`-byte blocks: the header alone in the first, then the payload, zero
-padded to a whole block (every record written since direct I/O; older ones are packed)."""
-_FLAGS = _XXH3 | _ALIGNED
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _xxh3(data: bytes | bytearray | memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(data) & 0xFFFFFFFF
-
-
-def records_in(data: bytes, *, zero_ends: bool = False) -> tuple[list[bytes], int]:
-    """The whole records at the start of `data` (`PendingLog`'s format), and where they
-    end: at the end of `data`, a torn record, or (`zero_ends`) a header of zeros, which
-    would read as an empty record of the old format (a preallocated file's free space,
-    journalfile.py)."""
-    out, pos = [], 0
-    while pos + _RECORD.size <= len(data):
-        flagged, crc = _RECORD.unpack_from(data, pos)
-        if zero_ends and flagged == 0 and crc == 0:
-            break
-        n = flagged & ~_FLAGS
-        start = pos + (ALIGN if flagged & _ALIGNED else _RECORD.size)
-        end = start + (aligned(n) if flagged & _ALIGNED else n)
-        body = data[start : start + n]
-        check = _xxh3 if flagged & _XXH3 else zlib.crc32
-        if len(body) < n or end > len(data) or check(body) != crc:
-            break
-        out.append(body)
-        pos = end
-    return out, pos
+__all__ = ["PendingLog"]
 
 
 class PendingLog:
     """Append-only, fsynced log of one fragment's accepted, not yet merged updates.
 
-    A record is an 8-byte length, a 4-byte checksum, the payload. The checksum is the low
-    32 bits of XXH3-64 (`xxhash`: several times faster than zlib's crc32, the GIL released;
-    crc32 was a visible share of the synchronizer's busy time under `bench/sync_ingest.py`),
-    flagged by the length's top bit; a record without the flag (an older synchronizer's) is
-    checked with zlib's crc32, so an upgrade replays the log it finds.
+    The file's first block is its header (kind and format version, records.py); each record
+    is a block holding its length and XXH3-64 checksum (`xxhash`: the GIL released, faster
+    than zlib's crc32), then the payload zero padded to whole blocks.
 
-    Direct I/O: records are written in whole `ALIGN`-byte blocks (the header alone in the
-    first block, flagged `_ALIGNED`, then the payload, zero padded), so a body the upload
+    Direct I/O: records are written in whole `ALIGN`-byte blocks, so a body the upload
     port read into a `BODIES` buffer goes from that buffer to the disk with `O_DIRECT`:
     no copy into the page cache, whose page allocation and writeback cost the synchronizer
     more CPU than the copy itself (bench/RESULTS.md, "Figures behind the code"). Any other
@@ -95,9 +57,9 @@ class PendingLog:
     ones filled while an fsync runs share the next, and a record is acknowledged only once every
     record before it is durable: a crash leaves, after the acknowledged ones, at most records whose
     place is zeros or torn, cut off on reading. A failed fill (the disk's error after its place was
-    allocated) fails every `sync` from then on: the caller stops the process. `clear` (after the
-    merge that consumed every record is durable) truncates in place; a `sync` of a record written
-    before it returns at once: that record is in the durable fragment file."""
+    allocated) fails every `sync` from then on: the caller stops the process. `remove` (after
+    the merge that consumed every record is durable) deletes the file; a `sync` of a record
+    written before it returns at once: that record is in the durable fragment file."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -109,7 +71,7 @@ class PendingLog:
         """A direct write was refused (EINVAL): the page cache from then on (the descriptor
         stays open until `close`: a concurrent fill may be using it)."""
         self.generation = 0
-        """Counts `clear`s: a record written in an earlier generation is merged and durable."""
+        """Counts `remove`s: a record written in an earlier generation is merged and durable."""
         self.written = 0
         """Bytes reserved in this generation (reservations are serialized by the fragment
         lock)."""
@@ -129,10 +91,20 @@ class PendingLog:
     def _open(self) -> int:
         if self.fd is None:
             new = not self.path.exists()
-            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
-            if new:
-                _fsync_dir(self.path.parent)
-            self.written = self.filled = self.synced = os.fstat(self.fd).st_size
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                size = os.fstat(fd).st_size
+                if size < ALIGN:  # new: its header, durable with the first record's fsync
+                    if os.pwrite(fd, file_header(PENDING), 0) != ALIGN:
+                        raise OSError(errno.EIO, f"short write to {self.path}")
+                    size = ALIGN
+                if new:
+                    fsync_dir(self.path.parent)
+            except BaseException:
+                os.close(fd)  # opened again, header first, by the next reservation
+                raise
+            self.fd = fd
+            self.written = self.filled = self.synced = size
         return self.fd
 
     def create(self) -> None:
@@ -140,8 +112,7 @@ class PendingLog:
         self._open()
 
     def _direct(self) -> int | None:
-        """The `O_DIRECT` descriptor, if the file system takes it and the file ends on a
-        block boundary (it does unless an older synchronizer wrote it)."""
+        """The `O_DIRECT` descriptor, if the file system takes it."""
         if self.direct_refused:
             return None
         if not self.direct_tried:
@@ -157,7 +128,7 @@ class PendingLog:
     def record(payload: bytes | bytearray | memoryview) -> bytes:
         """The record header of `payload` (its checksum: a pass over the bytes, so callers
         compute it before they take a lock)."""
-        return _RECORD.pack(len(payload) | _FLAGS, _xxh3(payload))
+        return record_header(payload)
 
     def write(
         self, payload: bytes | bytearray | memoryview, header: bytes | None = None
@@ -236,17 +207,10 @@ class PendingLog:
                 if e.errno != errno.EINVAL:
                     raise
                 self.direct_refused = True  # refused after all (alignment): the page cache
-        return os.pwritev(self.fd, self._packed(head, payload, n), start)
+        parts: list[Any] = [head + bytes(ALIGN - len(head)), payload, bytes(aligned(n) - n)]
+        return os.pwritev(self.fd, parts, start)
 
-    @staticmethod
-    def _packed(head: bytes, payload: bytes | bytearray | memoryview, n: int) -> list[Any]:
-        return [head + bytes(ALIGN - len(head)), payload, bytes(aligned(n) - n)]
-
-    @classmethod
-    def encoded(cls, payload: bytes) -> bytes:
-        """One whole record of `payload`, as `write` lays it out (for a file written in
-        one go: the merge journal's compaction)."""
-        return b"".join(cls._packed(cls.record(payload), payload, len(payload)))
+    encoded = staticmethod(encoded)
 
     def sync(self, ticket: tuple[int, int]) -> None:
         """Return once the record behind `ticket` is durable: in the log (one fsync for
@@ -284,23 +248,16 @@ class PendingLog:
         if not self.path.exists():
             return []
         data = self.path.read_bytes()
-        out, pos = records_in(data, zero_ends=True)  # zeros: a place reserved, never filled
+        start = check_file_header(self.path, data, PENDING)
+        if start is None:  # created, never synced: nothing in it was acknowledged
+            out, pos = [], 0
+        else:
+            out, pos = records_in(data, start)  # zeros: a place reserved, never filled
         if pos < len(data) and repair:
             with open(self.path, "rb+") as f:
                 f.truncate(pos)
                 os.fsync(f.fileno())
         return out
-
-    def clear(self) -> None:
-        """Empty the log (after the merge that consumed every record in it is durable)."""
-        with self.sync_lock:
-            if self.fd is None:
-                with open(self.path, "wb") as f:
-                    os.fsync(f.fileno())
-            else:
-                os.ftruncate(self.fd, 0)
-                os.fsync(self.fd)
-            self._next_generation()
 
     def _next_generation(self) -> None:
         """Records written so far are merged and durable elsewhere: a new count (the caller

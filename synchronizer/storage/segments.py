@@ -33,8 +33,7 @@ class FragmentLog:
         ...                                      # the merge computes and saves, unlocked
         log.drop(taken)                          # once the merged fragment is durable
 
-    Segments are `pending-PPPP.NNNNNN.log` in the order written; an older synchronizer's
-    single `pending-PPPP.log` is read first. Writes go to the open segment (created on the
+    Segments are `pending-PPPP.NNNNNN.log` in the order written. Writes go to the open segment (created on the
     first write after a `seal`); `seal` closes it to writes and returns every sealed segment
     not yet dropped (a merge that failed leaves its segments to the next). A restart reads
     them all, in order, and writes to a new one."""
@@ -43,9 +42,7 @@ class FragmentLog:
         self.root, self.p = root, p
         seqs = ((f.name.split(".")[1], f) for f in root.glob(f"pending-{p:04d}.*.log"))
         found = sorted((int(n), f) for n, f in seqs if n.isdigit())
-        legacy = root / f"pending-{p:04d}.log"
-        self.sealed: list[PendingLog] = [PendingLog(f) for f in [legacy] if f.exists()]
-        self.sealed += [PendingLog(f) for _, f in found]
+        self.sealed: list[PendingLog] = [PendingLog(f) for _, f in found]
         self.next_seq = found[-1][0] + 1 if found else 1
         self.open: PendingLog | None = None
         self.segments_lock = threading.Lock()

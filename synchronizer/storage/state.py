@@ -1,35 +1,29 @@
-"""Durable synchronizer state: what a restarted synchronizer needs to resume exactly.
+"""The state directory's whole files and the `StateStore` that reads and writes them.
 
     <state_dir>/layout.json                 fragment layout, written once at init
     <state_dir>/model.json                  what the job trains (ModelSpec), written at init
+    <state_dir>/shard.json                  which shard of how many (shards.py)
+    <state_dir>/init-from.json              the `--init-from` source (checkpoints.py)
     <state_dir>/evaluation.json             the latest evaluation an evaluator posted
-                                            (evaluations.py), with its format version
     <state_dir>/fragment-0003.safetensors   Theta_p, momentum b_p, version, stats, high-water marks
     <state_dir>/pending-0003.000007.log     updates of p accepted since its last merge (the WAL),
-                                            in segments; `pending-0003.log` is an older one's
+                                            in segments (pending.py, segments.py)
     <state_dir>/merges-0003.log             merges of p its file does not hold yet (journal.py)
-    <state_dir>/ledger.db                   learners (incarnations, contributions, data
-                                            positions), totals: SQLite, a row per record
-                                            (ledgerdb.py)
+    <state_dir>/ledger.db                   learners and totals: SQLite (ledgerdb.py)
+    <state_dir>/lock                        held by the synchronizer that uses the dir (statedir.py)
+
+docs/storage.md describes each file, its format and its version. Every file carries the
+format version (records.py `FORMAT`): the JSON files as `{"format": 1, KIND: body}`, a
+fragment file as its `format` metadata; a file of another version is refused.
 
 Whole files are replaced atomically (write a temporary file, fsync, rename, fsync the
 directory), so a SIGKILL at any instant leaves the previous or the next version of each,
-never a torn one. The pending log is append-only: an accepted update is appended and
-fsynced before the synchronizer answers `accepted`. A merge seals the segments that hold
-its round's records (new records go to a new segment while it computes and persists) and
-deletes them only once the fragment file holds the merge that consumed them; a merge is
-durable before that, as a merge journal record of its inputs (journal.py), and a restart
-redoes the journaled merges the file lacks, then replays every segment left, skipping
-what the high-water marks say is merged. A record torn by a crash (it was never
-acknowledged) is cut off when the log is read back.
-
-A fragment file is written from the tensors' own memory (`codec.pieces`: header, then each
-tensor's bytes, no serialized copy in between), then fsynced: in the background, up to
-`snapshot_lag` merges behind the version served (journal.py), or before it is served.
-
-A fragment file carries, per learner, the highest (incarnation, learner_step) merged into
-it: with the pending log's records it tells a restarted synchronizer exactly which
-updates it already holds, however long ago they came.
+never a torn one. A fragment file is written from the tensors' own memory (`codec.pieces`:
+header, then each tensor's bytes, no serialized copy in between), then fsynced: in the
+background, up to `snapshot_lag` merges behind the version served (journal.py), or before
+it is served. It carries, per learner, the highest (incarnation, learner_step) merged into
+it: with the pending log's records it tells a restarted synchronizer exactly which updates
+it already holds, however long ago they came.
 """
 
 from __future__ import annotations
@@ -47,14 +41,36 @@ from safetensors.torch import save_file
 
 from ddiloco.synchronizer.storage.direct_io import write_direct
 from ddiloco.synchronizer.storage.ledgerdb import LedgerDB
-from ddiloco.synchronizer.storage.pending import _fsync_dir
+from ddiloco.synchronizer.storage.records import (
+    FORMAT,
+    StateFormatError,
+    load_json,
+    replace,
+    save_json,
+)
 from ddiloco.synchronizer.storage.segments import FragmentLog
 from ddiloco.wire import codec
 from ddiloco.wire.protocol import EvaluationStatus, Layout, ModelSpec
 
 Tensors = dict[str, torch.Tensor]
-EVALUATION_FORMAT: Final = 1
-"""The format version of evaluation.json."""
+JSON_FILES: Final = {
+    "layout.json": "layout",
+    "model.json": "model",
+    "shard.json": "shard",
+    "init-from.json": "source",
+    "evaluation.json": "evaluation",
+}
+"""The state directory's JSON files and the key of each one's body (`save_json`)."""
+_FRAGMENT_KEYS: Final = (
+    "format",
+    "version",
+    "merges",
+    "tokens_merged",
+    "contributions",
+    "high_water",
+    "norms",
+)
+"""A fragment file's metadata: every key, none optional."""
 Order = tuple[int, int]
 """(incarnation, learner_step): the position of an update among one learner's of a fragment."""
 
@@ -89,13 +105,6 @@ def _write_all(path: Path, parts: list[memoryview | bytes]) -> None:
         os.close(fd)
 
 
-def _replace(tmp: Path, final: Path) -> None:
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
-
-
 class StateStore:
     """Reads and durably writes the files above; one instance per state directory."""
 
@@ -123,48 +132,43 @@ class StateStore:
             log.close()
         self.ledger.close()
 
+    def load(self, name: str) -> Any:
+        """The body of JSON file `name` (`JSON_FILES`), None if there is none;
+        `StateFormatError` for a file of another format."""
+        path = self.root / name
+        return load_json(path, JSON_FILES[name]) if path.exists() else None
+
+    def save(self, name: str, body: Any) -> None:
+        """JSON file `name` (`JSON_FILES`) holding `body`, replaced whole."""
+        save_json(self.root / name, JSON_FILES[name], body)
+
     def load_layout(self) -> Layout | None:
-        path = self.root / "layout.json"
-        return Layout.model_validate_json(path.read_text()) if path.exists() else None
+        body = self.load("layout.json")
+        return None if body is None else Layout.model_validate(body)
 
     def save_layout(self, layout: Layout) -> None:
-        tmp = self.root / ".layout.json.tmp"
-        tmp.write_text(layout.model_dump_json())
-        _replace(tmp, self.root / "layout.json")
+        self.save("layout.json", layout.model_dump(mode="json"))
 
     def load_model(self) -> ModelSpec | None:
-        path = self.root / "model.json"
-        return ModelSpec.model_validate_json(path.read_text()) if path.exists() else None
+        body = self.load("model.json")
+        return None if body is None else ModelSpec.model_validate(body)
 
     def save_model(self, model: ModelSpec) -> None:
-        tmp = self.root / ".model.json.tmp"
-        tmp.write_text(model.model_dump_json())
-        _replace(tmp, self.root / "model.json")
+        self.save("model.json", model.model_dump(mode="json"))
 
     def load_evaluation(self) -> EvaluationStatus | None:
-        """The latest evaluation saved, None if none; a file of another format than
-        `EVALUATION_FORMAT` is refused (ValueError naming it)."""
-        path = self.root / "evaluation.json"
-        if not path.exists():
-            return None
-        saved = json.loads(path.read_text())
-        if not isinstance(saved, dict) or saved.get("format") != EVALUATION_FORMAT:
-            raise ValueError(
-                f"{path} is not an evaluation of format {EVALUATION_FORMAT}: remove it (it "
-                "holds only the latest evaluation, which the evaluator sends again)"
-            )
-        return EvaluationStatus.model_validate(saved["evaluation"])
+        """The latest evaluation saved, None if none."""
+        body = self.load("evaluation.json")
+        return None if body is None else EvaluationStatus.model_validate(body)
 
     def save_evaluation(self, evaluation: EvaluationStatus) -> None:
-        tmp = self.root / ".evaluation.json.tmp"
-        body = {"format": EVALUATION_FORMAT, "evaluation": evaluation.model_dump(mode="json")}
-        tmp.write_text(json.dumps(body, sort_keys=True))
-        _replace(tmp, self.root / "evaluation.json")
+        self.save("evaluation.json", evaluation.model_dump(mode="json"))
 
     def save_fragment(self, p: int, fs: FragmentState) -> None:
         tensors = {f"param/{k}": v for k, v in fs.params.items()}
         tensors |= {f"momentum/{k}": v for k, v in fs.momentum.items()}
         meta = {
+            "format": str(FORMAT),
             "version": str(fs.version),
             "merges": str(fs.merges),
             "tokens_merged": str(fs.tokens_merged),
@@ -179,33 +183,52 @@ class StateStore:
             save_file(tensors, str(tmp), metadata=meta)
         elif not write_direct(tmp, parts):
             _write_all(tmp, parts)
-        _replace(tmp, final)
+        replace(tmp, final)
+
+    @staticmethod
+    def _checked(path: Path, meta: dict[str, str] | None) -> dict[str, str]:
+        """A fragment file's metadata, of this format and with every key
+        (`StateFormatError` else)."""
+        meta = meta or {}
+        if meta.get("format") != str(FORMAT):
+            raise StateFormatError(path, meta.get("format"))
+        missing = [k for k in _FRAGMENT_KEYS if k not in meta]
+        if missing:
+            raise StateFormatError(path, FORMAT, f"its metadata lacks {missing}")
+        return meta
+
+    @classmethod
+    def check_fragment(cls, path: Path) -> None:
+        """A fragment file of this format (its header only)."""
+        with safe_open(str(path), framework="pt") as f:
+            cls._checked(path, f.metadata())
 
     def fragment_version(self, p: int) -> int:
         """The version fragment p's file holds (its header only)."""
-        with safe_open(str(self._fragment_path(p)), framework="pt") as f:
-            return int((f.metadata() or {}).get("version", 0))
+        path = self._fragment_path(p)
+        with safe_open(str(path), framework="pt") as f:
+            return int(self._checked(path, f.metadata())["version"])
 
     def load_fragment(self, p: int) -> FragmentState:
         params: Tensors = {}
         momentum: Tensors = {}
-        with safe_open(str(self._fragment_path(p)), framework="pt") as f:
-            meta = f.metadata() or {}
+        path = self._fragment_path(p)
+        with safe_open(str(path), framework="pt") as f:
+            meta = self._checked(path, f.metadata())
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 kind, _, name = key.partition("/")
                 (params if kind == "param" else momentum)[name] = f.get_tensor(key)
         return FragmentState(
             params=params,
             momentum=momentum,
-            version=int(meta.get("version", 0)),
-            merges=int(meta.get("merges", 0)),
-            tokens_merged=int(meta.get("tokens_merged", 0)),
-            contributions=int(meta.get("contributions", 0)),
+            version=int(meta["version"]),
+            merges=int(meta["merges"]),
+            tokens_merged=int(meta["tokens_merged"]),
+            contributions=int(meta["contributions"]),
             high_water={
-                k: (int(v[0]), int(v[1]))
-                for k, v in json.loads(meta.get("high_water", "{}")).items()
+                k: (int(v[0]), int(v[1])) for k, v in json.loads(meta["high_water"]).items()
             },
-            norms=[float(x) for x in json.loads(meta.get("norms", "[]"))],
+            norms=[float(x) for x in json.loads(meta["norms"])],
         )
 
     def load_fragments(self, layout: Layout) -> list[FragmentState]:

@@ -1,4 +1,4 @@
-"""Delta downloads end to end (synchronizer/broadcast.py): a real synchronizer serving
+"""Delta downloads end to end (wire/broadcast.py, synchronizer/served_versions.py): a real synchronizer serving
 `int8-delta` and two real learner processes training against it on loopback.
 
     .venv/bin/pytest -q tests/e2e/test_broadcast_e2e.py -m e2e

@@ -28,6 +28,7 @@ from ddiloco.learner.data import stdlib_files
 from ddiloco.learner.sync_client import SyncClient
 from ddiloco.learner.task import build_task
 from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
+from ddiloco.synchronizer.storage.state import StateStore
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(400)]
 TOKEN = "export-token"
@@ -88,7 +89,7 @@ def test_hf_config_trains_under_ddiloco_local(run: dict) -> None:
         r["eval_loss_initial"],
         r["eval_loss_final"],
     )
-    model = json.loads((run["state"] / "model.json").read_text())
+    model = StateStore(run["state"]).load("model.json")
     assert model["kind"] == "hf" and model["name"] == "hf:llama-tiny"
 
 

@@ -25,8 +25,9 @@ import torch
 from ddiloco.learner.sync_client import SyncClient, SyncRefused, SyncUnavailable
 from ddiloco.local.chaos import ChaosEvent, Schedule
 from ddiloco.local.launcher import LocalConfig, LocalRun
+from ddiloco.synchronizer.storage.state import StateStore
 from ddiloco.wire import codec
-from ddiloco.wire.protocol import Layout, UpdateMeta, shard_map
+from ddiloco.wire.protocol import UpdateMeta, shard_map
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -62,7 +63,8 @@ def test_local_with_two_shards_trains_every_fragment(tmp_path: Path) -> None:
     assert report["sync_shards"] == 2
     assert math.isfinite(report["eval_loss_final"])
     assert report["eval_loss_final"] < report["eval_loss_initial"]
-    layout = Layout.model_validate_json((out / "sync-0" / "layout.json").read_text())
+    layout = StateStore(out / "sync-0").load_layout()
+    assert layout is not None
     owners = shard_map(layout, 2)
     for i in (0, 1):  # each shard's state dir holds its own fragments, and only those
         files = sorted(p.name for p in (out / f"sync-{i}").glob("fragment-*.safetensors"))
@@ -113,7 +115,8 @@ class Watch:
         layout_file = run.out / "sync-0" / "layout.json"
         if not layout_file.exists():
             return
-        layout = Layout.model_validate_json(layout_file.read_text())
+        layout = StateStore(run.out / "sync-0").load_layout()
+        assert layout is not None
         p = shard_map(layout, 2).index(1)  # a fragment of shard 1's, sent to shard 0
         spec = layout.fragments[p]
         meta = UpdateMeta(

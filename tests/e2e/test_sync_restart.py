@@ -19,7 +19,7 @@ import pytest
 
 from ddiloco.learner.sync_client import SyncUnavailable
 from ddiloco.local.processes import terminate_all
-from ddiloco.synchronizer.storage.journal import recovered
+from ddiloco.synchronizer.replay import recovered
 from ddiloco.synchronizer.storage.state import StateStore
 from ddiloco.wire import codec
 from ddiloco.wire.protocol import UpdateMeta

@@ -1,5 +1,5 @@
-"""The download encodings (synchronizer/broadcast.py), in process: what the synchronizer
-encodes per version and what a learner reads back from the bytes.
+"""The download encodings (wire/broadcast.py, synchronizer/served_versions.py), in process:
+what the synchronizer encodes per version and what a learner reads back from the bytes.
 
     pytest tests/unit/test_broadcast.py
 
@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddiloco.synchronizer import broadcast
-from ddiloco.synchronizer.broadcast import Held
+from ddiloco.synchronizer import served_versions
 from ddiloco.synchronizer.served_buffers import Served
-from ddiloco.wire import codec, quant
+from ddiloco.wire import broadcast, codec, quant
+from ddiloco.wire.broadcast import Held
 from ddiloco.wire.errors import PayloadError
 
 SHAPES = {"a.weight": (37, 11), "b.bias": (5,), "c.empty": (0,), "d.big": (300,)}
@@ -54,13 +54,13 @@ def test_served_copy_follows_theta_within_half_a_step_and_learners_hold_it_bit_f
     served = Served("float32", fragments=1, kinds=2)
     g = torch.Generator().manual_seed(1)
     theta = theta0()
-    b = broadcast.encode(served, encoding, 0, 0, theta)
+    b = served_versions.encode(served, encoding, 0, 0, theta)
     follower = broadcast.read(bytes(b.whole))  # joined at version 0: the whole copy
     assert follower.token == b.token and same_bits(follower.tensors, theta)
     worst = 0.0
     for version in range(1, 61):
         theta = walk(theta, g)
-        prev, b = b, broadcast.encode(served, encoding, 0, version, theta, prev=b)
+        prev, b = b, served_versions.encode(served, encoding, 0, version, theta, prev=b)
         assert b.base == prev.token and b.delta is not None
         body, label = b.body(follower.token)
         assert body is b.delta and label == encoding
@@ -86,8 +86,8 @@ def test_served_copy_follows_theta_within_half_a_step_and_learners_hold_it_bit_f
 def test_a_delta_is_a_fraction_of_the_whole(encoding: str, most: float) -> None:
     served = Served("float32", fragments=1, kinds=2)
     theta = {"w": torch.randn(1 << 18)}
-    b = broadcast.encode(served, encoding, 0, 0, theta)
-    b = broadcast.encode(served, encoding, 0, 1, {"w": theta["w"] + 1e-3}, prev=b)
+    b = served_versions.encode(served, encoding, 0, 0, theta)
+    b = served_versions.encode(served, encoding, 0, 1, {"w": theta["w"] + 1e-3}, prev=b)
     assert b.delta is not None and len(b.delta) < most * len(b.whole)
 
 
@@ -97,9 +97,9 @@ def test_a_learner_that_missed_a_version_gets_the_whole_fragment_and_a_stale_del
     served = Served("float32", fragments=1, kinds=2)
     g = torch.Generator().manual_seed(2)
     theta = theta0()
-    b0 = broadcast.encode(served, "int8-delta", 0, 0, theta)
-    b1 = broadcast.encode(served, "int8-delta", 0, 1, walk(theta, g), prev=b0)
-    b2 = broadcast.encode(served, "int8-delta", 0, 2, walk(theta, g), prev=b1)
+    b0 = served_versions.encode(served, "int8-delta", 0, 0, theta)
+    b1 = served_versions.encode(served, "int8-delta", 0, 1, walk(theta, g), prev=b0)
+    b2 = served_versions.encode(served, "int8-delta", 0, 2, walk(theta, g), prev=b1)
     for held in (b0.token, None, "nonsense", "x" * 10_000):
         body, label = b2.body(held)
         assert body is b2.whole and label == "fp32"
@@ -111,26 +111,26 @@ def test_a_learner_that_missed_a_version_gets_the_whole_fragment_and_a_stale_del
     with pytest.raises(broadcast.StaleBase):
         broadcast.read(bytes(b2.delta))
     # a new lineage (a restart: S from Theta) shares no token with the old one
-    again = broadcast.encode(served, "int8-delta", 0, 2, walk(theta, g))
+    again = served_versions.encode(served, "int8-delta", 0, 2, walk(theta, g))
     assert again.token != b2.token and again.delta is None
 
 
 def test_nothing_non_finite_is_served() -> None:
     served = Served("float32", fragments=1, kinds=2)
     theta = theta0()
-    b0 = broadcast.encode(served, "int8-delta", 0, 0, theta)
+    b0 = served_versions.encode(served, "int8-delta", 0, 0, theta)
     bad = {k: v.clone() for k, v in theta.items()}
     bad["a.weight"][3, 4] = float("inf")
     for encoding in ("int8", "int8-delta", "int4-delta"):
         with pytest.raises(ValueError):
-            broadcast.encode(served, encoding, 0, 1, bad)
+            served_versions.encode(served, encoding, 0, 1, bad)
     with pytest.raises(ValueError):
-        broadcast.encode(served, "int8-delta", 0, 1, bad, prev=b0)
+        served_versions.encode(served, "int8-delta", 0, 1, bad, prev=b0)
     # a difference that overflows float32 (Theta finite): S restarts from Theta instead
     huge = {k: v.clone() for k, v in theta.items()}
     huge["a.weight"][0, 0] = 3e38
-    b1 = broadcast.encode(served, "int8-delta", 0, 1, huge, prev=b0)
-    b2 = broadcast.encode(
+    b1 = served_versions.encode(served, "int8-delta", 0, 1, huge, prev=b0)
+    b2 = served_versions.encode(
         served, "int8-delta", 0, 2, {k: -v if k == "a.weight" else v for k, v in huge.items()},
         prev=b1,
     )  # fmt: skip
@@ -141,21 +141,21 @@ def test_nothing_non_finite_is_served() -> None:
 def test_int8_and_float_downloads_read_back() -> None:
     served = Served("float32", fragments=1)
     theta = theta0()
-    b = broadcast.encode(served, "int8", 0, 3, theta)
+    b = served_versions.encode(served, "int8", 0, 3, theta)
     got = broadcast.read(bytearray(b.whole))
     assert got.token is None and b.label == "int8"
     for k, t in theta.items():
         assert torch.equal(got.tensors[k], quant.dequantize(quant.quantize(t, "int8")))
     big = {"w": torch.randn(1 << 18)}
-    assert len(broadcast.encode(served, "int8", 0, 3, big).whole) < 0.26 * 4 * (1 << 18)
-    half = broadcast.encode(Served("bfloat16", 1), "bfloat16", 0, 3, theta)
+    assert len(served_versions.encode(served, "int8", 0, 3, big).whole) < 0.26 * 4 * (1 << 18)
+    half = served_versions.encode(Served("bfloat16", 1), "bfloat16", 0, 3, theta)
     got = broadcast.read(bytes(half.whole))
     assert got.tensors["d.big"].dtype == torch.bfloat16 and half.label == "bf16"
 
 
 def test_malformed_quantized_downloads_are_refused() -> None:
     served = Served("float32", fragments=1)
-    b = broadcast.encode(served, "int8", 0, 0, theta0())
+    b = served_versions.encode(served, "int8", 0, 0, theta0())
     header = codec.read_header(bytes(b.whole), codes=True)
     tensors = codec.tensor_views(bytes(b.whole), header)
     for meta, why in [
@@ -192,33 +192,33 @@ def test_a_synchronizer_serves_deltas_merges_theta_and_restarts_whole(tmp_path) 
     tj.start(sync)
     tj.stop_writer(sync)
     follower = broadcast.read(bytes(sync.fragment(0)[1]))
-    assert same_bits(follower.tensors, sync.fragments[0].params)  # version 0: S_0 = Theta_0
+    assert same_bits(follower.tensors, sync.fragments[0].state.params)  # version 0: S_0 = Theta_0
     for v in range(1, 4):
         assert sync.submit(tj.update("a", 10 * v, v - 1, v)).status == "accepted"
         assert sync.merge(0) == v
         version, body = sync.fragment(0, follower.token)
-        served = sync.served[0]
+        served = sync.fragments[0].served
         assert version == v and body is served.delta
         follower = broadcast.read(bytes(body), Held(str(follower.token), follower.tensors))
         assert follower.token == served.token and same_bits(follower.tensors, served.held)
-        theta = sync.fragments[0].params
+        theta = sync.fragments[0].state.params
         assert not same_bits(follower.tensors, theta)  # served is S, merged is Theta
         snap = checkpoints.take_snapshot(sync)
         assert snap is not None and same_bits(snap.fragments[0].params, theta)
-    assert sync.totals["bytes_down"] > 0
+    assert sync.learners.totals["bytes_down"] > 0
     again = tj.make(tmp_path, clock, broadcast_encoding="int8-delta")
     assert again.versions() == [3]
     version, body = again.fragment(0, follower.token)
-    assert version == 3 and body is again.served[0].whole
+    assert version == 3 and body is again.fragments[0].served.whole
     whole = broadcast.read(bytes(body))
     assert whole.token != follower.token
-    assert same_bits(whole.tensors, again.fragments[0].params)  # from Theta again
+    assert same_bits(whole.tensors, again.fragments[0].state.params)  # from Theta again
     assert again.submit(tj.update("b", 50, 3, 9)).status == "accepted"
     assert again.merge(0) == 4
     version, body = again.fragment(0, whole.token)
-    assert body is again.served[0].delta
+    assert body is again.fragments[0].served.delta
     got = broadcast.read(bytes(body), Held(str(whole.token), whole.tensors))
-    assert same_bits(got.tensors, again.served[0].held)
+    assert same_bits(got.tensors, again.fragments[0].served.held)
 
 
 def test_a_joiner_holding_the_initial_values_downloads_nothing_of_version_0() -> None:
@@ -227,7 +227,7 @@ def test_a_joiner_holding_the_initial_values_downloads_nothing_of_version_0() ->
     values differ by a bit gets the whole fragment."""
     served = Served("float32", fragments=1, kinds=2)
     theta = theta0()
-    b0 = broadcast.encode(served, "int8-delta", 0, 0, theta)
+    b0 = served_versions.encode(served, "int8-delta", 0, 0, theta)
     mine = {k: v.clone() for k, v in theta.items()}
     token = broadcast.initial_token(mine)
     assert token == b0.token
@@ -237,7 +237,7 @@ def test_a_joiner_holding_the_initial_values_downloads_nothing_of_version_0() ->
     assert got.tensors is mine and got.token == token
     with pytest.raises(broadcast.StaleBase):
         broadcast.read(bytes(body), Held("other.0", mine))
-    b1 = broadcast.encode(served, "int8-delta", 0, 1, walk(theta, torch.Generator()), prev=b0)
+    b1 = served_versions.encode(served, "int8-delta", 0, 1, walk(theta, torch.Generator()), prev=b0)
     body, label = b1.body(token)
     assert label == "int8-delta"
     got = broadcast.read(bytes(body), Held(token, mine))

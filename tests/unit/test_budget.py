@@ -23,11 +23,11 @@ from torch import nn
 from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.diloco import DecoupledDiLoCo
 from ddiloco.learner.schedule import learning_rate
-from ddiloco.synchronizer import shards
 from ddiloco.synchronizer.budget import Budget
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.service import Synchronizer
 from ddiloco.wire import codec
+from ddiloco.wire.job_status import merge_statuses
 from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
@@ -157,13 +157,13 @@ def test_shards_finish_the_job_when_any_shard_is_finished(tmp_path: Path) -> Non
         a.model_copy(update={"tokens_merged": 100, "progress": 100 / 150, "shard": 0}),
         a.model_copy(update={"finished": True, "progress": 1.0, "shard": 1, "shards": 2}),
     ]
-    job = shards.merge_statuses(st)
+    job = merge_statuses(st)
     assert job.finished and job.progress == 1.0 and job.total_tokens == 150
     assert job.estimated_remaining_seconds == 0.0
     st[1] = st[1].model_copy(
         update={"finished": False, "progress": 0.5, "estimated_remaining_seconds": 7.0}
     )
-    job = shards.merge_statuses(st)
+    job = merge_statuses(st)
     assert not job.finished and job.estimated_remaining_seconds == 7.0
 
 

@@ -89,7 +89,7 @@ def merge_round(sync: Synchronizer, step: int) -> None:
 def state(sync: Synchronizer) -> dict[str, torch.Tensor]:
     out = {}
     for p in sync.owned:
-        fs = sync.fragments[p]
+        fs = sync.fragments[p].state
         out |= {f"param/{k}": v.clone() for k, v in fs.params.items()}
         out |= {f"momentum/{k}": v.clone() for k, v in fs.momentum.items()}
     return out
@@ -141,7 +141,7 @@ def test_a_checkpoint_is_a_model_dir_and_the_outer_state_and_a_new_job_resumes_i
         # a learner's init upload does not overwrite it, and says it was not created
         answer = resumed.init(codec.encode(START, {LAYOUT_KEY: LAYOUT.model_dump_json()}))
         assert answer.created is False and state(resumed)["param/w"].equal(held["param/w"])
-        assert resumed.fragments[0].high_water == {}  # the old job's learners are not ours
+        assert resumed.fragments[0].state.high_water == {}  # the old job's learners are not ours
         # the same learner id joins afresh and its first update is merged, not a duplicate
         merge_round(resumed, 10)
         assert resumed.versions() == [4, 4]

@@ -120,7 +120,7 @@ def test_an_inflated_token_claim_is_refused_and_cannot_take_over_a_merge(tmp_pat
     assert sync.submit(update("b", b)).status == "accepted"
     assert sync.due() == [0]
     sync.merge(0)
-    w = sync.fragments[0].params["w"]
+    w = sync.fragments[0].state.params["w"]
     assert w[0] > 0.1 and torch.isclose(w[0], w[1])  # both merged, equally weighted
 
 
@@ -326,7 +326,7 @@ def test_learner_records_are_capped_and_only_empty_retired_ones_make_room(tmp_pa
     with pytest.raises(SyncError, match="max_learners"):
         restarted.join(JoinRequest(learner_id="f"))
     assert restarted.join(JoinRequest(learner_id="c")).data_position == 8  # c survived
-    assert restarted.totals["dropped_incarnation"] == 2
+    assert restarted.learners.totals["dropped_incarnation"] == 2
 
 
 def test_retired_learners_leave_status_and_metrics(tmp_path: Path) -> None:
@@ -405,8 +405,8 @@ def test_tensors_must_be_of_the_dtype_their_encoding_names(
         # updates queued behind an outage (learner/outbox.py)
         wide = update("a", torch.full((4,), 0.1), encoding="bfloat16", step=15)
         assert sync.submit(wide).status == "accepted"
-    else:  # an older sender's (no encoding) bf16: refused as what it is
+    else:  # bf16 under its own name: refused as an encoding not accepted
         with pytest.raises(SyncError) as e:
-            sync.submit(update("a", bf16))
+            sync.submit(update("a", bf16, encoding="bfloat16"))
         assert e.value.status == 415
     assert sync.submit(update("a", torch.full((4,), 0.1), step=20)).status == "accepted"

@@ -5,7 +5,7 @@
 For arbitrary bytes, arbitrary JSON headers, and mutations of a valid update payload (a
 header field replaced by any JSON value, nesting thousands deep, dtypes safetensors knows and
 the wire does not, bad shapes and offsets, truncation, extra bytes, flipped bytes),
-`read_metadata`, `decode` and `check_fragment` either return or raise `PayloadError`, and
+`read_metadata`, `decode` and admission's `check_fragment` either return or raise `PayloadError`, and
 whatever `decode` returns is what the checked header says. Valid payloads still round-trip.
 Bounded: a few hundred examples per property, seconds in all.
 """
@@ -22,6 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ddiloco.synchronizer import admission
 from ddiloco.wire import codec
 from ddiloco.wire.errors import PayloadError
 from ddiloco.wire.protocol import FragmentSpec, TensorSpec, UpdateMeta
@@ -69,7 +70,7 @@ def outcome(payload: bytes) -> dict[str, torch.Tensor] | None:
         assert tuple(t.shape) == header.tensors[name].shape
         assert t.dtype in codec.WIRE_DTYPES.values()
     with contextlib.suppress(PayloadError):
-        codec.check_fragment(tensors, SPEC)
+        admission.check_fragment(tensors, SPEC)
     return tensors
 
 

@@ -94,6 +94,7 @@ def update(
         tokens=100,
         learner_step=step,
         incarnation=inc,
+        encoding="bfloat16" if value.dtype == torch.bfloat16 else "float32",
     )
     return codec.encode({"emb" if p == 0 else "w": value}, meta.to_metadata())
 
@@ -307,7 +308,7 @@ def test_a_merge_that_cannot_be_written_changes_nothing_and_its_work_waits(
         raise OSError(28, "No space left on device")
 
     if lag:  # what makes the merge durable is its journal record
-        monkeypatch.setattr(sync.journals[1], "append", disk_full)
+        monkeypatch.setattr(sync.fragments[1].journal, "append", disk_full)
     else:
         monkeypatch.setattr(sync.store, "save_fragment", disk_full)
     with pytest.raises(OSError):

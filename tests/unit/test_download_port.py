@@ -25,8 +25,8 @@ from ddiloco.learner.config import LearnerConfig
 from ddiloco.learner.streaming import Streamer
 from ddiloco.learner.sync_client import ClientTLS, SyncClient, SyncRefused, SyncUnavailable
 from ddiloco.learner.uploads import with_port
-from ddiloco.synchronizer import broadcast, upload_port
-from ddiloco.wire import codec, tls
+from ddiloco.synchronizer import upload_port
+from ddiloco.wire import broadcast, codec, tls
 from ddiloco.wire.auth import StaticTokens, learner_token, spare_token
 from ddiloco.wire.protocol import (
     LAYOUT_KEY,
@@ -303,32 +303,26 @@ def test_a_learner_downloads_through_the_port(make_sync_server) -> None:
     assert s.bytes_down > sum(len(main_port(server, p)[1]) for p in range(4))  # and the join
 
 
-@pytest.mark.parametrize("how", ["turned_away", "no_fragments"])
-def test_a_learner_falls_back_to_the_main_port(make_sync_server, monkeypatch, how: str) -> None:
+def test_a_learner_falls_back_to_the_main_port(make_sync_server, monkeypatch) -> None:
     """A port at its cap (503) sends that download to the main URL, and the next tries the
-    port again; a port that serves no fragments (404: an older synchronizer's) is not asked
-    again."""
+    port again."""
     server = up.ready(make_sync_server)
-    if how == "turned_away":
-        monkeypatch.setattr(upload_port, "MAX_CONNECTIONS", 0)
-    else:
-        monkeypatch.setattr(upload_port, "_FRAGMENT", upload_port.re.compile("^$"))
+    monkeypatch.setattr(upload_port, "MAX_CONNECTIONS", 0)
     uploads = server.server.config.app.state.uploads
     s = streamer(server)
     got = s.fetch_all()
     assert all(torch.equal(t[f"w{p}"], up.TENSORS[f"w{p}"]) for p, _, t in got)
     assert uploads.downloads == 0
-    assert s.no_downloads == [how == "no_fragments"]
     assert s.fallback_until == [0.0]  # the port itself is not given up on for uploads
     monkeypatch.undo()
     main = SyncClient(server.url, server.token)
     version, tensors = s._fetch(0, main, 1, {})
     assert version == 0 and torch.equal(tensors["w1"], up.TENSORS["w1"])
-    sent(uploads, 1 if how == "turned_away" else 0)
+    sent(uploads, 1)
     main.close()
 
 
-# ---- delta downloads (synchronizer/broadcast.py), on both ports --------------------------
+# ---- delta downloads (wire/broadcast.py), on both ports --------------------------
 PORTS = ["main", "bulk"]
 
 
@@ -399,10 +393,10 @@ def test_a_learner_following_deltas_holds_the_served_copy_bit_for_bit(
             v, got = follower.download(1, broadcast.Held(str(got.token), got.tensors))
             delta_bytes = follower.bytes_down - before
             assert v == version
-            served = server.sync.served[1]
+            served = server.sync.fragments[1].served
             assert served.delta is not None and delta_bytes == len(served.delta)
             assert got.token == served.token and bits_equal(got.tensors, served.held)
-            assert not torch.equal(got.tensors["w1"], server.sync.fragments[1].params["w1"])
+            assert not torch.equal(got.tensors["w1"], server.sync.fragments[1].state.params["w1"])
             v, whole = joiner.download(1)
             assert v == version and whole.token == got.token
             assert bits_equal(whole.tensors, got.tensors)
@@ -434,7 +428,7 @@ def test_a_stale_held_copy_is_fetched_again_whole(make_sync_server, where: str) 
         for step in range(3):
             merge_once(server, step=10 * (step + 2))
         version, got = c.download(1, broadcast.Held(str(old.token), old.tensors))
-        served = server.sync.served[1]
+        served = server.sync.fragments[1].served
         assert version == 3 and got.token == served.token
         assert bits_equal(got.tensors, served.held)
     finally:
@@ -461,7 +455,7 @@ def test_a_delta_request_to_the_wrong_shard_is_421(make_sync_server, where: str)
     assert status == 421
     mine = server.sync.owned[0]
     status, _, body = raw_get(server, where, f"/v1/fragments/{mine}?held=a.0")
-    assert status == 200 and body == bytes(server.sync.served[mine].whole)
+    assert status == 200 and body == bytes(server.sync.fragments[mine].served.whole)
 
 
 @pytest.mark.parametrize("where", PORTS)
@@ -495,7 +489,7 @@ def test_a_stalled_download_does_not_hold_up_the_others(make_sync_server, where:
         _, whole = client_for(server, where).download(0)
         assert time.monotonic() - t0 < 4.0  # well before the stalled one is cut off
         assert version == 1 and bits_equal(after.tensors, whole.tensors)
-        assert bits_equal(after.tensors, server.sync.served[0].held)
+        assert bits_equal(after.tensors, server.sync.fragments[0].served.held)
     finally:
         sock.close()
         reader.close()
@@ -510,18 +504,18 @@ def test_a_learner_holds_its_initial_values_and_follows_deltas(make_sync_server)
     got = s.fetch_all()
     assert s.broadcast_encoding == "int8-delta"
     assert all(torch.equal(t[f"w{p}"], up.TENSORS[f"w{p}"]) for p, _, t in got)
-    assert server.sync.totals["bytes_down"] < 4 * 200  # no tensor bytes went down
+    assert server.sync.learners.totals["bytes_down"] < 4 * 200  # no tensor bytes went down
     ports: dict = {}
     main = SyncClient(server.url, server.token)
     try:
         for step in range(2):
             version = merge_once(server, step=10 * (step + 2))
-            before = server.sync.totals["bytes_down"]
+            before = server.sync.learners.totals["bytes_down"]
             v, tensors = s._fetch(0, main, 1, ports)
-            served = server.sync.served[1]
+            served = server.sync.fragments[1].served
             assert v == version and bits_equal(tensors, served.held)
             assert served.delta is not None
-            assert server.sync.totals["bytes_down"] - before == len(served.delta)
+            assert server.sync.learners.totals["bytes_down"] - before == len(served.delta)
             assert s.held[1].token == served.token
         sent(server.server.config.app.state.uploads, 6)
     finally:

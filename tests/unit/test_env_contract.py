@@ -22,7 +22,7 @@ import pytest
 from ddiloco.cli.main import SUBCOMMANDS
 from ddiloco.learner.config import READ_ELSEWHERE, LearnerConfig
 from ddiloco.operator import api, builders, sync_workload
-from ddiloco.synchronizer.config import SyncSettings
+from ddiloco.synchronizer.config import SyncSettings, TuningSettings
 
 TOKEN = "contract-token-0123456789"
 PREFIX = "DDILOCO_"
@@ -216,12 +216,16 @@ def learner_config(job: api.DecoupledDiLoCoJob, pod: dict[str, Any]) -> LearnerC
 
 
 def sync_env_names() -> dict[str, str]:
-    """Field -> the variable pydantic-settings reads it from (env_prefix + name, or an alias)."""
-    prefix = SyncSettings.model_config.get("env_prefix", "")
+    """Field -> the variable pydantic-settings reads it from (env_prefix + name, or an alias),
+    for the method's settings and the tuning knobs (`SyncSettings.tuning`) alike."""
     out = {}
-    for name, f in SyncSettings.model_fields.items():
-        alias = f.validation_alias or f.alias
-        out[name] = (alias if isinstance(alias, str) else prefix + name).upper()
+    for group in (SyncSettings, TuningSettings):
+        prefix = group.model_config.get("env_prefix", "")
+        for name, f in group.model_fields.items():
+            if group is SyncSettings and name == "tuning":
+                continue  # read as its own fields' names
+            alias = f.validation_alias or f.alias
+            out[name] = (alias if isinstance(alias, str) else prefix + name).upper()
     return out
 
 
@@ -280,6 +284,29 @@ def test_the_names_read_elsewhere_are_read_there(monkeypatch: pytest.MonkeyPatch
     # and no LearnerConfig or SyncSettings field claims them too
     assert not set(READ_ELSEWHERE) & set(LearnerConfig.env_names().values())
     assert not set(SYNC_READ_ELSEWHERE) & set(sync_env_names().values())
+
+
+def test_the_tuning_knobs_are_read_apart_from_the_methods_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each performance knob from its own DDILOCO_ name into `SyncSettings.tuning`, none of
+    them a field of the method's settings; one given by name (the CLI's flags) lands there
+    too, the others still from the environment, and their rule still holds."""
+    for name in [k for k in os.environ if k.upper().startswith(PREFIX)]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("DDILOCO_TOKEN", TOKEN)
+    values = {"cpu_slots": 3, "merge_first": False, "prime_buffers": False, "snapshot_lag": 6,
+              "snapshot_every": 2, "torch_threads": 5, "merge_threads": 7}  # fmt: skip
+    assert set(values) == set(TuningSettings.model_fields)
+    assert not set(values) & set(SyncSettings.model_fields)
+    for name, value in values.items():
+        monkeypatch.setenv(PREFIX + name.upper(), str(int(value)))
+    settings = SyncSettings(_env_file=None)  # type: ignore[call-arg]
+    assert settings.tuning.model_dump() == values
+    given = SyncSettings(_env_file=None, snapshot_lag=0)  # type: ignore[call-arg]
+    assert given.tuning.model_dump() == values | {"snapshot_lag": 0}
+    with pytest.raises(ValueError, match="DDILOCO_SNAPSHOT_EVERY=2 exceeds"):
+        SyncSettings(_env_file=None, snapshot_lag=1)  # type: ignore[call-arg]
 
 
 # ---- values --------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from ddiloco.learner.model import GPT, GPTConfig
 from ddiloco.learner.task import build_task
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.service import Synchronizer
+from ddiloco.synchronizer.storage.state import StateStore
 from ddiloco.wire import codec
 from ddiloco.wire.errors import PayloadError, SyncError
 from ddiloco.wire.protocol import (
@@ -68,7 +69,7 @@ def run_job(state: Path, model: str, tokenizer: str | None = None) -> dict[str, 
         )
         sync.submit(codec.encode(delta, um.to_metadata()), f.index)
         assert sync.merge(f.index) == 1
-    out = {k: v for fs in sync.fragments for k, v in fs.params.items()}
+    out = {k: v for f in sync.fragments for k, v in f.state.params.items()}
     sync.close()
     assert not all(torch.equal(out[k], params[k]) for k in params)  # it moved
     return out
@@ -78,7 +79,7 @@ def test_hf_export_loads_with_from_pretrained(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     global_params = run_job(tmp_path / "state", "hf:llama-tiny")
-    assert json.loads((tmp_path / "state" / "model.json").read_text())["kind"] == "hf"
+    assert StateStore(tmp_path / "state").load("model.json")["kind"] == "hf"
     assert (
         export.main(["--state-dir", str(tmp_path / "state"), "--out", str(tmp_path / "out")]) == 0
     )

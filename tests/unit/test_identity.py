@@ -92,6 +92,7 @@ def body(lid: str, value: float, *, incarnation: int = 1, step: int = 10) -> byt
         "tokens": "100",
         "learner_step": str(step),
         "incarnation": str(incarnation),
+        "encoding": "float32",
     }
     return codec.encode({"w": torch.full((4,), value)}, meta)
 

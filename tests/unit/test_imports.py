@@ -1,15 +1,20 @@
-"""`ddiloco.<component>` always; the standard library keeps its own `operator`.
+"""`ddiloco.<component>` always; the standard library keeps its own `operator`; the wire
+library and the learner side stand without the synchronizer.
 
     pytest tests/unit/test_imports.py
 
 Checked in fresh interpreters, from the repository root (where a folder named `operator`
 sits on sys.path) and from elsewhere, for the editable install of this checkout and for a
 wheel built from it. Also: torch's fresh re-import of `operator` (torch._dynamo does one
-when an optimizer is built) still gets the standard library's.
+when an optimizer is built) still gets the standard library's. And every module of
+`ddiloco.wire` and `ddiloco.learner` imports without loading any of `ddiloco.synchronizer`
+(both sides speak the wire library; the learner's clients are the learner's), and the
+job-status readers (the operator's, the CLI's) load no torch.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import sysconfig
@@ -106,3 +111,42 @@ def test_wheel_install(where: str, wheel_site: Path, tmp_path: Path) -> None:
     deps = [p for p in sys.path if p.endswith("site-packages")]
     out = run_probe(ROOT if where == "root" else tmp_path, ":".join([str(wheel_site), *deps]))
     assert out.startswith("ok") and str(wheel_site) in out
+
+
+SIDES = """
+import importlib, pkgutil, sys
+import ddiloco.learner, ddiloco.wire
+for pkg in (ddiloco.wire, ddiloco.learner):
+    for m in pkgutil.iter_modules(pkg.__path__):
+        importlib.import_module(pkg.__name__ + "." + m.name)
+assert "ddiloco.learner.sync_client" in sys.modules and "ddiloco.wire.broadcast" in sys.modules
+print(sorted(n for n in sys.modules if n.split(".")[:2] == ["ddiloco", "synchronizer"]))
+"""
+
+STATUS_ONLY = """
+import sys
+from ddiloco.wire.job_status import merge_statuses
+from ddiloco.wire.protocol import Status
+print(sorted(n for n in sys.modules if n.split(".")[0] == "torch"))
+"""
+
+
+def fresh(code: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_wire_and_learner_import_no_synchronizer() -> None:
+    assert fresh(SIDES) == "[]"
+
+
+def test_job_status_imports_no_torch() -> None:
+    assert fresh(STATUS_ONLY) == "[]"

@@ -23,13 +23,14 @@ import pytest
 import torch
 
 from ddiloco.cli.export import from_state_dir
-from ddiloco.synchronizer import durable
+from ddiloco.synchronizer import fragment
 from ddiloco.synchronizer.buffers import ALIGN, aligned
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.merge import NonFiniteMerge
+from ddiloco.synchronizer.replay import replay
 from ddiloco.synchronizer.service import Synchronizer
-from ddiloco.synchronizer.storage.journal import MergeJournal, replay
-from ddiloco.synchronizer.storage.pending import records_in
+from ddiloco.synchronizer.storage.journal import MergeJournal
+from ddiloco.synchronizer.storage.records import records_in
 from ddiloco.synchronizer.storage.segments import FragmentLog
 from ddiloco.synchronizer.storage.snapshots import Snapshots
 from ddiloco.wire import codec
@@ -75,6 +76,7 @@ def update(lid: str, step: int, base: int, seed: int, dtype: torch.dtype = torch
         tokens=100 + 13 * seed,
         learner_step=step,
         incarnation=1,
+        encoding="bfloat16" if dtype == torch.bfloat16 else "float32",
     )
     return codec.encode(delta, meta.to_metadata())
 
@@ -107,7 +109,7 @@ def rounds(sync: Synchronizer) -> list[dict[str, Any]]:
 
 
 def snapshot(sync: Synchronizer) -> dict[str, Any]:
-    fs = sync.fragments[0]
+    fs = sync.fragments[0].state
     return {
         "served": sync.fragment(0),
         "params": {k: t.clone() for k, t in fs.params.items()},
@@ -132,20 +134,20 @@ def test_journaled_merges_are_served_before_their_file_and_replay_to_the_same_bi
     served = rounds(sync)
     assert sync.versions() == [3]
     assert sync.store.load_fragment(0).version == 0  # the file is behind: not yet written
-    assert [r.version for r in sync.journals[0].records()] == [0, 1, 2]
+    assert [r.version for r in sync.fragments[0].journal.records()] == [0, 1, 2]
     # each took its round's sum; the second's replaced a's term (a twice): its replay sums
     # the log's records in their order through a round's sum, as admission did
-    assert [r.stream for r in sync.journals[0].records()] == [True, True, True]
+    assert [r.stream for r in sync.fragments[0].journal.records()] == [True, True, True]
     # the crash: the object is dropped; the restart redoes the three merges from the log
     again = make(tmp_path, clock)
     assert again.versions() == [3]
     assert again.fragment(0) == served[-1]["served"]  # the bytes served before the crash
-    fs = again.fragments[0]
+    fs = again.fragments[0].state
     assert same_bits(fs.params, served[-1]["params"])
     assert same_bits(fs.momentum, served[-1]["momentum"])
     assert fs.tokens_merged == served[-1]["tokens"] and fs.merges == 3
     assert again.store.load_fragment(0).version == 3  # written at startup
-    assert again.journals[0].records() == []
+    assert again.fragments[0].journal.records() == []
     st = again.status().fragments[0]
     assert (st.contributors_pending, st.tokens_pending) == (1, 100 + 13 * 8)  # a's last
     for lid, step, seed in (("a", 21, 4), ("c", 10, 5), ("a", 30, 8)):  # all still held
@@ -159,7 +161,7 @@ def test_the_file_trails_its_served_version_by_at_most_snapshot_lag(tmp_path: Pa
     rounds(sync)
     # merges 1 and 2 journaled; the third would leave the file 3 behind: written first
     assert sync.store.load_fragment(0).version == 3
-    assert sync.journals[0].records() == []
+    assert sync.fragments[0].journal.records() == []
     remaining = sync.store.pending(0).read()
     assert len(remaining) == 1  # the merged segments are gone; a's waiting update is kept
 
@@ -182,7 +184,7 @@ def test_the_writer_writes_a_file_every_snapshot_every_merges(tmp_path: Path, ev
         files.append(sync.store.load_fragment(0).version)
     assert files == [n // every * every for n in range(1, 7)]  # 1..6, or 0 0 3 3 3 6
     assert sync.versions() == [6]
-    assert len(sync.journals[0].records()) == 6 - files[-1]  # kept until a file holds them
+    assert len(sync.fragments[0].journal.records()) == 6 - files[-1]  # kept until a file holds them
 
 
 def test_the_writer_counts_merges_from_the_file_it_is_writing(tmp_path: Path) -> None:
@@ -217,12 +219,12 @@ def test_flush_writes_a_file_the_writer_was_not_yet_asked_for(tmp_path: Path) ->
     one_merge(sync, 1)
     sync.flush()
     assert sync.store.load_fragment(0).version == 1
-    assert sync.journals[0].records() == []
+    assert sync.fragments[0].journal.records() == []
 
 
 def test_snapshot_every_defaults_to_half_the_lag_and_never_exceeds_it() -> None:
     def period(**kw: object) -> int:
-        return SyncSettings(token="t", **kw).snapshot_period()  # type: ignore[arg-type]
+        return SyncSettings(token="t", **kw).tuning.snapshot_period()  # type: ignore[arg-type]
 
     assert [period(snapshot_lag=lag) for lag in (0, 1, 2, 4, 9)] == [1, 1, 1, 2, 4]
     assert period(snapshot_lag=4, snapshot_every=4) == 4
@@ -252,7 +254,7 @@ def test_the_writer_lets_go_of_journal_and_segments_once_the_file_is_written(
     rounds(sync)
     sync.flush()
     assert sync.store.load_fragment(0).version == 3
-    assert sync.journals[0].records() == []
+    assert sync.fragments[0].journal.records() == []
     assert len(sync.store.pending(0).read()) == 1
 
 
@@ -276,7 +278,7 @@ def test_a_replay_that_differs_in_its_bits_takes_one_version_more(
         again = make(tmp_path, clock)
     assert "differ in their bits" in caplog.text
     assert again.versions() == [4]  # never the bytes served as 3 under the number 3
-    fs = again.fragments[0]
+    fs = again.fragments[0].state
     assert fs.tokens_merged == served[-1]["tokens"]  # every contribution merged once
     assert same_bits(fs.params, served[-1]["params"])  # the same bits after all, here
 
@@ -293,7 +295,7 @@ def test_a_journaled_merge_is_served_only_once_the_records_it_names_are_durable(
     stop_writer(sync)
     paused: list[object] = []
     # both uploaders stopped just before their fsync (their threads not scheduled yet)
-    sync._make_durable = lambda p, plog, ticket: paused.append(ticket)  # type: ignore[method-assign]
+    sync.fragments[0].make_durable = lambda ticket: paused.append(ticket)  # type: ignore[method-assign]
     assert sync.submit(update("a", 10, 0, 1)).status == "accepted"
     assert sync.submit(update("b", 10, 0, 2)).status == "accepted"
     segments = sync.store.pending(0)._segments()
@@ -320,11 +322,11 @@ def test_a_merge_writes_its_record_while_its_inputs_are_fsynced(
     sync = make(tmp_path, Clock())
     start(sync)
     stop_writer(sync)
-    sync._make_durable = lambda p, plog, ticket: None  # type: ignore[method-assign]
+    sync.fragments[0].make_durable = lambda ticket: None  # type: ignore[method-assign]
     assert sync.submit(update("a", 10, 0, 1)).status == "accepted"  # its fsync not done
     events: list[str] = []
-    real_digest, real_inputs = durable.digest, sync._inputs_durable
-    real_append = sync.journals[0].append
+    real_digest, real_inputs = fragment.digest, sync.fragments[0]._inputs_durable
+    real_append = sync.fragments[0].journal.append
 
     recorded = threading.Event()
 
@@ -332,9 +334,9 @@ def test_a_merge_writes_its_record_while_its_inputs_are_fsynced(
         events.append("digested")
         return real_digest(fs)
 
-    def inputs(p: int, segments: Any) -> float:
+    def inputs(segments: Any) -> float:
         recorded.wait(10)  # a disk whose flush outlasts the digest and the record's write
-        done = real_inputs(p, segments)
+        done = real_inputs(segments)
         events.append(f"inputs durable, serving {sync.versions()}")
         return done
 
@@ -343,9 +345,9 @@ def test_a_merge_writes_its_record_while_its_inputs_are_fsynced(
         events.append("record durable")
         recorded.set()
 
-    monkeypatch.setattr(durable, "digest", digest)
-    sync._inputs_durable = inputs  # type: ignore[method-assign]
-    sync.journals[0].append = append  # type: ignore[method-assign]
+    monkeypatch.setattr(fragment, "digest", digest)
+    sync.fragments[0]._inputs_durable = inputs  # type: ignore[method-assign]
+    sync.fragments[0].journal.append = append  # type: ignore[method-assign]
     assert sync.merge(0) == 1
     assert events == ["digested", "record durable", "inputs durable, serving [0]"]
     assert all(s.synced == s.written for s in sync.store.pending(0)._segments())
@@ -373,14 +375,14 @@ def test_a_crash_between_a_merges_record_and_its_inputs_fsync_merges_each_update
     sync = make(tmp_path, clock)
     start(sync)
     stop_writer(sync)
-    sync._make_durable = lambda p, plog, ticket: None  # type: ignore[method-assign]
+    sync.fragments[0].make_durable = lambda ticket: None  # type: ignore[method-assign]
     assert sync.submit(update("a", 10, 0, 1)).status == "accepted"
     assert sync.submit(update("b", 10, 0, 2)).status == "accepted"
 
-    def power_loss(p: int, segments: Any) -> float:
+    def power_loss(segments: Any) -> float:
         raise OSError("the machine stopped before the inputs' fsync returned")
 
-    sync._inputs_durable = power_loss  # type: ignore[method-assign]
+    sync.fragments[0]._inputs_durable = power_loss  # type: ignore[method-assign]
     with pytest.raises(OSError):
         sync.merge(0)
     assert sync.versions() == [0]  # never served
@@ -397,14 +399,14 @@ def test_a_crash_between_a_merges_record_and_its_inputs_fsync_merges_each_update
         assert again.submit(update("b", 10, 0, 2)).status == "accepted"  # b's retry
         assert again.merge(0) == 2
     else:
-        assert again.versions() == [1] and again.fragments[0].tokens_merged == 113 + 126
+        assert again.versions() == [1] and again.fragments[0].state.tokens_merged == 113 + 126
         assert again.submit(update("b", 10, 0, 2)).status == "duplicate"
         assert again.submit(update("c", 10, 1, 3)).status == "accepted"
         assert again.merge(0) == 2
-    assert again.fragments[0].tokens_merged == 113 + 126 + 139
+    assert again.fragments[0].state.tokens_merged == 113 + 126 + 139
     assert again.status().fragments[0].tokens_pending == 0
     third = make(tmp_path, clock)  # the dropped record is gone: it would be redone first
-    assert third.versions() == [2] and third.fragments[0].tokens_merged == 113 + 126 + 139
+    assert third.versions() == [2] and third.fragments[0].state.tokens_merged == 113 + 126 + 139
     assert third.fragment(0) == again.fragment(0)
 
 
@@ -431,8 +433,6 @@ def test_replay_drops_only_the_last_record_short_of_its_inputs(tmp_path: Path) -
     with pytest.raises(ValueError, match="has 3 of its 4 updates"):
         replay(store_copy(base), spec, payloads, [journal[0], dataclasses.replace(
             journal[1], inputs=4), journal[2]])  # fmt: skip
-    old = [dataclasses.replace(r, inputs=None) for r in journal]  # records from before
-    assert replay(store_copy(base), spec, payloads, old).merges == 3
 
 
 def store_copy(fs: Any) -> Any:
@@ -451,7 +451,7 @@ def test_a_merge_encodes_what_it_will_serve_while_its_record_is_fsynced(tmp_path
     stop_writer(sync)
     assert sync.submit(update("a", 10, 0, 1)).status == "accepted"
     events: list[str] = []
-    journal, payloads = sync.journals[0], sync.payloads
+    journal, payloads = sync.fragments[0].journal, sync.payloads
     real_append, real_encode = journal.append, payloads.encode
 
     def slow_append(rec: Any) -> None:  # a disk whose flush takes 0.3 s
@@ -494,9 +494,9 @@ def test_a_merge_whose_encode_fails_waits_for_its_durable_part_and_its_work_is_m
     sync.snapshots.locks[0].release()
     assert sync.submit(update("b", 10, 0, 2)).status == "accepted"
     assert sync.merge(0) == 1
-    assert sync.fragments[0].tokens_merged == 113 + 126  # each update once
+    assert sync.fragments[0].state.tokens_merged == 113 + 126  # each update once
     again = make(tmp_path, clock, snapshot_lag=lag)  # and after a restart
-    assert again.versions() == [1] and again.fragments[0].tokens_merged == 113 + 126
+    assert again.versions() == [1] and again.fragments[0].state.tokens_merged == 113 + 126
 
 
 def test_after_a_put_back_round_the_next_merge_writes_its_file_first(tmp_path: Path) -> None:
@@ -504,7 +504,7 @@ def test_after_a_put_back_round_the_next_merge_writes_its_file_first(tmp_path: P
     start(sync)
     stop_writer(sync)
     assert sync.submit(update("a", 10, 0, 1)).status == "accepted"
-    real = sync.policy
+    real = sync.fragments[0].shared.policy
 
     class Refusing:
         def __getattr__(self, name: str) -> Any:
@@ -514,15 +514,15 @@ def test_after_a_put_back_round_the_next_merge_writes_its_file_first(tmp_path: P
             assert sync.submit(update("a", 11, 0, 2)).status == "accepted"
             raise NonFiniteMerge("as if the sum overflowed")
 
-    sync.policy = Refusing()  # type: ignore[assignment]
+    sync.fragments[0].shared.policy = Refusing()  # type: ignore[assignment]
     assert sync.merge(0) is None
-    sync.policy = real
+    sync.fragments[0].shared.policy = real
     assert sync.merge(0) == 1  # a's two updates summed in another order than the log's
     assert sync.store.load_fragment(0).version == 1  # so this one is in its file already
-    assert sync.journals[0].records() == []
+    assert sync.fragments[0].journal.records() == []
     assert sync.submit(update("b", 10, 1, 3)).status == "accepted"
     assert sync.merge(0) == 2
-    assert sync.journals[0].records() != []  # and the next is journaled again
+    assert sync.fragments[0].journal.records() != []  # and the next is journaled again
 
 
 def test_export_and_a_clean_close_see_the_journaled_merges(tmp_path: Path) -> None:
@@ -599,7 +599,9 @@ def test_export_beside_the_writer_reads_again_when_the_file_moves_on(
     start(sync)
     stop_writer(sync)
     served = rounds(sync)
-    assert sync.store.load_fragment(0).version == 0 and len(sync.journals[0].records()) == 3
+    assert (
+        sync.store.load_fragment(0).version == 0 and len(sync.fragments[0].journal.records()) == 3
+    )
     assert sync.snapshots is not None
     written = []
 
@@ -626,7 +628,7 @@ def test_export_beside_the_writer_reads_again_when_the_file_moves_on(
     model = from_state_dir(tmp_path)  # beside the running synchronizer, reading only
     assert written  # the writer did run between the reads
     assert sync.store.load_fragment(0).version == 3
-    assert sync.journals[0].records() == []  # and let go of what the file holds
+    assert sync.fragments[0].journal.records() == []  # and let go of what the file holds
     assert model.versions == [3]
     assert same_bits(model.params, served[-1]["params"])
     sync.close()
@@ -640,7 +642,7 @@ def test_each_merge_logs_its_parts_and_where_its_compute_waited(
     schedstat), which together are at most the compute."""
     sync = make(tmp_path, Clock())
     start(sync)
-    with caplog.at_level(logging.INFO, logger="ddiloco.synchronizer.merging"):
+    with caplog.at_level(logging.INFO, logger="ddiloco.synchronizer.service"):
         assert sync.submit(update("a", 10, 0, 1)).status == "accepted"
         assert sync.merge(0) == 1
     line = next(r.getMessage() for r in caplog.records if "Merged fragment=0" in r.getMessage())
@@ -652,14 +654,14 @@ def test_each_merge_logs_its_parts_and_where_its_compute_waited(
         assert ms["ran"] >= 0 and ms["queued"] >= 0
     assert " sum=streamed " in line  # the round's sum, formed as its update came
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="ddiloco.synchronizer.merging"):
+    with caplog.at_level(logging.INFO, logger="ddiloco.synchronizer.service"):
         for step in (20, 30):  # the same learner twice in one round: its term replaced
             assert sync.submit(update("a", step, 1, step)).status == "accepted"
         assert sync.merge(0) == 2
     assert any(" sum=streamed " in r.getMessage() for r in caplog.records)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="ddiloco.synchronizer.merging"):
+    with caplog.at_level(logging.INFO, logger="ddiloco.synchronizer.service"):
         assert sync.submit(update("b", 40, 2, 40)).status == "accepted"
-        sync.sums[0].spoil()  # as a refused merge's put back does: summed by the merge
+        sync.fragments[0].sum.spoil()  # as a refused merge's put back does: summed by the merge
         assert sync.merge(0) == 3
     assert any(" sum=resummed " in r.getMessage() for r in caplog.records)

@@ -6,6 +6,8 @@ back as a prefix of the records, never a stale record after a newer one.
     pytest tests/unit/test_journalfile.py
 
 Real files in a temporary directory; a crash is the bytes it would leave, written by hand.
+The file's first block is its header (kind and format version, records.py): a record's
+offsets below count from there.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 
 from ddiloco.synchronizer.storage.journal import MergeJournal, MergeRecord
 from ddiloco.synchronizer.storage.journalfile import RESERVE, JournalFile
-from ddiloco.synchronizer.storage.pending import PendingLog
+from ddiloco.synchronizer.storage.records import FORMAT, StateFormatError, encoded
 
 BLOCK = 4096
 
@@ -33,8 +35,8 @@ def test_appends_land_in_the_zeros_written_ahead_and_change_no_size_or_block(
     f = JournalFile(tmp_path / "j.log")
     f.create()
     before = os.stat(f.path)
-    assert before.st_size == RESERVE
-    assert before.st_blocks * 512 >= RESERVE  # written, not a sparse hole
+    assert before.st_size == BLOCK + RESERVE  # the file header, then the zeros
+    assert before.st_blocks * 512 >= BLOCK + RESERVE  # written, not a sparse hole
     for i in range(5):
         f.append(payload(i))
     after = os.stat(f.path)
@@ -50,26 +52,25 @@ def test_the_file_doubles_when_its_zeros_run_out_and_keeps_every_record(
     records = [payload(i, 5000) for i in range(7)]  # 3 blocks each
     for r in records:
         f.append(r)
-    assert f.size >= f.end + 4 * BLOCK
+    assert f.size >= f.end and f.size >= 2 * (BLOCK + 4 * BLOCK)  # grown: doubled at least
+    assert os.path.getsize(f.path) == f.size
     assert JournalFile(f.path).read() == records
     f.append(payload(99))
     assert f.read() == [*records, payload(99)]
 
 
-def test_a_file_an_older_synchronizer_wrote_is_read_and_given_its_zeros(
-    tmp_path: Path,
-) -> None:
-    path = tmp_path / "j.log"
-    old = PendingLog(path)  # appends to a growing file, as the journal did
-    old.append(payload(0))
-    old.append(payload(1))
-    old.close()
-    assert os.path.getsize(path) == 4 * BLOCK
-    f = JournalFile(path)
-    assert f.read() == [payload(0), payload(1)]
-    f.append(payload(2))
-    assert os.path.getsize(path) == 4 * BLOCK + RESERVE  # zeros from its end, once
-    assert JournalFile(path).read() == [payload(0), payload(1), payload(2)]
+def test_a_file_of_another_kind_or_version_is_refused_in_one_line(tmp_path: Path) -> None:
+    path = two_records(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[8:12] = (FORMAT + 1).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(StateFormatError, match=f"state format {FORMAT + 1};") as e:
+        JournalFile(path).read()
+    assert "\n" not in str(e.value) and str(path) in str(e.value)
+    data[:8] = b"ddpend\0\0"  # a pending log segment's header
+    path.write_bytes(bytes(data))
+    with pytest.raises(StateFormatError, match="not a ddmerge file"):
+        JournalFile(path).create()
 
 
 def two_records(tmp_path: Path) -> Path:
@@ -87,14 +88,14 @@ def test_a_torn_record_ends_the_records_and_is_zeroed_before_the_next(
 ) -> None:
     path = two_records(tmp_path)
     data = bytearray(path.read_bytes())
-    torn = PendingLog.encoded(payload(2, 10000))  # four blocks; the crash wrote three
-    data[4 * BLOCK : 7 * BLOCK] = torn[: 3 * BLOCK]
+    torn = encoded(payload(2, 10000))  # four blocks; the crash wrote three
+    data[5 * BLOCK : 8 * BLOCK] = torn[: 3 * BLOCK]
     path.write_bytes(bytes(data))
     assert JournalFile(path).read(repair=False) == [payload(0), payload(1)]
-    assert path.read_bytes()[4 * BLOCK : 5 * BLOCK] != bytes(BLOCK)  # not repaired
+    assert path.read_bytes()[5 * BLOCK : 6 * BLOCK] != bytes(BLOCK)  # not repaired
     again = JournalFile(path)
     again.append(payload(3))  # a shorter record where the torn one began
-    assert path.read_bytes()[6 * BLOCK :].strip(b"\0") == b""
+    assert path.read_bytes()[7 * BLOCK :].strip(b"\0") == b""
     assert JournalFile(path).read() == [payload(0), payload(1), payload(3)]
 
 
@@ -107,7 +108,7 @@ def test_a_clear_torn_by_a_crash_never_lets_a_stale_record_follow_a_new_one(
     was (without that, the stale second would read back after it)."""
     path = two_records(tmp_path)
     data = bytearray(path.read_bytes())
-    data[:BLOCK] = bytes(BLOCK)
+    data[BLOCK : 2 * BLOCK] = bytes(BLOCK)
     path.write_bytes(bytes(data))
     again = JournalFile(path)
     assert again.read() == []
@@ -122,7 +123,7 @@ def test_clear_zeroes_the_records_in_place(tmp_path: Path) -> None:
     inode, size = os.stat(f.path).st_ino, os.stat(f.path).st_size
     f.clear()
     assert os.stat(f.path).st_ino == inode and os.stat(f.path).st_size == size
-    assert f.path.read_bytes().strip(b"\0") == b""
+    assert f.path.read_bytes()[BLOCK:].strip(b"\0") == b""
     f.append(payload(5))
     assert JournalFile(f.path).read() == [payload(5)]
 
@@ -135,7 +136,19 @@ def record(version: int) -> MergeRecord:
         live_tokens=1.0,
         policy={},
         digest="0" * 16,
+        stream=False,
+        inputs=1,
     )
+
+
+def test_a_merge_record_of_unknown_fields_is_refused_in_one_line(tmp_path: Path) -> None:
+    journal = MergeJournal(tmp_path, 0)
+    journal.append(record(0))
+    journal.file.append(record(1).encode().replace(b'"ids"', b'"learners"'))
+    journal.close()
+    with pytest.raises(StateFormatError, match="a merge record of fields") as e:
+        MergeJournal(tmp_path, 0).records()
+    assert "\n" not in str(e.value) and "merges-0000.log" in str(e.value)
 
 
 def test_compaction_keeps_the_records_a_merge_appends_while_it_writes(

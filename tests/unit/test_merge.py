@@ -36,6 +36,14 @@ def test_rda_keeps_the_norm_of_equal_norm_inputs_whatever_m(m: int) -> None:
         assert weighted_mean(deltas, [1.0] * m).norm().item() < 3.0 * 2.0 / math.sqrt(m)
 
 
+@pytest.mark.parametrize("norm", [1e-4, 1.0, 1e7])
+def test_rda_keeps_the_norm_whatever_the_scale_of_the_inputs(norm: float) -> None:
+    """Whether the directions cancel is read from the mean direction alone (at most 1),
+    not from the inputs' scale: large inputs are no more often averaged plainly."""
+    deltas = random_unit_norm(4, 4096, norm=norm, seed=5)
+    assert rda(deltas, [1.0] * 4).norm().item() == pytest.approx(norm, rel=1e-5)
+
+
 def test_rda_of_identical_directions_is_the_weighted_mean() -> None:
     u = torch.tensor([3.0, 4.0])
     deltas = [u * 0.5, u * 2.0, u * 1.0]

@@ -112,7 +112,9 @@ def test_live_scaled_k1_equals_one_synchronous_mean_merge(tmp_path: Path) -> Non
     # one contributor's RDA is its own delta, so K = M's merge of equal weights is here
     # the RDA of A and B, not their mean; compare against the mean rule's K = M instead
     mean = started(tmp_path / "mean", Clock(), "live", quorum=2)
-    mean.policy = MergePolicy(rule="mean", scale="live", outer=mean.policy.outer)
+    mean.fragments[0].shared.policy = MergePolicy(
+        rule="mean", scale="live", outer=mean.policy.outer
+    )
     for lid, value in (("a", A), ("b", B)):
         mean.submit(update(lid, value, base=0))
     assert mean.merge(0) == 1

@@ -33,7 +33,7 @@ def lag(request: pytest.FixtureRequest) -> int:
 def hold_save(sync: Synchronizer, during: Any) -> None:
     """Run `during()` (in the merging thread) once the merge has computed, just before what
     makes it durable is written: its fragment file, or its journal record."""
-    if sync.settings.snapshot_lag == 0:
+    if sync.settings.tuning.snapshot_lag == 0:
         real = sync.store.save_fragment
 
         def save(p: int, fs: Any) -> None:
@@ -42,7 +42,7 @@ def hold_save(sync: Synchronizer, during: Any) -> None:
 
         sync.store.save_fragment = save  # type: ignore[method-assign]
         return
-    journal = sync.journals[1]
+    journal = sync.fragments[1].journal
     append = journal.append
 
     def record(rec: Any) -> None:
@@ -59,10 +59,10 @@ def crash_after_durable(sync: Synchronizer, monkeypatch: pytest.MonkeyPatch) -> 
     def crash(*_: object) -> None:
         raise SystemExit("killed once the merge was durable")
 
-    if sync.settings.snapshot_lag == 0:
+    if sync.settings.tuning.snapshot_lag == 0:
         monkeypatch.setattr(sync.store.pending(1), "drop", crash)
         return
-    journal = sync.journals[1]
+    journal = sync.fragments[1].journal
     append = journal.append
 
     def record(rec: Any) -> None:
@@ -168,7 +168,7 @@ def test_a_refused_merge_puts_its_round_back_beside_what_came_meanwhile(
     sync = make(tmp_path, clock, snapshot_lag=lag)
     start(sync)
     assert sync.submit(update("a", 1, A, step=10)).status == "accepted"
-    real = sync.policy
+    real = sync.fragments[1].shared.policy
 
     class Refusing:
         def __getattr__(self, name: str) -> Any:
@@ -179,9 +179,9 @@ def test_a_refused_merge_puts_its_round_back_beside_what_came_meanwhile(
             assert sync.submit(update("b", 1, B, step=10)).status == "accepted"
             raise NonFiniteMerge("as if the sum overflowed")
 
-    sync.policy = Refusing()  # type: ignore[assignment]
+    sync.fragments[1].shared.policy = Refusing()  # type: ignore[assignment]
     assert sync.merge(1) is None
-    sync.policy = real
+    sync.fragments[1].shared.policy = real
     status = sync.status().fragments[1]
     assert (status.contributors_pending, status.tokens_pending) == (2, 300)  # a's two added
     assert sync.status().merges_refused == 1

@@ -67,7 +67,13 @@ def start(client: SyncClient, learners: tuple[str, ...]) -> None:
 
 def update(lid: str, p: int, base: int, step: int, dtype: torch.dtype = torch.float32) -> bytes:
     meta = UpdateMeta(
-        learner_id=lid, fragment=p, base_version=base, steps=10, tokens=TOKENS, learner_step=step
+        learner_id=lid,
+        fragment=p,
+        base_version=base,
+        steps=10,
+        tokens=TOKENS,
+        learner_step=step,
+        encoding="bfloat16" if dtype == torch.bfloat16 else "float32",
     )
     return codec.encode({f"w{p}": torch.full((8,), 0.1, dtype=dtype)}, meta.to_metadata())
 
@@ -287,13 +293,13 @@ def test_a_merge_is_served_from_its_install_not_after_it_lets_go_of_its_inputs(
     clock = Clock()
     sync = make(tmp_path, clock, snapshot_lag=0)
     start(sync)
-    real = sync._let_go
+    real = sync.fragments[1].let_go
 
     def stalled(*args: Any, **kwargs: Any) -> None:
         clock.now += 5.0
         real(*args, **kwargs)
 
-    monkeypatch.setattr(sync, "_let_go", stalled)
+    monkeypatch.setattr(sync.fragments[1], "let_go", stalled)
     sync.submit(contract_update("a", 1, torch.tensor([0.1, 0.0]), step=1))
     assert sync.merge(1) == 1
     m = sync.metrics

@@ -4,15 +4,16 @@ answer when the log's fsync fails.
     pytest tests/unit/test_pending_log.py
 
 - a record `write` returned is durable once `sync` returns; one fsync covers every record
-  written before it started (group commit), and a record written before a `clear` (the
-  merge that consumed it is durable) needs none; a durable record's `sync` does not wait
-  for the segment's lock (a deletion outside it, or another fsync);
-- an older synchronizer's records (zlib crc32, no flag) are replayed after an upgrade,
-  also followed by new ones in the same file; a corrupt record of either kind ends the log;
+  written before it started (group commit), and a record written before its segment's
+  `remove` (the merge that consumed it is durable) needs none; a durable record's `sync`
+  does not wait for the segment's lock (a deletion outside it, or another fsync);
+- a segment starts with its format version: another version is refused in one line, a
+  header never made durable reads as an empty segment; a record whose 64-bit checksum
+  fails (in its high half too) ends the log;
 - many threads submitting to one fragment are all accepted, and a restart replays every one;
 - a fragment's log is a series of segments: a merge seals the ones holding its round, posts
-  meanwhile go to a new one, a restart replays them all in order (an older synchronizer's
-  single file first), and a merge deletes only the segments it sealed;
+  meanwhile go to a new one, a restart replays them all in order, and a merge deletes only
+  the segments it sealed;
 - a failed fsync stops the process (`on_fatal`) instead of answering `accepted`;
 - order under the fragment's lock, bytes outside it: records are in the order their places
   were reserved, whatever order they are filled in; a record's `sync` waits until every
@@ -33,7 +34,6 @@ import os
 import struct
 import threading
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ import torch
 from ddiloco.synchronizer.buffers import ALIGN, BODIES
 from ddiloco.synchronizer.storage import direct_io, state
 from ddiloco.synchronizer.storage.pending import PendingLog
+from ddiloco.synchronizer.storage.records import FORMAT, StateFormatError
 from ddiloco.synchronizer.storage.segments import FragmentLog
 from ddiloco.wire import codec
 from tests.unit.test_contract import Clock, make, start, update
@@ -88,18 +89,15 @@ def test_one_fsync_makes_every_record_written_before_it_durable(
     assert PendingLog(tmp_path / "p.log").read() == [b"r0", b"r1", b"r2", b"r3"]
 
 
-def test_a_record_written_before_a_clear_needs_no_fsync(
+def test_a_record_written_before_its_segments_removal_needs_no_fsync(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     log = PendingLog(tmp_path / "p.log")
     ticket = log.write(b"merged")
-    log.clear()  # the merge that consumed it is durable in the fragment file
+    log.remove()  # the merge that consumed it is durable in the fragment file
     calls = counting_fsync(monkeypatch)
     log.sync(ticket)
-    assert calls == []
-    log.sync(log.write(b"next"))  # the truncated file takes new records from its start
-    assert len(calls) == 1
-    assert PendingLog(tmp_path / "p.log").read() == [b"next"]
+    assert calls == [] and not log.path.exists()
 
 
 def test_a_durable_record_does_not_wait_for_the_segments_lock(
@@ -135,22 +133,49 @@ def test_a_durable_record_does_not_wait_for_the_segments_lock(
     log.sync(pending)  # merged and durable elsewhere: at once
 
 
-def test_an_older_synchronizers_records_replay_before_and_among_new_ones(
+def test_a_segment_of_another_version_is_refused_and_a_bad_checksum_ends_the_log(
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "p.log"
-    with open(path, "wb") as f:  # the record format before the XXH3 flag
-        for body in (b"old-1", b"old-2"):
-            f.write(struct.pack("<QI", len(body), zlib.crc32(body)) + body)
     log = PendingLog(path)
-    assert log.read() == [b"old-1", b"old-2"]
-    log.append(b"new-1")
-    assert PendingLog(path).read() == [b"old-1", b"old-2", b"new-1"]
+    for body in (b"r-1", b"r-2", b"r-3"):
+        log.append(body)
+    log.close()
     raw = bytearray(path.read_bytes())
-    raw[raw.rindex(b"new-1") + 4] ^= 0xFF  # its payload's last byte: the checksum fails
+    assert raw[:12] == struct.pack("<8sI", b"ddpend\0\0", FORMAT)
+    third = 1 * ALIGN + 2 * 2 * ALIGN  # the file header, then two records of two blocks
+    assert struct.unpack_from("<QQ", raw, third)[0] == 3
+    raw[third + 8 + 7] ^= 0x80  # the checksum's top bit: a 32-bit checksum would miss it
     path.write_bytes(bytes(raw))
-    assert PendingLog(path).read() == [b"old-1", b"old-2"]
-    assert path.stat().st_size == 2 * (12 + 5)  # the bad record was cut off
+    assert PendingLog(path).read() == [b"r-1", b"r-2"]
+    assert path.stat().st_size == third  # the bad record was cut off
+    raw[8:12] = struct.pack("<I", FORMAT + 1)
+    path.write_bytes(bytes(raw))
+    with pytest.raises(StateFormatError, match=f"state format {FORMAT + 1};") as e:
+        PendingLog(path).read()
+    assert "\n" not in str(e.value) and str(path) in str(e.value)
+    raw[: 2 * ALIGN] = bytes(2 * ALIGN)  # created, its header never synced: nothing acked
+    path.write_bytes(bytes(raw))
+    assert PendingLog(path).read() == []
+    assert path.stat().st_size == 0
+
+
+def test_a_segment_whose_header_write_failed_takes_its_header_at_the_next_reservation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "p.log"
+    log = PendingLog(path)
+    real = os.pwrite
+
+    def full(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(state.os, "pwrite", full)
+    with pytest.raises(OSError, match="No space"):
+        log.reserve(10)  # refused before anything is held
+    monkeypatch.setattr(state.os, "pwrite", real)
+    log.sync(log.write(b"r" * 10))
+    assert PendingLog(path).read() == [b"r" * 10]
 
 
 def test_concurrent_updates_of_one_fragment_are_all_accepted_and_replayed(
@@ -200,18 +225,18 @@ def test_a_failed_fsync_stops_the_process_instead_of_answering_accepted(
 def test_fragment_log_segments_replay_in_order_and_a_merge_drops_only_what_it_sealed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    legacy = tmp_path / "pending-0002.log"  # an older synchronizer's single file
-    PendingLog(legacy).append(b"old")
     log = FragmentLog(tmp_path, 2)
+    log.append(b"r0")
+    log.seal()  # a merge that failed: its segment stays sealed for the next
     log.append(b"r1")
-    taken = log.seal()  # a merge takes the round: "old" and "r1"
+    taken = log.seal()  # a merge takes the round: "r0" and "r1"
     ticket = log.write(b"r2")  # a post admitted while it persists: a new segment
-    assert [s.path.name for s in taken] == ["pending-0002.log", "pending-0002.000001.log"]
-    assert log.path.name == "pending-0002.000002.log"
+    assert [s.path.name for s in taken] == ["pending-0002.000001.log", "pending-0002.000002.log"]
+    assert log.path.name == "pending-0002.000003.log"
     log.sync(ticket)
-    assert FragmentLog(tmp_path, 2).read() == [b"old", b"r1", b"r2"]  # a restart here
+    assert FragmentLog(tmp_path, 2).read() == [b"r0", b"r1", b"r2"]  # a restart here
     log.drop(taken)  # the merge is durable
-    assert sorted(f.name for f in tmp_path.iterdir()) == ["pending-0002.000002.log"]
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["pending-0002.000003.log"]
     calls = counting_fsync(monkeypatch)
     stale = log.write(b"r3")
     taken = log.seal()
@@ -418,7 +443,7 @@ def test_a_place_never_filled_ends_the_log_with_every_record_after_it(tmp_path: 
     log.close()
     again = PendingLog(path)
     assert again.read() == [kept]
-    assert path.stat().st_size == ALIGN + 4096  # cut where the unfilled place began
+    assert path.stat().st_size == 2 * ALIGN + 4096  # cut where the unfilled place began
     again.sync(again.write(after))
     assert PendingLog(path).read() == [kept, after]
 
@@ -441,13 +466,14 @@ def test_a_failed_fill_fails_every_later_sync_and_stops_the_process(
         log.sync(tb)
     monkeypatch.setattr(state.os, "pwritev", real)
 
-    sync, _, stopped = stoppable(tmp_path / "s", quorum=2)
+    sync, _, stopped = stoppable(tmp_path / "s", quorum=3)
+    assert sync.submit(update("a", 1, torch.tensor([0.1, 0.0]), step=1)).status == "accepted"
     monkeypatch.setattr(state.os, "pwritev", failing)
     monkeypatch.setattr(state.os, "pwrite", failing)
     with pytest.raises(OSError):  # the route answers 500: the client re-sends after a restart
         sync.submit(update("b", 1, torch.tensor([0.0, 0.1]), step=1))
     assert stopped == [True]
-    assert sync.metrics.updates_accepted._value.get() == 0
+    assert sync.metrics.updates_accepted._value.get() == 1
 
 
 def test_a_full_disk_refuses_the_update_at_its_reservation_and_keeps_the_next(
@@ -522,16 +548,16 @@ def test_an_update_not_held_after_its_reservation_fails_the_next_instead_of_hang
     the process stops (`on_fatal`) and the next update of the fragment fails at once,
     rather than waiting forever for the place before its own."""
     sync, _, stopped = stoppable(tmp_path, quorum=3)
-    real = sync._hold
+    real = sync.fragments[1].hold
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(sync, "_hold", broken)
+    monkeypatch.setattr(sync.fragments[1], "hold", broken)
     with pytest.raises(RuntimeError):
         sync.submit(update("a", 1, torch.tensor([0.1, 0.0]), step=1))
     assert stopped == [True]
-    monkeypatch.setattr(sync, "_hold", real)
+    monkeypatch.setattr(sync.fragments[1], "hold", real)
     t0 = time.monotonic()
     with pytest.raises(OSError, match="reserved and never written"):
         sync.submit(update("b", 1, torch.tensor([0.0, 0.1]), step=1))

@@ -91,6 +91,7 @@ def update_body(lid: str, base: int = 0) -> bytes:
         steps=10,
         tokens=100,
         learner_step=1 + base,
+        encoding="bfloat16",
     )
     return codec.encode({"w": torch.randn(SHAPE).to(torch.bfloat16) * 1e-3}, meta.to_metadata())
 
@@ -107,13 +108,13 @@ def test_init_primes_what_the_first_merge_takes_and_a_restart_primes_again(
     assert sync.primings["served"] == 2 * KEEP and sync.primings["bodies"] == 2
     assert sync.primings["adopted"] == 4  # emb and w, Theta and momentum
     assert sync.primings["pool"] >= PER_MERGE  # and the embedding's, unless idle already
-    assert all(j.path.exists() for j in sync.journals)  # made before the first merge
+    assert all(f.journal.path.exists() for f in sync.fragments)  # made before the first merge
     primed = {t.data_ptr() for t in POOL.idle[SHAPE]}
     assert len(primed) == PER_MERGE
     sync.submit(update_body("a"))
     assert sync.merge(1) == 1
-    assert sync.fragments[1].params["w"].data_ptr() in primed
-    assert sync.fragments[1].momentum["w"].data_ptr() in primed
+    assert sync.fragments[1].state.params["w"].data_ptr() in primed
+    assert sync.fragments[1].state.momentum["w"].data_ptr() in primed
     sync.close()
     again = make(tmp_path, Clock(), update_encodings=["bfloat16"])
     assert again.primings["served"] == 2 * KEEP  # new payload buffers; the pool's are idle
@@ -127,7 +128,7 @@ def test_priming_off_makes_nothing(tmp_path: Path) -> None:
     sync.init(init_body())
     assert sync.primings == {}
     assert SHAPE not in POOL.idle
-    assert not any(j.path.exists() for j in sync.journals)  # the first merge makes it
+    assert not any(f.journal.path.exists() for f in sync.fragments)  # the first merge makes it
     sync.close()
 
 
@@ -146,7 +147,7 @@ def test_a_loaded_state_goes_back_to_the_pool_so_the_second_merge_takes_no_fresh
     start = len(body) - header.data_bytes
     w = header.tensors["w"]
     sent = torch.frombuffer(bytearray(body[start + w.begin : start + w.end]), dtype=torch.float32)
-    v0 = sync.fragments[1]
+    v0 = sync.fragments[1].state
     assert torch.equal(v0.params["w"].reshape(-1), sent)  # the same values, moved
     assert not bool(v0.momentum["w"].any())
     loaded = {v0.params["w"].data_ptr(), v0.momentum["w"].data_ptr()}
@@ -155,12 +156,12 @@ def test_a_loaded_state_goes_back_to_the_pool_so_the_second_merge_takes_no_fresh
     for version in (1, 2):
         sync.submit(update_body("a", base=version - 1))
         assert sync.merge(1) == version
-        now = sync.fragments[1]
+        now = sync.fragments[1].state
         assert {now.params["w"].data_ptr(), now.momentum["w"].data_ptr()} <= known
     sync.close()
     again = make(tmp_path, Clock(), update_encodings=["bfloat16"])
     assert again.primings["adopted"] == 4  # loaded from the files, moved again
-    assert again.fragments[1].params["w"].data_ptr() in POOL.ours
+    assert again.fragments[1].state.params["w"].data_ptr() in POOL.ours
     again.close()
 
 

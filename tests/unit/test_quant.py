@@ -1,9 +1,7 @@
-"""Blockwise absmax int8/int4 quantization and the learner's error feedback (wire/quant.py).
-
-The property: over many hand-overs of one fragment, what the synchronizer received (the sum of
-the dequantized updates) converges to what the learner meant to send (the sum of its deltas):
-the gap is the last residual alone, at most half a scale per value, however many hand-overs.
-Without error feedback the same stream drifts (the test shows both, so it could fail).
+"""Blockwise absmax int8/int4 quantization (wire/quant.py): a round trip is within half a
+scale per value and each block's largest value is exact; int4 codes pack two to a byte;
+non-finite input and forged codes or scales are refused. The learner's error feedback (its
+anchor moves by what the synchronizer decodes) is tested in test_wire.py.
 """
 
 from __future__ import annotations
@@ -12,10 +10,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from ddiloco.wire.quant import QMAX, ErrorFeedback, dequantize, quantize
+from ddiloco.wire.quant import dequantize, quantize
 
 ENCODINGS = ("int8", "int4")
 
@@ -56,62 +52,3 @@ def test_zeros_and_refusals() -> None:
     neg = type(q)(q.encoding, q.shape, q.block, q.codes, -q.scales)
     with pytest.raises(ValueError, match="non-negative"):
         dequantize(neg)
-
-
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    encoding=st.sampled_from(ENCODINGS),
-    n=st.integers(1, 300),
-    block=st.sampled_from([2, 8, 32, 128]),
-    rounds=st.integers(20, 120),
-    seed=st.integers(0, 2**31 - 1),
-    bias=st.floats(-1.0, 1.0),
-)
-def test_error_feedback_converges_to_the_full_precision_sum(
-    encoding: str, n: int, block: int, rounds: int, seed: int, bias: float
-) -> None:
-    g = torch.Generator().manual_seed(seed)
-    ef = ErrorFeedback(encoding, block)  # type: ignore[arg-type]
-    meant = torch.zeros(n, dtype=torch.float64)
-    sent = torch.zeros(n, dtype=torch.float64)
-    last_scale = torch.zeros(n)
-    for _ in range(rounds):
-        # small values with a steady bias beside a few large ones: the case where plain
-        # quantization rounds the small ones to zero every time and so loses them for good
-        delta = torch.randn(n, generator=g) * 1e-3 + bias * 1e-3
-        delta[0] = 1.0
-        meant += delta.double()
-        q = ef.encode("f0", delta)
-        sent += dequantize(q).double()
-        last_scale = q.scales.repeat_interleave(block)[:n]
-    gap = (meant - sent).abs()
-    assert bool((gap <= last_scale.double() / 2 + 1e-5).all()), gap.max().item()
-    # what is left is one residual, not `rounds` of them
-    assert torch.allclose((meant - sent).float(), ef.residual["f0"], atol=1e-4)
-
-
-@pytest.mark.parametrize("encoding", ENCODINGS)
-def test_without_error_feedback_small_values_are_lost(encoding: str) -> None:
-    """The contrast that makes the property test mean something: plain quantization of the
-    same stream rounds a block's small steady values to zero every time, for good."""
-    ef = ErrorFeedback(encoding, 8)  # type: ignore[arg-type]
-    delta = torch.full((8,), 1e-3)
-    delta[0] = 1.0
-    meant, sent, plain = torch.zeros(8), torch.zeros(8), torch.zeros(8)
-    for _ in range(400):
-        meant += delta
-        sent += dequantize(ef.encode("f", delta))
-        plain += dequantize(quantize(delta, encoding, 8))  # type: ignore[arg-type]
-    assert plain[1:].abs().max().item() == 0.0  # every small value rounded away, 400 times
-    assert (meant - sent)[1:].abs().max().item() <= 1.0 / QMAX[encoding] / 2 + 1e-5
-    assert sent[1:].min().item() > 0.5 * meant[1].item()
-
-
-def test_error_feedback_keys_are_independent_and_droppable() -> None:
-    ef = ErrorFeedback("int4", 4)
-    ef.encode("a", torch.tensor([1.0, 0.1, 0.0, 0.0]))
-    ef.encode("b", torch.tensor([1.0, 0.0, 0.0, 0.0]))
-    assert ef.residual["a"][1].abs().item() > 0 and ef.residual["b"].abs().sum().item() == 0
-    ef.drop("a")
-    assert "a" not in ef.residual
-    assert QMAX == {"int8": 127, "int4": 7}

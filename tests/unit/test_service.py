@@ -190,10 +190,10 @@ def test_restart_resumes_versions_momentum_and_ledger(tmp_path: Path) -> None:
     for step in (10, 20, 30):
         send(sync, "a", 0.5, base=sync.versions()[0], step=step)
         sync.merge(0)
-    before = sync.fragments[0]
+    before = sync.fragments[0].state
     sync.snapshots.abandon()  # killed: its writer writes no more (nor beside the restart)
     again = make(tmp_path, clock, outer_momentum=0.9)
-    after = again.fragments[0]
+    after = again.fragments[0].state
     assert again.versions() == [3]
     assert torch.equal(after.params["w"], before.params["w"]) and torch.equal(
         after.momentum["w"], before.momentum["w"]

@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from ddiloco.learner.shard_clients import split_urls
 from ddiloco.learner.sync_client import SyncRefused
 from ddiloco.synchronizer.config import SyncSettings
 from ddiloco.synchronizer.service import Synchronizer
-from ddiloco.synchronizer.shards import merge_statuses, split_urls
 from ddiloco.wire import codec
 from ddiloco.wire.errors import SyncError
+from ddiloco.wire.job_status import merge_statuses
 from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     FragmentSpec,
@@ -118,8 +119,8 @@ def test_a_shard_keeps_merges_and_serves_only_its_fragments(tmp_path: Path) -> N
     assert a.owned == [0, 2] and b.owned == [1, 3]
     assert a.join(JoinRequest(learner_id="l0")).owned == [0, 2]
     # no tensors of another shard's fragment in memory, nor its file on disk
-    assert a.fragments[1].params == {} and a.fragments[3].params == {}
-    assert a.fragments[2].params["w2"].tolist() == [3.0] * 4
+    assert a.fragments[1].state.params == {} and a.fragments[3].state.params == {}
+    assert a.fragments[2].state.params["w2"].tolist() == [3.0] * 4
     assert sorted(p.name for p in (tmp_path / "sync-0").glob("fragment-*")) == [
         "fragment-0000.safetensors",
         "fragment-0002.safetensors",

@@ -173,8 +173,8 @@ def test_merge_threads_reaches_the_merge_and_the_served_copy(tmp_path: Path) -> 
     """The default is the usable cores over `torch_threads`; 1 hands no piece over."""
     cores = len(os.sched_getaffinity(0))
     default = SyncSettings(token="t", state_dir=tmp_path / "d")
-    assert default.merge_ways() == max(1, cores // default.op_threads())
-    assert SyncSettings(token="t", merge_threads=1).merge_ways() == 1
+    assert default.tuning.merge_ways() == max(1, cores // default.tuning.op_threads())
+    assert SyncSettings(token="t", merge_threads=1).tuning.merge_ways() == 1
     for threads in (1, 3):
         sync = Synchronizer(
             SyncSettings(token="t", state_dir=tmp_path / str(threads), merge_threads=threads)

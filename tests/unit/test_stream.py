@@ -54,18 +54,25 @@ SPEC = FragmentSpec(index=1, tensors=[])
 
 @pytest.mark.parametrize("rule", ["rda", "mean"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("granularity", ["tensor", "fragment"])
 def test_a_streamed_merge_is_the_merge_of_the_contributions_bit_for_bit(
-    rule: str, dtype: torch.dtype
+    rule: str, dtype: torch.dtype, granularity: str
 ) -> None:
     """Offered and added one by one (a weightless one among them), then claimed: the merge
-    is the same bits as the one that sums the same contributions itself (a replay's)."""
-    policy = MergePolicy(rule=rule, outer=OuterNesterov(lr=0.7, momentum=0.9))  # type: ignore[arg-type]
+    is the same bits as the one that sums the same contributions itself (a replay's), with
+    RDA per tensor or over the whole fragment."""
+    policy = MergePolicy(
+        rule=rule,  # type: ignore[arg-type]
+        granularity=granularity,  # type: ignore[arg-type]
+        outer=OuterNesterov(lr=0.7, momentum=0.9),
+    )
     cs = [contribution(i, dtype, steps=0 if i == 2 else 10) for i in range(5)]
     rs = RoundSum(policy, rule)
     for c in cs:
         rs.offer(c)
         rs.drain()
-    assert not rs.queue and set(rs.sum) == ({"a", "b"} if rule == "rda" else set(SHAPES))
+    per_tensor = rule == "rda" and granularity == "tensor"  # "z" has no direction of its own
+    assert not rs.queue and set(rs.sum) == ({"a", "b"} if per_tensor else set(SHAPES))
     assert len(rs.keys) == 4  # the weightless one has no term
     params, momentum = state()
     streamed = policy.merge(SPEC, params, momentum, 3, cs, None, rs)
@@ -96,7 +103,6 @@ def test_a_sum_that_is_not_the_rounds_terms_is_not_used() -> None:
     spoiled = summed()
     spoiled.spoil()
     assert spoiled.claim(keys, policy, "rda") is None
-    assert RoundSum(MergePolicy(granularity="fragment"), "rda").enabled is False
 
 
 def test_a_queued_bf16_term_keeps_its_body_until_it_is_added_or_let_go() -> None:
@@ -129,28 +135,29 @@ def test_the_synchronizer_sums_a_round_at_admission_and_its_merge_takes_the_sum(
         sync = make(tmp_path / str(stream), Clock(), quorum=3, merge="rda")
         start(sync, "abc")
         if not stream:
-            sync.sums[1].spoil()
+            sync.fragments[1].sum.spoil()
         for i, lid in enumerate("abc"):
             v = torch.tensor([1.0 + i, -2.0 * i + 0.5])
             assert sync.submit(update(lid, 1, v, step=1)).status == "accepted"
-        rs = sync.sums[1]
+        rs = sync.fragments[1].sum
         assert (rs.valid, len(rs.keys), not rs.queue) == (stream, 3 if stream else 0, True)
         assert bool(rs.sum) is stream  # added by the admitting threads, not at the merge
         assert sync.merge(1) == 1
-        assert sync.sums[1] is not rs and sync.sums[1].valid  # a new round, a new sum
+        fresh = sync.fragments[1].sum
+        assert fresh is not rs and fresh.valid  # a new round, a new sum
         results.append(codec.decode(sync.fragment(1)[1])["w"])
         if not stream:
-            sync.sums[1].spoil()
+            sync.fragments[1].sum.spoil()
         for step, v in ((2, [0.5, 0.5]), (3, [0.25, 1.0])):
             body = update("a", 1, torch.tensor(v), step=step, base=1)
             assert sync.submit(body).status == "accepted"
-        rs = sync.sums[1]
+        rs = sync.fragments[1].sum
         assert rs.valid is stream  # a's second update replaced its term
         if stream:
             assert rs.keys == [("a/1/1/2", "a/1/1/3")] == [tuple(c.ids) for c in
                 sync.rounds.rounds[1].contributions.values()]  # fmt: skip
         assert sync.merge(1) == 2
-        assert [r.stream for r in sync.journals[1].records()] == [stream, stream]
+        assert [r.stream for r in sync.fragments[1].journal.records()] == [stream, stream]
         results.append(codec.decode(sync.fragment(1)[1])["w"])
     assert torch.equal(results[0], results[2])
     torch.testing.assert_close(results[1], results[3], rtol=1e-6, atol=0)
@@ -269,7 +276,7 @@ def test_cpu_slots_bound_the_uploads_in_their_passes_at_once(
 
 def test_cpu_slots_default_to_every_core_but_one(tmp_path: Path) -> None:
     sync = make(tmp_path, Clock())
-    assert sync.settings.cpu_slots == 0
+    assert sync.settings.tuning.cpu_slots == 0
     assert sync.cpu._value == max(1, len(os.sched_getaffinity(0)) - 1)  # type: ignore[attr-defined]
 
 

@@ -170,14 +170,16 @@ def test_an_evaluation_file_of_another_format_is_refused_by_name(tmp_path: Path)
     from ddiloco.synchronizer.storage.state import StateStore
 
     (tmp_path / "evaluation.json").write_text('{"format": 0, "evaluation": {}}')
-    with pytest.raises(ValueError, match=r"evaluation\.json is not an evaluation of format 1"):
+    with pytest.raises(
+        ValueError, match=r"evaluation\.json is state format 0; this synchronizer reads format 1"
+    ):
         StateStore(tmp_path).load_evaluation()
 
 
 def test_a_sharded_jobs_status_carries_the_latest_evaluation_of_any_shard(
     sync_server: Any,
 ) -> None:
-    from ddiloco.synchronizer.shards import merge_statuses
+    from ddiloco.wire.job_status import merge_statuses
     from ddiloco.wire.protocol import EvaluationStatus
 
     init(sync_server)

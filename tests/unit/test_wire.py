@@ -101,11 +101,11 @@ def test_an_encoding_not_accepted_is_refused_with_415_naming_both() -> None:
         decode(payload, frozenset({"bfloat16"}))
     assert e.value.kind is Refusal.ENCODING and e.value.status == 415
     assert "accepts bfloat16" in str(e.value) and "the update is int4" in str(e.value)
-    # an older sender (no `encoding`): its float dtype says it
-    old = codec.encode({k: v.to(torch.bfloat16) for k, v in delta().items()}, META.to_metadata())
-    assert decode(old, frozenset({"bfloat16"}))["w"].dtype == torch.bfloat16
-    with pytest.raises(SyncError, match="the update is bfloat16"):
-        decode(old, frozenset({"int8"}))
+    # an update whose metadata names no encoding is malformed, whatever its dtypes
+    meta = {k: v for k, v in META.to_metadata().items() if k != "encoding"}
+    unnamed = codec.encode({k: v.to(torch.bfloat16) for k, v in delta().items()}, meta)
+    with pytest.raises(PayloadError, match="names no encoding"):
+        decode(unnamed, frozenset({"bfloat16"}))
 
 
 def quantized(
@@ -269,7 +269,7 @@ def test_the_synchronizer_refuses_an_encoding_before_writing_anything(tmp_path: 
 
 def test_an_int4_update_is_merged_and_survives_a_restart(tmp_path: Path) -> None:
     sync = sync_with(tmp_path, ["int4"])
-    before = {k: v.clone() for k, v in sync.fragments[0].params.items()}
+    before = {k: v.clone() for k, v in sync.fragments[0].state.params.items()}
     payload, sent = encodings.encode_update(delta(), META, "int4", 64)
     assert sync.submit(payload, 0).status == "accepted"
     sync.close()
@@ -277,7 +277,7 @@ def test_an_int4_update_is_merged_and_survives_a_restart(tmp_path: Path) -> None
     again = Synchronizer(sync.settings)
     assert again.rounds.pending(0) == 1
     assert again.merge(0) == 1
-    for k, v in again.fragments[0].params.items():
+    for k, v in again.fragments[0].state.params.items():
         # outer lr 1, no momentum: Theta moves by the mean outer gradient, -delta
         assert torch.allclose(v, before[k] + sent[k], atol=1e-6)
     status = again.metrics.render().decode()
@@ -352,10 +352,10 @@ def test_a_round_keeps_only_codes_and_a_replay_merges_the_same_bits(
     for s in (live, replayed, floats):
         assert s.merge(0) == 1  # the new version, with all three in it
         assert s.rounds.pending(0) == 0
-    for k, v in floats.fragments[0].params.items():
-        assert torch.equal(live.fragments[0].params[k], v), k
-        assert torch.equal(replayed.fragments[0].params[k], v), k
-    assert not torch.equal(floats.fragments[0].params["w"], torch.zeros(3, 50))
+    for k, v in floats.fragments[0].state.params.items():
+        assert torch.equal(live.fragments[0].state.params[k], v), k
+        assert torch.equal(replayed.fragments[0].state.params[k], v), k
+    assert not torch.equal(floats.fragments[0].state.params["w"], torch.zeros(3, 50))
 
 
 @pytest.mark.parametrize("merge_first", [True, False])
@@ -409,9 +409,9 @@ def test_a_learners_second_quantized_update_in_a_round_adds_the_floats_it_stands
     replayed = Synchronizer(replayed.settings)
     for s in (live, replayed, floats):
         assert s.merge(0) == 1
-    for k, v in floats.fragments[0].params.items():
-        assert torch.equal(live.fragments[0].params[k], v), k
-        assert torch.equal(replayed.fragments[0].params[k], v), k
+    for k, v in floats.fragments[0].state.params.items():
+        assert torch.equal(live.fragments[0].state.params[k], v), k
+        assert torch.equal(replayed.fragments[0].state.params[k], v), k
 
 
 @pytest.mark.parametrize("encoding", ["int8", "int4"])
@@ -431,11 +431,11 @@ def test_a_merge_that_replaced_a_learners_quantized_term_replays_to_the_served_b
         meta = META.model_copy(update={"learner_id": lid, "learner_step": step})
         payload, _ = encodings.encode_update(delta(seed=seed), meta, encoding, 64)
         assert live.submit(payload, 0).status == "accepted"
-    assert live.sums[0].valid and len(live.sums[0].keys) == 2
+    assert live.fragments[0].sum.valid and len(live.fragments[0].sum.keys) == 2
     assert live.merge(0) == 1
-    assert [r.stream for r in live.journals[0].records()] == [True]
-    served = {k: v.clone() for k, v in live.fragments[0].params.items()}
+    assert [r.stream for r in live.fragments[0].journal.records()] == [True]
+    served = {k: v.clone() for k, v in live.fragments[0].state.params.items()}
     again = Synchronizer(live.settings)
     assert again.versions() == [1]
     for k, v in served.items():
-        assert torch.equal(again.fragments[0].params[k], v), k
+        assert torch.equal(again.fragments[0].state.params[k], v), k
