@@ -22,6 +22,15 @@ kernel (an iptables REDIRECT sent it here: SO_ORIGINAL_DST), and holds every chu
 before passing it on, in both directions (a round trip gains 2 x delay_s). The queue of
 held bytes per direction is bounded, so a fast sender is slowed to the link's pace instead of
 filling memory.
+
+It is also the delaying relay of k8senv's region link (tests/integration/wanlink.py):
+
+    proxy = CutProxy(node_port, home_node_ip, listen_host=link_host_ip, listen_port=8470,
+                     delay_s=0.02)
+
+listens on a fixed port of the link's host end and relays to a NodePort of the home node.
+Bytes are counted per direction (`bytes_to_target`, `bytes_to_client`) and connections relayed
+(`connections`), so a test can see that traffic crossed the link both ways.
 """
 
 from __future__ import annotations
@@ -98,7 +107,8 @@ class CutProxy:
 
     `target_port` None: transparent, each connection goes where it was addressed (the
     kernel's SO_ORIGINAL_DST). `netns`: listen and connect inside that network namespace.
-    `delay_s`: one-way delay added to every byte, both directions."""
+    `delay_s`: one-way delay added to every byte, both directions. `listen_port` 0: any free
+    port (`port` says which)."""
 
     def __init__(
         self,
@@ -106,6 +116,7 @@ class CutProxy:
         target_host: str = "127.0.0.1",
         *,
         listen_host: str = "127.0.0.1",
+        listen_port: int = 0,
         netns: str | None = None,
         delay_s: float = 0.0,
     ) -> None:
@@ -113,11 +124,17 @@ class CutProxy:
         self.netns = netns
         self.delay_s = delay_s
         with in_netns(netns):
-            self.listener = socket.create_server((listen_host, 0))
+            self.listener = socket.create_server((listen_host, listen_port))
         self.port = int(self.listener.getsockname()[1])
+        self.address = f"{listen_host}:{self.port}"
+        """Where the relay listens, "host:port"."""
         self.url = f"http://127.0.0.1:{self.port}"
-        self.bytes_relayed = 0
-        """Bytes passed on, both directions together."""
+        self.bytes_to_target = 0
+        """Bytes passed on from clients to their upstream, closed connections included."""
+        self.bytes_to_client = 0
+        """Bytes passed on from upstreams back to their clients."""
+        self.connections = 0
+        """Connections relayed (accepted and connected upstream), closed ones included."""
         self.lock = threading.Lock()
         self.pairs: dict[tuple[socket.socket, socket.socket], int] = {}
         """Open pairs -> pumps still running (2, then 1; the last one closes both)."""
@@ -125,6 +142,11 @@ class CutProxy:
         self.closed = False
         self.cuts = 0
         self.resets = 0
+
+    @property
+    def bytes_relayed(self) -> int:
+        """Bytes passed on, both directions together."""
+        return self.bytes_to_target + self.bytes_to_client
 
     def start(self) -> None:
         threading.Thread(target=self._accept_loop, name=f"netcut-{self.port}", daemon=True).start()
@@ -172,19 +194,21 @@ class CutProxy:
             pair = (client, upstream)
             with self.lock:
                 self.pairs[pair] = 2
+                self.connections += 1
             for src, dst in (pair, pair[::-1]):
                 threading.Thread(target=self._pump, args=(src, dst, pair), daemon=True).start()
 
     def _pump(
         self, src: socket.socket, dst: socket.socket, pair: tuple[socket.socket, socket.socket]
     ) -> None:
+        to_target = src is pair[0]
         if self.delay_s > 0:
-            self._delayed(src, dst)
+            self._delayed(src, dst, to_target)
         else:
             try:
                 while data := src.recv(1 << 16):
                     dst.sendall(data)
-                    self.bytes_relayed += len(data)
+                    self._count(to_target, len(data))
             except OSError:
                 pass
             with contextlib.suppress(OSError):
@@ -199,7 +223,14 @@ class CutProxy:
             with contextlib.suppress(OSError):
                 s.close()
 
-    def _delayed(self, src: socket.socket, dst: socket.socket) -> None:
+    def _count(self, to_target: bool, n: int) -> None:
+        with self.lock:
+            if to_target:
+                self.bytes_to_target += n
+            else:
+                self.bytes_to_client += n
+
+    def _delayed(self, src: socket.socket, dst: socket.socket, to_target: bool) -> None:
         """Relay src -> dst with every chunk held `delay_s` after it arrived: this thread
         reads, a second one writes when each chunk is due. EOF is passed on when due too."""
         held: collections.deque[tuple[float, bytes]] = collections.deque()
@@ -222,7 +253,7 @@ class CutProxy:
                         dst.shutdown(socket.SHUT_WR)
                         return
                     dst.sendall(data)
-                    self.bytes_relayed += len(data)
+                    self._count(to_target, len(data))
                 except OSError:
                     with cond:
                         state["broken"] = True

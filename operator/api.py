@@ -596,6 +596,10 @@ class LearnerGroup(PodTemplate):
         json_schema_extra={
             "x-kubernetes-validations": [
                 {
+                    "rule": "!has(self.minReplicas) || self.minReplicas <= self.replicas",
+                    "message": "minReplicas must be at most replicas",
+                },
+                {
                     "rule": "!has(self.cluster) || has(self.syncUrl)",
                     "message": "a learner group in another cluster needs a syncUrl: the home "
                     "cluster's Service name does not resolve there",
@@ -624,6 +628,11 @@ class LearnerGroup(PodTemplate):
     """Target cluster; unset means the operator's own cluster."""
     replicas: int = Field(1, ge=0, le=MAX_REPLICAS)
     """Number of learner slots; changing it adds or removes the highest-numbered slots."""
+    min_replicas: int | None = Field(None, ge=1, le=MAX_REPLICAS)
+    """Fewest learner slots the group may start with when it is queued in Kueue (the job's
+    `kueue.x-k8s.io/queue-name` label) and the queue's quota is short: Kueue's partial
+    admission then admits between this and replicas (the Workload pod set's minCount).
+    Unset: all replicas or none. No effect on a job without a queue."""
     gpus_per_learner: int = Field(0, ge=0, le=MAX_GPUS_PER_LEARNER)
     """GPUs of each learner pod (nvidia.com/gpu, requested and limited). The learner then
     runs one training process per GPU, a data-parallel group that is one learner to the

@@ -41,9 +41,8 @@ def delete_job_objects(
 
     Only objects the job made: pods are selected by the job's uid, and each named object
     (the key and learner credentials Secrets; at home the synchronizer's StatefulSet,
-    Services and claims, the evaluator's Deployment and credential, and an older operator's
-    Deployment and claim) is read first and
-    deleted only if it carries the job's uid (label or ownerReference), with the uid it was
+    Services and claims, the evaluator's Deployment and credential) is read first and deleted
+    only if it carries the job's uid (label or ownerReference), with the uid it was
     read with as a precondition, so a same-named object of someone else's is never touched.
     The shards' claims go with the StatefulSet (its retention policy) and are deleted here
     too, so the finalizer does not depend on the garbage collector's timing."""
@@ -59,11 +58,11 @@ def delete_job_objects(
         for p in mine
         if not p.metadata.deletion_timestamp
     ]
-    # the job key (home; in a remote target an older operator's copy) and the groups'
-    # learner credentials there (tokens.py)
+    # the job key (home) and the groups' learner credentials there (tokens.py)
+    keys = [builders.token_secret_name(job)] if tgt.is_home else []
     named: list[tuple[Callable[..., Any], Callable[..., Any], str]] = [
         (core.read_namespaced_secret, core.delete_namespaced_secret, name)
-        for name in [builders.token_secret_name(job), *tokens.secret_names(job, tgt).values()]
+        for name in [*keys, *tokens.secret_names(job, tgt).values()]
     ]
     # the TLS Secrets (certs.py): CA, server certificate, trust bundle, client certificates
     named += [
@@ -75,7 +74,6 @@ def delete_job_objects(
         shards = _shards(job)
         named += [
             (apps.read_namespaced_stateful_set, apps.delete_namespaced_stateful_set, sync),
-            (apps.read_namespaced_deployment, apps.delete_namespaced_deployment, sync),
             (
                 apps.read_namespaced_deployment,
                 apps.delete_namespaced_deployment,
@@ -99,8 +97,7 @@ def delete_job_objects(
                 core.delete_namespaced_persistent_volume_claim,
                 name,
             )
-            for name in [builders.state_claim_name(job)]
-            + [builders.shard_claim_name(job, i) for i in range(shards)]
+            for name in [builders.shard_claim_name(job, i) for i in range(shards)]
         ]
     for read, delete, name in named:
         obj = get_or_none(lambda read=read, name=name: read(name, ns, **kw))
@@ -191,7 +188,7 @@ def send(client: ApiClient, action: Action, timeout: Timeout) -> None:
     delete = {
         "Pod": core.delete_namespaced_pod,
         "Secret": core.delete_namespaced_secret,
-        "Deployment": apps.delete_namespaced_deployment,  # the evaluator; an older synchronizer
+        "Deployment": apps.delete_namespaced_deployment,  # the evaluator's
     }
     if action.kind == "Certificate":  # cert-manager's, through the custom objects API
         verb = {"create": "create", "replace": "replace", "delete": "delete"}[action.verb]

@@ -24,9 +24,6 @@ the StatefulSet). The headless Service `<job>-synchronizer-shards` gives each sh
 name, which learners of a job with S > 1 get, comma-separated in shard order, as
 DDILOCO_SYNC_URL. The ClusterIP Service `<job>-synchronizer` stays: with S = 1 it is the
 learners' URL, with S > 1 it reaches shard 0 only (status, port-forward, spares).
-A job made by an operator before the StatefulSet keeps its claim `<job>-synchronizer-state`,
-mounted by a StatefulSet without claim templates (`legacy_claim`; reconcile.py replaces the
-old Deployment): its state survives the upgrade.
 
 TLS (operator/certs.py issues and renews): Secret `<job>-tls` holds the
 synchronizer's server certificate (tls.crt, tls.key, ca.crt), `<job>-trust` the CA bundle a
@@ -152,12 +149,6 @@ def spare_client_secret_name(job: DecoupledDiLoCoJob, group: str, serial: int) -
     return f"{spare_pod_name(job, group, serial)}-client"
 
 
-def state_claim_name(job: DecoupledDiLoCoJob) -> str:
-    """The state claim of a job made before the synchronizer was a StatefulSet (kept, and
-    mounted by its StatefulSet, so its state outlives the upgrade); new jobs never get one."""
-    return f"{job.name}-synchronizer-state"
-
-
 STATE_TEMPLATE: Final = "state"  # the StatefulSet's volumeClaimTemplate (and volume) name
 LABEL_POD_INDEX: Final = "apps.kubernetes.io/pod-index"  # set by the StatefulSet controller
 
@@ -172,9 +163,7 @@ def shard_pod_name(job: DecoupledDiLoCoJob, shard: int) -> str:
 
 
 def shard_claim_name(job: DecoupledDiLoCoJob, shard: int) -> str:
-    """`<template>-<statefulset>-<ordinal>`: the claim the StatefulSet makes for a shard. No
-    choice of names makes shard 0's the old `state_claim_name` (it would have to end in
-    "-0"), hence `legacy_claim` for jobs that have one."""
+    """`<template>-<statefulset>-<ordinal>`: the claim the StatefulSet makes for a shard."""
     return f"{STATE_TEMPLATE}-{synchronizer_name(job)}-{shard}"
 
 

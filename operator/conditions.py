@@ -14,8 +14,19 @@ Like cert-manager's Certificate conditions, each type says when it is True:
     LearnersReady       every desired learner slot has a Ready pod (True with zero slots too).
     Degraded            the operator cannot do what the spec asks: a slot has used up its
                         replacements, or a learner group's cluster cannot be reached (its
-                        kubeconfig Secret is missing or broken, or the apiserver does not answer).
-                        The message names the slot or the Secret.
+                        kubeconfig Secret is missing or broken, or the apiserver does not answer),
+                        or the synchronizer no longer hears a learner group whose pods run and
+                        were heard since they became Ready (LearnerGroupUnheard: the network
+                        between that group's region and the synchronizer is cut; the learners
+                        go on training). The message names the slot, the Secret or the group.
+    Suspended           no pod of the job may run: spec.suspend is true, or Kueue has not
+                        admitted the job (operator/kueue.py: Queued, or Kueue's eviction
+                        reason such as Preempted). False (JobResumed, or Admitted under Kueue)
+                        once it runs again; absent on a job that was never suspended. As a
+                        batch/v1 Job's and a Kubeflow TrainJob's.
+    Complete            the job is done: the token budget is merged or every learner finished
+                        (absent before). There is no Failed condition: no failure ends a job;
+                        a slot at its replacement limit makes it Degraded and the rest train on.
 
 Reasons are CamelCase and stable; tests and dashboards match on them. `lastTransitionTime`
 moves only when a condition's status flips, as the Kubernetes API conventions ask.
@@ -32,7 +43,11 @@ READY: Final = "Ready"
 SYNCHRONIZER_READY: Final = "SynchronizerReady"
 LEARNERS_READY: Final = "LearnersReady"
 DEGRADED: Final = "Degraded"
-TYPES: Final = (READY, SYNCHRONIZER_READY, LEARNERS_READY, DEGRADED)
+SUSPENDED_TYPE: Final = "Suspended"
+COMPLETE: Final = "Complete"
+TYPES: Final = (READY, SYNCHRONIZER_READY, LEARNERS_READY, DEGRADED)  # always present
+OPTIONAL: Final = (SUSPENDED_TYPE, COMPLETE)  # present when they apply
+OWNED: Final = (*TYPES, *OPTIONAL)
 
 # Ready
 JOB_READY: Final = "JobReady"
@@ -51,12 +66,17 @@ SYNCHRONIZER_NOT_ANSWERING: Final = "SynchronizerNotAnswering"
 ALL_LEARNERS_READY: Final = "AllLearnersReady"
 NO_LEARNERS: Final = "NoLearnersDesired"
 LEARNERS_COMPLETED: Final = "LearnersCompleted"
+# Suspended (Kueue's reasons come from operator/kueue.py)
+JOB_SUSPENDED: Final = "JobSuspended"
+JOB_RESUMED: Final = "JobResumed"
+# Complete: COMPLETED or TOKEN_BUDGET_REACHED
 # Degraded
 AS_EXPECTED: Final = "AsExpected"
 REPLACEMENT_LIMIT_REACHED: Final = "ReplacementLimitReached"
 KUBECONFIG_SECRET_MISSING: Final = "KubeconfigSecretMissing"
 KUBECONFIG_SECRET_INVALID: Final = "KubeconfigSecretInvalid"
 CLUSTER_UNREACHABLE: Final = "ClusterUnreachable"
+LEARNER_GROUP_UNHEARD: Final = "LearnerGroupUnheard"  # its Ready learners went silent
 NAME_CONFLICT: Final = "NameConflict"  # an object the job needs exists and is not the job's
 SYNCHRONIZER_STATUS_INVALID: Final = "SynchronizerStatusInvalid"  # fields of its answer dropped
 FAILED_CREATE: Final = "FailedCreate"  # the apiserver refused a child (quota, admission, ...)
@@ -73,14 +93,14 @@ def make(type_: str, status: bool | None, reason: str, message: str) -> Conditio
 def merge(
     old: Iterable[Condition], new: Iterable[Condition], now: str, generation: int
 ) -> list[Condition]:
-    """New conditions in TYPES order; keep the old transition time where the status is unchanged.
+    """New conditions in OWNED order; keep the old transition time where the status is unchanged.
 
     Types the operator does not own (another controller's) are kept as they were, after ours.
     """
     previous = {c.type: c for c in old}
     merged: list[Condition] = []
     fresh = {c.type: c for c in new}
-    for type_ in [*TYPES, *(t for t in fresh if t not in TYPES)]:
+    for type_ in [*OWNED, *(t for t in fresh if t not in OWNED)]:
         if type_ not in fresh:
             continue
         cond, before = fresh[type_], previous.get(type_)
@@ -90,7 +110,7 @@ def merge(
                 update={"last_transition_time": since, "observed_generation": generation}
             )
         )
-    merged += [c for t, c in previous.items() if t not in fresh and t not in TYPES]
+    merged += [c for t, c in previous.items() if t not in fresh and t not in OWNED]
     return merged
 
 

@@ -66,10 +66,9 @@ class Observer:
         h = self.clusters.home
         kw: dict[str, Any] = {"_request_timeout": self.timeout}
         apps, core = kubernetes.client.AppsV1Api(h), kubernetes.client.CoreV1Api(h)
-        sync, claim_name = builders.synchronizer_name(job), builders.state_claim_name(job)
+        sync = builders.synchronizer_name(job)
         shards_svc = builders.shards_service_name(job)
         sts = get_or_none(lambda: apps.read_namespaced_stateful_set(sync, job.namespace, **kw))
-        legacy = get_or_none(lambda: apps.read_namespaced_deployment(sync, job.namespace, **kw))
         evaluator = get_or_none(
             lambda: apps.read_namespaced_deployment(
                 evaluator_workload.evaluator_name(job), job.namespace, **kw
@@ -80,9 +79,6 @@ class Observer:
         service = get_or_none(lambda: core.read_namespaced_service(sync, job.namespace, **kw))
         headless = get_or_none(
             lambda: core.read_namespaced_service(shards_svc, job.namespace, **kw)
-        )
-        claim = get_or_none(
-            lambda: core.read_namespaced_persistent_volume_claim(claim_name, job.namespace, **kw)
         )
         # The StatefulSet's claims (volumeClaimTemplates): its controller mounts a claim of
         # the template's name whoever made it, and then deletes it with the StatefulSet, so
@@ -101,10 +97,8 @@ class Observer:
         conflicts = [] if home_view.problem is None else [home_view.problem]
         for kind, obj in (
             ("StatefulSet", sts),
-            ("Deployment", legacy),
             ("Service", service),
             ("Service", headless),
-            ("PersistentVolumeClaim", claim),
             *(("PersistentVolumeClaim", x) for x in shard_claims),
         ):
             if obj is not None and not builders.made_by(job, obj.metadata):
@@ -114,7 +108,7 @@ class Observer:
         if any(reason == c.NAME_CONFLICT for reason, _ in conflicts):
             problem = next(p for p in conflicts if p[0] == c.NAME_CONFLICT)
             views = {t: ClusterView(problem=problem) for t in views}
-            sts = legacy = service = headless = claim = None
+            sts = service = headless = None
         sts_dict = as_dict(h, sts) if sts is not None else None
         available = int(((sts_dict or {}).get("status") or {}).get("availableReplicas") or 0)
         cert_manager, certificate = certs.observe_cert_manager(h, job, self.timeout)
@@ -135,8 +129,6 @@ class Observer:
             shards_service=headless is not None,
             service_ports=_ports(h, service),
             shards_service_ports=_ports(h, headless),
-            claim=claim is not None,
-            legacy_deployment=as_dict(h, legacy) if legacy is not None else None,
             sync_status=sync_status,
             cert_manager=cert_manager,
             certificate=certificate,
@@ -151,8 +143,7 @@ class Observer:
 
         A Secret of a name the job needs that the job did not make holds the target back (a
         NameConflict): at home the key, anywhere a group's credentials, which its pods would
-        mount. A remote `<job>-token` is only ever a copy an older operator made, to delete:
-        someone else's of that name is left alone and is no conflict."""
+        mount. The key is read at home only: remote targets hold learners' credentials."""
         try:
             client = self.clusters.client(tgt, job.namespace)
             core = kubernetes.client.CoreV1Api(client)
@@ -166,10 +157,16 @@ class Observer:
                 if groups
                 else []
             )
-            secret = get_or_none(
-                lambda: core.read_namespaced_secret(
-                    builders.token_secret_name(job), tgt.namespace, _request_timeout=self.timeout
+            secret = (
+                get_or_none(
+                    lambda: core.read_namespaced_secret(
+                        builders.token_secret_name(job),
+                        tgt.namespace,
+                        _request_timeout=self.timeout,
+                    )
                 )
+                if tgt.is_home
+                else None
             )
             creds = {
                 name: get_or_none(
@@ -197,15 +194,13 @@ class Observer:
             p = self.clusters.failed(tgt, job.namespace, e)
             return ClusterView(problem=(p.reason, p.message))
         if secret is not None and not builders.made_by(job, secret.metadata):
-            if tgt.is_home:
-                name = builders.token_secret_name(job)
-                return ClusterView(
-                    problem=(
-                        c.NAME_CONFLICT,
-                        foreign_message(job, "Secret", tgt.namespace, name, tgt),
-                    )
+            name = builders.token_secret_name(job)
+            return ClusterView(
+                problem=(
+                    c.NAME_CONFLICT,
+                    foreign_message(job, "Secret", tgt.namespace, name, tgt),
                 )
-            secret = None  # someone else's, of the name an older operator's copy had
+            )
         for name, found in creds.items():
             if found is None:
                 continue

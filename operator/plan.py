@@ -97,6 +97,7 @@ class PodView:
     spare: bool = False  # a hot spare holding no slot (index -1); operator/spares.py
     serial: int | None = None  # born a hot spare: its serial (kept when promoted)
     promoted_at: str | None = None  # when a spare was promoted to its slot (ISO time)
+    ready_since: str | None = None  # its Ready condition's lastTransitionTime (ISO time)
     blocked: str | None = None
     """Why a pod that is not running cannot start, as the kubelet or the scheduler says: a
     missing Secret or ConfigMap (CreateContainerConfigError), an image it cannot pull, a
@@ -140,6 +141,7 @@ class PodView:
             spare=spare,
             serial=_int(labels.get(builders.LABEL_SPARE)),
             promoted_at=(meta.get("annotations") or {}).get(builders.ANNOTATION_PROMOTED_AT),
+            ready_since=conds.get("Ready", {}).get("lastTransitionTime"),
             blocked=_blocked(status, conds.get("PodScheduled", {})),
         )
 
@@ -219,8 +221,7 @@ class ClusterView:
     """One target as observed: the job's pods and Secrets there, or why it can't be seen."""
 
     pods: tuple[PodView, ...] = ()
-    # the job key Secret's content: home's; in a remote target, a copy an older operator made
-    # (reconcile.py deletes it: remote clusters hold learners' credentials only)
+    # the job key Secret's content (home only: remote clusters hold learners' credentials)
     token: str | None = None
     problem: tuple[str, str] | None = None  # (condition reason, message): not reachable
     # the job's Secrets there, by name, each read by name (TLS material, the groups' learner
@@ -239,10 +240,6 @@ class Observed:
     # their spec.ports as read (None: not read); reconcile sets them to what the builder wants
     service_ports: tuple[Mapping[str, Any], ...] | None = None
     shards_service_ports: tuple[Mapping[str, Any], ...] | None = None
-    # A job made by an operator before the StatefulSet: its claim (`state_claim_name`), which
-    # the StatefulSet then mounts, and its Deployment as read, which reconcile deletes first.
-    claim: bool = False
-    legacy_deployment: Mapping[str, Any] | None = None
     sync_status: Mapping[str, Any] | None = None  # last answer of GET /v1/status, if any
     # cert-manager, observed only when the job's tls.issuer is cert-manager: whether its
     # Certificate CRD is installed, and the job's Certificate as read

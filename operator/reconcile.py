@@ -25,8 +25,9 @@ new division of the data (slots.py) restarts the learners whose data part change
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from datetime import datetime, timedelta
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from ddiloco.operator import (
     builders,
@@ -186,6 +187,15 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
                 at_limit.append(rec)
         new_slots += mine
         done += finished
+        if (silent := _unheard(group.name, ids, pods, sync_status, obs.now)) is not None:
+            degraded.append(
+                (
+                    c.LEARNER_GROUP_UNHEARD,
+                    f"The synchronizer no longer hears learner group {group.name} ({tgt.label}):"
+                    f" {silent}; the network between its cluster and the synchronizer may be "
+                    "cut (its learners go on training and hand over their work when it returns)",
+                )
+            )
         # once every slot of the group has finished, its spares only hold (GPU) nodes
         spares.refill(
             job, group, tgt, hot, plan, finished=budget_done or 0 < group.replicas == finished
@@ -301,6 +311,47 @@ def _former_problems(obs: Observed, gstat: GroupStatus) -> list[tuple[str, str]]
                 )
             )
     return out
+
+
+def _unheard(
+    group: str,
+    ids: list[str],
+    pods: dict[tuple[str, int], PodView],
+    sync: Mapping[str, Any] | None,
+    now: datetime,
+) -> str | None:
+    """Which of a group's learners the synchronizer stopped hearing, when it hears none of
+    them: each Ready pod's learner was heard after the pod became Ready (or was promoted from
+    a hot spare), and the synchronizer now says it is not alive (silent past its liveness
+    window). None while any is heard, when none has spoken since it became Ready (starting,
+    nothing to conclude), or without a status answer. A pod that was just replaced is never
+    counted: its learner was last heard before the pod became Ready."""
+    if sync is None:
+        return None
+    records = {r.get("learner_id"): r for r in sync.get("learners") or [] if isinstance(r, dict)}
+    silent: list[str] = []
+    for index, sid in enumerate(ids):
+        pod = pods.get((group, index))
+        if pod is None or not pod.ready or pod.terminating or pod.phase != "Running":
+            continue
+        rec = records.get(sid)
+        if rec is None:
+            continue
+        if rec.get("alive") is True:
+            return None
+        last = rec.get("last_seen_s")
+        stamps = [t for t in (pod.ready_since, pod.promoted_at) if t]
+        if not isinstance(last, int | float) or last < 0 or not stamps:
+            continue
+        try:  # "...Z" as the API sends it, "...+00:00" as the client's models serialize it
+            since = max(datetime.fromisoformat(t).astimezone(UTC) for t in stamps)
+        except ValueError:
+            continue
+        if now.astimezone(UTC) - timedelta(seconds=last) > since:
+            silent.append(f"{sid} last heard {last:.0f} s ago")
+    if not silent:
+        return None
+    return ", ".join(silent[:5]) + (f" and {len(silent) - 5} more" if len(silent) > 5 else "")
 
 
 def _limit_message(at_limit: list[Slot], limit: int) -> str:
@@ -431,11 +482,8 @@ def _slot(
 def _synchronizer(
     job: DecoupledDiLoCoJob, obs: Observed, plan: Plan, tls_revision: str | None = None
 ) -> None:
-    """The Services, then the StatefulSet (builders.py). A Service of an older operator gets
-    the ports this one's pods serve (only its ports are patched). A job made by an operator
-    before the StatefulSet has a Deployment: it is deleted first (foreground: gone only once
-    its pod is), and the StatefulSet that mounts its claim is made after, so one pod at a time
-    writes the state."""
+    """The Services, then the StatefulSet (builders.py). A Service whose ports differ from
+    what the pods serve gets them (only its ports are patched)."""
     h = home(job)
     if obs.clusters.get(h, ClusterView()).problem is not None:
         return
@@ -452,24 +500,9 @@ def _synchronizer(
             done = Event("Normal", "ServicePortsUpdated", f"Set Service {name}'s ports: {wanted}")
             plan.actions.append(Action("patch", h, "Service", name, {"patch": patch}, event=done))
     name = builders.synchronizer_name(job)
-    old = obs.legacy_deployment
-    if old is not None:
-        meta = old.get("metadata") or {}
-        if not meta.get("deletionTimestamp"):
-            plan.actions.append(Action("delete", h, "Deployment", name, uid=meta.get("uid")))
-            plan.events.append(
-                Event(
-                    "Normal",
-                    "SynchronizerUpgrade",
-                    f"Replacing the synchronizer Deployment {name} by a StatefulSet that "
-                    f"mounts the same state claim {builders.state_claim_name(job)}",
-                )
-            )
-        return
     have = obs.statefulset
     have_spec = (have or {}).get("spec") or {}
-    legacy = obs.claim or (have is not None and not have_spec.get("volumeClaimTemplates"))
-    want = sync_workload.build_synchronizer_statefulset(job, tls_revision, legacy_claim=legacy)
+    want = sync_workload.build_synchronizer_statefulset(job, tls_revision)
     if have is None:
         plan.actions.append(Action("create", h, "StatefulSet", name, want))
         return
@@ -479,7 +512,7 @@ def _synchronizer(
         != want["metadata"]["annotations"][builders.ANNOTATION_SPEC_HASH]
     ):
         # What a StatefulSet never changes stays as it is (a new storage size reaches no
-        # existing claim, as with the Deployment's claim before).
+        # existing claim).
         for key in ("volumeClaimTemplates", "serviceName", "podManagementPolicy", "selector"):
             if key in have_spec:
                 want["spec"][key] = have_spec[key]

@@ -14,6 +14,7 @@ it kept of the job in memory.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -32,9 +33,10 @@ from ddiloco.operator.apply import get_or_none
 from ddiloco.operator.cleanup import Cleaner
 from ddiloco.operator.clusters import Clusters, api_reason, request_timeout
 from ddiloco.operator.config import OperatorSettings
+from ddiloco.operator.kueue import Queue
 from ddiloco.operator.metrics import METRICS, OperatorMetrics
 from ddiloco.operator.observe import Observer
-from ddiloco.operator.plan import Event
+from ddiloco.operator.plan import Event, iso
 from ddiloco.operator.reconcile import reconcile
 from ddiloco.operator.syncstatus import StatusReader
 
@@ -66,6 +68,7 @@ class Runtime:
         self.observer = Observer(self.clusters, self.status, self.status_tls, self.timeout)
         self.actor = Actor(settings, self.clusters, self.status, self.status_tls, self.timeout)
         self.cleaner = Cleaner(settings, self.clusters, self.timeout)
+        self.queue = Queue(home_client, self.timeout)  # Kueue's Workloads (kueue.py)
         self._warned: dict[str, float] = {}  # status refusals: when each was last logged
         self._refused: dict[str, dict[str, tuple[str, str]]] = {}  # job uid -> key -> refusal
 
@@ -101,10 +104,19 @@ class Runtime:
                 return
             if not job.is_ours():
                 return
+            gate = self.queue.gate(job)  # Kueue's admission (kueue.py); None: not queued
+            run = job if gate is None else gate.job
             fresh = secrets.token_urlsafe(32)
             redact.register(fresh)
-            obs = self.observer.observe(job, tuple(self._refused.get(job.uid, {}).values()))
-            plan = reconcile(job, obs, fresh_token=fresh)
+            obs = self.observer.observe(run, tuple(self._refused.get(job.uid, {}).values()))
+            plan = reconcile(run, obs, fresh_token=fresh)
+            if gate is not None:
+                pods = [p for view in obs.clusters.values() for p in view.pods]
+                status = self.queue.settle(
+                    job, gate, plan.status, pods, obs.statefulset, iso(obs.now), post
+                )
+                plan = dataclasses.replace(plan, status=status)
+                job = run
             written = True
             if plan.status is not None:
                 try:
@@ -249,5 +261,6 @@ class Runtime:
         self.status_tls.forget(job.uid)
         self._refused.pop(job.uid, None)
         self.actor.forget(job.uid)
+        self.queue.forget(job.uid)
         self.metrics.forget(job)
         logger.info("Deleted the objects of DecoupledDiLoCoJob %s in every cluster", job.name)

@@ -28,6 +28,7 @@ from ddiloco.operator import builders
 from ddiloco.operator import conditions as c
 from ddiloco.operator import slots as books
 from ddiloco.operator.api import (
+    Condition,
     DecoupledDiLoCoJob,
     EvaluationStatus,
     GroupStatus,
@@ -85,10 +86,7 @@ def summarize(
                 c.SYNCHRONIZER_READY,
                 False,
                 c.SYNCHRONIZER_PROGRESSING,
-                f"Waiting for StatefulSet {dep} to have {pods} available ({up} of {shards})"
-                if obs.legacy_deployment is None
-                else f"Waiting for the Deployment {dep} of an older operator to go: the "
-                "StatefulSet that replaces it mounts its state claim",
+                f"Waiting for StatefulSet {dep} to have {pods} available ({up} of {shards})",
             )
         elif not (obs.service and obs.shards_service):
             missing = [
@@ -194,7 +192,12 @@ def summarize(
         update={
             "phase": phase,
             "observed_generation": gen,
-            "conditions": c.merge(old.conditions, [ready_c, sync_c, learn_c, degr_c], now, gen),
+            "conditions": c.merge(
+                old.conditions,
+                [ready_c, sync_c, learn_c, degr_c, *_lifecycle(spec.suspend, phase, ready_c, old)],
+                now,
+                gen,
+            ),
             "desired_learners": desired,
             "ready_learners": ready,
             "groups": groups,
@@ -211,6 +214,20 @@ def summarize(
             **numbers,
         }
     )
+
+
+def _lifecycle(suspended: bool, phase: str, ready_c: Condition, old: JobStatus) -> list[Condition]:
+    """Suspended and Complete, as a batch/v1 Job and a Kubeflow TrainJob say them: Suspended
+    True while suspended and False (JobResumed) after, absent if never; Complete True once
+    done, absent before."""
+    out: list[Condition] = []
+    if suspended:
+        out.append(c.make(c.SUSPENDED_TYPE, True, c.JOB_SUSPENDED, "The job is suspended"))
+    elif c.get(old.conditions, c.SUSPENDED_TYPE) is not None:
+        out.append(c.make(c.SUSPENDED_TYPE, False, c.JOB_RESUMED, "The job is running again"))
+    if phase == "Succeeded":
+        out.append(c.make(c.COMPLETE, True, ready_c.reason, ready_c.message))
+    return out
 
 
 def budget_reached(job: DecoupledDiLoCoJob, sync: Mapping[str, Any] | None) -> bool:

@@ -7,14 +7,13 @@ helpers these use).
 
 The StatefulSet `<job>-synchronizer` runs `synchronizer.shards` (S) pods, `<job>-synchronizer-<i>`
 for shard i (DDILOCO_SHARD from the pod-index label), each with its own state claim
-`state-<job>-synchronizer-<i>` (volumeClaimTemplates, deleted with the StatefulSet); a job made
-before the StatefulSet keeps its claim `<job>-synchronizer-state` (`legacy_claim`). See
+`state-<job>-synchronizer-<i>` (volumeClaimTemplates, deleted with the StatefulSet). See
 builders.py's docstring for the Services' roles.
 
 Each pod, and both Services, have two ports: "http" (SYNC_PORT: every call, HTTP/2 or 1.1) and
 "upload" (SYNC_UPLOAD_PORT, DDILOCO_UPLOAD_PORT: update bodies only, HTTP/1.1), which learners
 learn at join and reach at their URL's host, falling back to "http" when they cannot. A
-Service made by an older operator gets the ports it lacks (`service_ports_patch`).
+Service whose ports differ from these gets them (`service_ports_patch`).
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ from ddiloco.operator.builders import (
     labels,
     shards_service_name,
     spec_hash,
-    state_claim_name,
     synchronizer_name,
 )
 
@@ -188,18 +186,16 @@ def checkpoint_env(job: DecoupledDiLoCoJob) -> dict[str, Any]:
 
 
 def build_synchronizer_statefulset(
-    job: DecoupledDiLoCoJob, tls_revision: str | None = None, legacy_claim: bool = False
+    job: DecoupledDiLoCoJob, tls_revision: str | None = None
 ) -> dict[str, Any]:
     """S synchronizer shards, one pod and one state claim each (replicas 0 while suspended).
 
     Each pod learns its shard from its pod-index label (downward API: DDILOCO_SHARD) and the
     count from DDILOCO_SHARDS. A rolling update deletes a shard's pod before it makes its
-    successor, so no two pods ever write one state volume (what Recreate did for the
-    Deployment). The claims (volumeClaimTemplates) are deleted with the StatefulSet
-    (whenDeleted: Delete) and kept when it scales to 0 (whenScaled: Retain: a suspend
-    keeps the state). `legacy_claim`: mount the claim of a job made before the StatefulSet
-    (`state_claim_name`, S = 1) instead of claim templates. `tls_revision` (certs.py)
-    names the certificates the pods serve; a new one rolls them."""
+    successor, so no two pods ever write one state volume. The claims
+    (volumeClaimTemplates) are deleted with the StatefulSet (whenDeleted: Delete) and kept
+    when it scales to 0 (whenScaled: Retain: a suspend keeps the state). `tls_revision`
+    (certs.py) names the certificates the pods serve; a new one rolls them."""
     spec, sync = job.spec, job.spec.synchronizer
     files, volumes, mounts = _files(job, None)
     env = [
@@ -262,9 +258,6 @@ def build_synchronizer_statefulset(
         "resources": sync.resources.to_k8s(),
         "volumeMounts": [{"name": STATE_TEMPLATE, "mountPath": STATE_DIR}, *mounts],
     }
-    if legacy_claim:
-        claim = {"persistentVolumeClaim": {"claimName": state_claim_name(job)}}
-        volumes = [{"name": STATE_TEMPLATE, **claim}, *volumes]
     template: dict[str, Any] = {
         "metadata": {"labels": labels(job, "synchronizer")},
         "spec": {
@@ -287,18 +280,17 @@ def build_synchronizer_statefulset(
         "updateStrategy": {"type": "RollingUpdate"},
         "selector": {"matchLabels": _sync_selector(job)},
         "template": template,
-    }
-    if not legacy_claim:
-        sts_spec["volumeClaimTemplates"] = [
+        "volumeClaimTemplates": [
             {
                 "metadata": {"name": STATE_TEMPLATE, "labels": labels(job, "synchronizer")},
                 "spec": _claim_spec(job),
             }
-        ]
-        sts_spec["persistentVolumeClaimRetentionPolicy"] = {
+        ],
+        "persistentVolumeClaimRetentionPolicy": {
             "whenDeleted": "Delete",
             "whenScaled": "Retain",
-        }
+        },
+    }
     meta = _metadata(job, synchronizer_name(job), "synchronizer", job.namespace)
     meta["annotations"] = {ANNOTATION_SPEC_HASH: spec_hash(sts_spec)}
     return {

@@ -6,8 +6,8 @@
 The URL comes from `status_url_template` (config.py): the in-cluster Service by default,
 anything reachable in tests and development. A job with synchronizer.shards > 1 has one URL
 per shard (`shard_url_template`); every shard must answer, and `combine` makes the job's one
-answer of theirs (`ddiloco.synchronizer.shards.merge_statuses`). HTTP/1.1 is enough here (the synchronizer serves
-both it and h2c). A synchronizer that does not answer is normal (starting, restarting, or a
+answer of theirs (`ddiloco.wire.job_status.merge_statuses`). HTTP/1.1 is enough here (the
+synchronizer serves both it and h2c). A synchronizer that does not answer is normal (starting, restarting, or a
 fake pod in tests): the caller keeps the last numbers.
 """
 
@@ -132,15 +132,13 @@ class StatusReader:
 
 def combine(answers: list[dict[str, Any]]) -> dict[str, Any]:
     """One job-wide answer from every shard's (in shard order), by
-    `ddiloco.synchronizer.shards.merge_statuses`. One answer is returned as it is; answers
+    `ddiloco.wire.job_status.merge_statuses`. One answer is returned as it is; answers
     that are not whole synchronizer Status objects (a stub's) give shard 0's."""
     if len(answers) == 1:
         return answers[0]
-    try:
-        from ddiloco.synchronizer.shards import merge_statuses
-        from ddiloco.wire.protocol import Status
-    except ImportError:  # TODO(lead): only until synchronizer/shards.py lands
-        return answers[0]
+    from ddiloco.wire.job_status import merge_statuses
+    from ddiloco.wire.protocol import Status
+
     try:
         statuses = [Status.model_validate(a) for a in answers]
     except pydantic.ValidationError:

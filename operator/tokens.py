@@ -208,10 +208,8 @@ def secret_names(job: DecoupledDiLoCoJob, tgt: Target) -> dict[str, str]:
 
 def prune(job: DecoupledDiLoCoJob, obs: Observed) -> list[Action]:
     """Deletes of credentials no pod needs: the credentials Secret of a group no longer in
-    that target, and a copy of the job key in a remote target (an older operator copied it
-    there; a Secret the job owns is never a copy, so a kubeconfig pointing back home is safe)."""
+    that target."""
     out: list[Action] = []
-    key_name = builders.token_secret_name(job)
     for tgt, view in obs.clusters.items():
         if view.problem is not None:
             continue
@@ -227,11 +225,4 @@ def prune(job: DecoupledDiLoCoJob, obs: Observed) -> list[Action]:
                 continue  # one namespace reached two ways: the group's own target keeps it
             if name not in wanted and have is not None and have.job_uid == job.uid:
                 out.append(Action("delete", tgt, "Secret", name))
-        copy = view.secrets.get(key_name)
-        if (
-            tgt.secret is not None
-            and view.token is not None
-            and (copy is None or job.uid not in copy.owners)
-        ):
-            out.append(Action("delete", tgt, "Secret", key_name))
     return out

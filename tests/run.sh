@@ -11,7 +11,8 @@
 #    the test control plane (kube-apiserver, etcd, KCM, scheduler, kwok, kubectl, helm, and
 #    for the real node kubelet, kube-proxy, containerd, CoreDNS) built from Go modules once per
 #    machine into ~/.cache/ddiloco/k8senv/; the S3-compatible server of the object-storage
-#    tests (VersityGW, tests/s3server.py) into ~/.cache/ddiloco/s3server/; the image from our
+#    tests (VersityGW, tests/s3server.py) into ~/.cache/ddiloco/s3server/; Kueue's controller
+#    manager (tests/integration/kueueenv.py) into ~/.cache/ddiloco/kueue/; the image from our
 #    Dockerfile on a debootstrap base, cached in /var/lib/containers;
 # 4. every test: unit, e2e (real processes) and integration (real apiservers).
 # Extra arguments go to pytest, e.g. `bash tests/run.sh -m "not integration"`.
@@ -42,6 +43,9 @@ echo "k8senv ready after $(( $(date +%s) - start ))s"
 start=$(date +%s)
 .venv/bin/python tests/s3server.py build
 echo "s3server ready after $(( $(date +%s) - start ))s"
+start=$(date +%s)
+.venv/bin/python tests/integration/kueueenv.py build
+echo "kueue ready after $(( $(date +%s) - start ))s"
 start=$(date +%s)
 .venv/bin/python tests/integration/image.py build
 echo "image ready after $(( $(date +%s) - start ))s"

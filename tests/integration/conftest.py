@@ -63,6 +63,20 @@ shape it; tested). Labelling a node `node-not-ready.stage.kwok.x-k8s.io=true` se
     (hostPath, chmod 0777, pinned to the node) work. Needs root and Debian's runc and
     containernetworking-plugins: without them it fails (never skips).
 
+``real_regions`` (session scope) -> ``k8senv.ControlPlane`` with two clusters, "home" and
+    "region-a", a real node in each (like ``real_plane``'s), and region-a joined to home only by
+    a shaped link (wanlink.py, REGION_LINK: 50mbit each way, 40 ms round trip). Started on
+    first use (~20 s), separate from ``real_plane``. Besides the API above:
+    real_regions.real_nodes["region-a"]     that region's RealNode
+    real_regions.import_image(archive, cluster="region-a")
+    real_regions.links["region-a"]          wanlink.RegionLink: .host_ip (where region-a's pods
+                                            reach home), .expose(port, host, port) -> "ip:port",
+                                            .cut(), .heal(), .bytes_relayed()
+
+``kueue`` (session scope) -> ``kueueenv.Kueue``: Kueue's controller manager (v0.17, built by
+    `python tests/integration/kueueenv.py build`) serving the home cluster of ``k8s``, its CRDs
+    and webhooks installed; .log, .alive(), .tail(). Started on first use (~10 s).
+
 With CI=true a missing build or toolchain fails the session; elsewhere the tests skip with the
 command to run. A build that failed is an error everywhere. The build never runs inside pytest.
 """
@@ -77,12 +91,14 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 # --import-mode=importlib puts nothing on sys.path; load the harness and the test helpers of
 # this folder by path, once, under their own names, so test modules just `import k8senv` etc.
-for _name in ("k8senv", "realnode", "operator_helpers", "chart_helpers"):  # in dependency order
+# (in dependency order)
+for _name in ("k8senv", "kueueenv", "realnode", "operator_helpers", "chart_helpers"):
     if _name not in sys.modules:
         _spec = importlib.util.spec_from_file_location(
             _name, Path(__file__).with_name(f"{_name}.py")
@@ -91,9 +107,11 @@ for _name in ("k8senv", "realnode", "operator_helpers", "chart_helpers"):  # in 
         sys.modules[_name] = importlib.util.module_from_spec(_spec)
         _spec.loader.exec_module(sys.modules[_name])
 import k8senv  # noqa: E402 - registered by path just above
+import kueueenv  # noqa: E402 - registered by path just above
 import realnode  # noqa: E402 - registered by path just above
 
 NAMESPACE_TIMEOUT_S = 30.0
+REGION_LINK = "50mbit,40ms"
 
 
 def _in_ci() -> bool:
@@ -172,6 +190,55 @@ def real_plane(
             left += node.leftovers()
             if left:
                 pytest.fail(f"k8senv: left behind after stop(): {left}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def real_regions(
+    k8s_bindir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[k8senv.ControlPlane]:
+    if problems := realnode.problems():
+        pytest.fail("k8senv real node cannot run here: " + "; ".join(problems), pytrace=False)
+    plane = k8senv.ControlPlane(
+        k8s_bindir, tmp_path_factory.mktemp("regions"), ["home", "region-a"],
+        nodes_per_cluster=0, real_nodes=2, link=REGION_LINK,
+    )  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PATH", f"{k8s_bindir}{os.pathsep}{os.environ.get('PATH', '')}")
+        try:
+            plane.start()
+            yield plane
+        finally:
+            plane.stop()
+            left = [p.name for p in plane.procs if k8senv.pid_alive(p.pid)]
+            for node in plane.real_nodes.values():
+                if node.holder_pid and k8senv.pid_alive(node.holder_pid):
+                    left.append(f"node holder {node.holder_pid}")
+                left += node.leftovers()
+            if left:
+                pytest.fail(f"k8senv: left behind after stop(): {left}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def kueue(k8s: k8senv.ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Kueue's controller manager in the home cluster of ``k8s`` (kueueenv.Kueue), started on
+    first use and kept for the session; skips (fails in CI) when Kueue is not built."""
+    try:
+        bindir = kueueenv.find_built()
+    except kueueenv.BuildFailed as e:
+        pytest.fail(f"kueueenv: {e}", pytrace=False)
+    if bindir is None:
+        msg = kueueenv.missing_message()
+        if _in_ci():
+            pytest.fail(f"{msg} [CI=true: the build step must run before pytest]", pytrace=False)
+        pytest.skip(msg)
+    kq = kueueenv.Kueue(bindir, k8s, k8s.names[0], tmp_path_factory.mktemp("kueue"))
+    try:
+        kq.start()
+        yield kq
+    finally:
+        kq.stop()
+        if kq.proc is not None and k8senv.pid_alive(kq.proc.pid):
+            pytest.fail("kueueenv: kueue left behind after stop()", pytrace=False)
 
 
 def _wait_default_sa(k8s: k8senv.ControlPlane, name: str) -> None:

@@ -8,6 +8,11 @@ tests/k8senv/README.md. Standard library only, so CI can run it before the venv 
     python tests/integration/k8senv.py build             # build once per machine (CI's build step)
     python tests/integration/k8senv.py up --clusters 3   # start, print kubeconfigs, Ctrl-C stops
     python tests/integration/k8senv.py up --clusters 1 --real-node   # + a real node (realnode.py)
+    python tests/integration/k8senv.py up --regions 2 --link 50mbit,40ms --forward 8470:30470
+                               # two clusters, a real node each, the remote one behind a shaped
+                               # link (wanlink.py); region-a's pods reach home's NodePort 30470
+                               # at <link address>:8470
+    python tests/integration/k8senv.py up --clusters 1 --kueue   # + Kueue (kueueenv.py)
     python tests/integration/k8senv.py key               # cache key and directory (for CI caches)
 
 Binaries live in ~/.cache/ddiloco/k8senv/<version-key>/ (XDG_CACHE_HOME is honoured); the key
@@ -46,6 +51,7 @@ from typing import IO, TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
     from realnode import RealNode
+    from wanlink import RegionLink
 
 log = logging.getLogger("k8senv")
 
@@ -516,13 +522,20 @@ class ControlPlane:
         *,
         nodes_per_cluster: int = 2,
         real_node: bool = False,
+        real_nodes: int = 0,
+        link: str | None = None,
     ) -> None:
         if not names or len(set(names)) != len(names):
             raise ValueError(f"names must be distinct and non-empty, got {list(names)}")
         for n in names:
             if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", n):
                 raise ValueError(f"cluster name {n!r} must be a DNS label")
-        if nodes_per_cluster < (0 if real_node else 1):
+        real_nodes = max(real_nodes, 1 if real_node else 0)
+        if not 0 <= real_nodes <= len(names):
+            raise ValueError(f"real_nodes must be in 0..{len(names)}, got {real_nodes}")
+        if link is not None and real_nodes < 2:
+            raise ValueError("a link joins regions with real nodes: needs real_nodes >= 2")
+        if nodes_per_cluster < (0 if real_nodes else 1):
             raise ValueError(f"nodes_per_cluster must be >= 1, got {nodes_per_cluster}")
         self.bindir = Path(bindir)
         self.run_dir = Path(run_dir).resolve()
@@ -532,12 +545,19 @@ class ControlPlane:
         self.procs: list[Proc] = []
         self._token = secrets.token_urlsafe(32)
         # real_node=True: one real node (realnode.py) joins the first cluster, whose apiserver
-        # then listens on the node's host-side address instead of 127.0.0.1.
-        self.real_node: RealNode | None = (
-            _realnode().RealNode(self.bindir, self.run_dir / "node", self.names[0])
-            if real_node
-            else None
-        )
+        # then listens on the node's host-side address instead of 127.0.0.1. real_nodes=n: the
+        # first n clusters get one each (regions with real containers).
+        self.real_nodes: dict[str, RealNode] = {
+            name: _sibling("realnode").RealNode(
+                self.bindir, self.run_dir / ("node" if i == 0 else f"node-{name}"), name
+            )
+            for i, name in enumerate(self.names[:real_nodes])
+        }
+        self.real_node: RealNode | None = self.real_nodes.get(self.names[0])
+        # link="RATE,RTT": every other region with a real node reaches the home region only
+        # over a shaped link of its own (wanlink.py); `links` by region name.
+        self.link_spec = None if link is None else _sibling("wanlink").LinkSpec.parse(link)
+        self.links: dict[str, RegionLink] = {}
 
     # -- public helpers
 
@@ -574,12 +594,14 @@ class ControlPlane:
             argv, input=input, capture_output=True, text=True, check=check, timeout=timeout
         )
 
-    def import_image(self, archive: Path) -> list[str]:
-        """Import an image archive (OCI or docker-archive tar) into the real node's containerd;
-        returns the image names (pods must not pull: imagePullPolicy IfNotPresent or Never)."""
-        if self.real_node is None:
-            raise RuntimeError("import_image needs ControlPlane(..., real_node=True)")
-        return self.real_node.import_image(archive)
+    def import_image(self, archive: Path, cluster: str | None = None) -> list[str]:
+        """Import an image archive (OCI or docker-archive tar) into a real node's containerd
+        (the home cluster's, or `cluster`'s); returns the image names (pods must not pull:
+        imagePullPolicy IfNotPresent or Never)."""
+        node = self.real_nodes.get(cluster or self.names[0])
+        if node is None:
+            raise RuntimeError(f"import_image: no real node in {cluster or self.names[0]}")
+        return node.import_image(archive)
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
@@ -636,12 +658,16 @@ class ControlPlane:
     def _start(self, deadline: float) -> None:
         run, pki = self.run_dir, self.run_dir / "pki"
         run.mkdir(parents=True, exist_ok=True)
-        rnode = self.real_node
-        if rnode is not None:
+        for rnode in self.real_nodes.values():
             rnode.create_network()  # before the apiserver, which binds node.host_ip
             self.procs += rnode.procs
-        _write_pki(pki, [rnode.host_ip] if rnode else [])
-        if rnode is not None:
+        if self.link_spec is not None:
+            wl = _sibling("wanlink")
+            for name in self.names[1 : len(self.real_nodes)]:
+                self.links[name] = wl.RegionLink(self.real_nodes[name], self.link_spec)
+                self.links[name].create()
+        _write_pki(pki, [n.host_ip for n in self.real_nodes.values()])
+        for rnode in self.real_nodes.values():
             rnode.write_certs(pki)
         tokens = run / "tokens.csv"
         tokens.write_text(f'{self._token},admin,admin-uid,"system:masters"\n')
@@ -672,8 +698,8 @@ class ControlPlane:
 
         apiservers = []
         for name, port in zip(self.names, api_ports, strict=True):
-            on_node = rnode is not None and name == self.names[0]
-            addr = rnode.host_ip if rnode is not None and on_node else "127.0.0.1"
+            rnode = self.real_nodes.get(name)
+            addr = rnode.host_ip if rnode is not None else "127.0.0.1"
             server = f"https://{addr}:{port}"
             self.clusters[name] = Cluster(
                 name, server, run / f"{name}.kubeconfig", pki / "ca.crt", self._token
@@ -706,7 +732,7 @@ class ControlPlane:
                         "--default-not-ready-toleration-seconds=10",
                         "--default-unreachable-toleration-seconds=10",
                         # later flags win: the real node's replace --endpoint-reconciler-type
-                        *(rnode.apiserver_flags(pki) if rnode is not None and on_node else []),
+                        *(rnode.apiserver_flags(pki) if rnode is not None else []),
                     ],
                 )
             )
@@ -776,8 +802,8 @@ class ControlPlane:
                 self.procs,
                 deadline,
             )
-        if rnode is not None:
-            self.procs += rnode.start(self.home, pki, deadline)
+        for name, rnode in self.real_nodes.items():
+            self.procs += rnode.start(self.clusters[name], pki, deadline)
 
     def stop(self) -> None:
         """Stop everything in reverse order: SIGTERM, then SIGKILL after a grace period."""
@@ -790,13 +816,16 @@ class ControlPlane:
             [p for p in self.procs if p.name == "kube-apiserver"],
             [p for p in self.procs if p.name == "etcd"],
         ]
-        if self.real_node is not None:
-            self.real_node.stop_clients()  # or the apiserver's shutdown waits on their streams
+        for link in self.links.values():
+            link.close()
+        for rnode in self.real_nodes.values():
+            rnode.stop_clients()  # or the apiserver's shutdown waits on their streams
         for i, tier in enumerate(tiers):
-            if i == 2 and self.real_node is not None:
+            if i == 2:
                 # After the apiservers (whose shutdown talks to itself on the node's host
                 # address, which goes with the node): the whole node at once.
-                self.real_node.stop()
+                for rnode in self.real_nodes.values():
+                    rnode.stop()
             for p in tier:
                 if p.alive():
                     p.popen.send_signal(signal.SIGTERM)
@@ -917,8 +946,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if bindir is None:
         print(missing_message(), file=sys.stderr)
         return 1
-    names = list(DEFAULT_CLUSTERS[: args.clusters])
-    names += [f"region-{chr(ord('a') + i - 1)}" for i in range(len(names), args.clusters)]
+    clusters = args.regions or args.clusters
+    names = list(DEFAULT_CLUSTERS[:clusters])
+    names += [f"region-{chr(ord('a') + i - 1)}" for i in range(len(names), clusters)]
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="k8senv-"))
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -926,11 +956,17 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    nodes = args.nodes if args.nodes is not None else (0 if args.real_node else 2)
-    plane = ControlPlane(bindir, run_dir, names, nodes_per_cluster=nodes, real_node=args.real_node)
+    real = args.regions or int(args.real_node)
+    nodes = args.nodes if args.nodes is not None else (0 if real else 2)
+    plane = ControlPlane(
+        bindir, run_dir, names, nodes_per_cluster=nodes, real_nodes=real, link=args.link
+    )
     t0 = time.monotonic()
+    kq: Any = None  # Kueue (kueueenv.py), with --kueue
     try:
         plane.start()
+        if args.kueue:
+            kq = _sibling("kueueenv").start_on(plane, run_dir / "kueue")
         print(
             f"k8senv: {len(names)} cluster(s) ready in {time.monotonic() - t0:.1f}s "
             f"(Kubernetes {KUBE_VERSION}); logs under {run_dir}",
@@ -938,17 +974,27 @@ def _cmd_up(args: argparse.Namespace) -> int:
         )
         for cl in plane.clusters.values():
             print(f"  {cl.name:10} {cl.server}  KUBECONFIG={cl.kubeconfig}", flush=True)
-        if plane.real_node is not None:
-            rn = plane.real_node
+        for region, rn in plane.real_nodes.items():
             print(
                 f"  real node  {rn.name} ({rn.node_ip}, pods {rn.pod_cidr}) in "
-                f"{names[0]}; logs {rn.run_dir}; inside it: nsenter --target "
+                f"{region}; logs {rn.run_dir}; inside it: nsenter --target "
                 f"{rn.holder_pid} --pid --mount --net",
                 flush=True,
             )
+        home_ip = plane.real_node.node_ip if plane.real_node is not None else ""
+        for region, link in plane.links.items():
+            print(f"  link       {region} -> home: {link.spec}, home side {link.host_ip}")
+            for port, node_port in args.forward:
+                addr = link.expose(port, home_ip, node_port)
+                print(f"    {region}'s pods reach {home_ip}:{node_port} at {addr}", flush=True)
+        if kq is not None:
+            print(f"  kueue      in {names[0]}; log {kq.log}", flush=True)
         print(f"  binaries: export PATH={bindir}:$PATH", flush=True)
         print("k8senv: ready; Ctrl-C stops everything", flush=True)
         while True:
+            if kq is not None and not kq.alive():
+                print(f"k8senv: kueue exited; see {kq.log}", file=sys.stderr)
+                return 1
             for p in plane.procs:
                 if not p.alive():
                     print(
@@ -962,10 +1008,20 @@ def _cmd_up(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not abort the stop
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if kq is not None:
+            kq.stop()
         plane.stop()
         if not args.keep and not args.run_dir:
             shutil.rmtree(run_dir, ignore_errors=True)
         print("k8senv: stopped", flush=True)
+
+
+def _port_pair(text: str) -> tuple[int, int]:
+    """`PORT:NODEPORT` -> (PORT, NODEPORT)."""
+    port, _, node_port = text.partition(":")
+    if not (port.isdigit() and node_port.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected PORT:NODEPORT, e.g. 8470:30470")
+    return int(port), int(node_port)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -984,11 +1040,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="join one real node (kubelet, containerd, kube-proxy, CoreDNS) to the first cluster",
     )
+    up.add_argument(
+        "--regions",
+        type=int,
+        help="N clusters with a real node each (home, region-a, ...; overrides --clusters)",
+    )
+    up.add_argument(
+        "--link",
+        help="RATE,RTT, e.g. 50mbit,40ms: the other regions reach home only over a link with "
+        "this rate each way (tbf) and round trip (a delaying relay); needs --regions >= 2",
+    )
+    up.add_argument(
+        "--forward",
+        type=_port_pair,
+        action="append",
+        default=[],
+        metavar="PORT:NODEPORT",
+        help="relay PORT on each link's home side to the home node's NODEPORT (repeatable)",
+    )
+    up.add_argument(
+        "--kueue",
+        action="store_true",
+        help="run Kueue's controller manager in the first cluster (kueueenv.py build first)",
+    )
     up.add_argument("--run-dir", help="where logs, PKI and kubeconfigs go (default: a temp dir)")
     up.add_argument("--keep", action="store_true", help="keep the temp run dir after stopping")
     args = parser.parse_args(argv)
     if getattr(args, "clusters", 1) < 1:
         parser.error("--clusters must be >= 1")
+    if getattr(args, "link", None) and (args.regions or 0) < 2:
+        parser.error("--link needs --regions >= 2")
     return {"build": _cmd_build, "key": _cmd_key, "up": _cmd_up}[args.cmd](args)
 
 
@@ -1005,14 +1086,12 @@ def running(
         yield plane
 
 
-def _realnode() -> Any:
-    """The realnode module (realnode.py beside this file), loaded by path once."""
-    if (mod := sys.modules.get("realnode")) is None:
-        spec = importlib.util.spec_from_file_location(
-            "realnode", Path(__file__).with_name("realnode.py")
-        )
+def _sibling(name: str) -> Any:
+    """A module beside this file (realnode.py, wanlink.py), loaded by path once."""
+    if (mod := sys.modules.get(name)) is None:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
         assert spec is not None and spec.loader is not None
-        mod = sys.modules["realnode"] = importlib.util.module_from_spec(spec)
+        mod = sys.modules[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
     return mod
 

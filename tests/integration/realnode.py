@@ -11,7 +11,7 @@ The node is kubelet + containerd (+ containerd-shim-runc-v2, Debian's runc) + ku
   /var/lib/kubelet, pod volume and rootfs mounts) and the network namespace (pod netns, iptables
   rules, the veth pair, the host route) go with it. The launcher holds `unshare` with
   PR_SET_PDEATHSIG, so even `kill -9` of pytest leaves no process, mount, netns or link behind.
-  Only empty cgroup directories (`/sys/fs/cgroup/*/ddk-node-<pid>`) survive a crash; the next
+  Only empty cgroup directories (`/sys/fs/cgroup/*/ddk-node-<pid>-<cluster>`) survive a crash; the next
   start removes those of dead pids.
 * networking: a veth pair, host end 10.213.<slot>.1/30, node end 10.213.<slot>.2/30; the apiserver
   of the node's cluster binds the host end (k8senv.ControlPlane does that when real_node=True).
@@ -155,7 +155,7 @@ def cleanup_stale() -> list[str]:
     removed = []
     for ctrl in _cgroup_controllers():
         for d in ctrl.glob(f"{CGROUP_PREFIX}*"):
-            pid = d.name.removeprefix(CGROUP_PREFIX)
+            pid = d.name.removeprefix(CGROUP_PREFIX).split("-")[0]  # ddk-node-<pid>-<cluster>
             if pid.isdigit() and not k8senv.pid_alive(int(pid)) and _rmdir_tree(d):
                 removed.append(str(d))
     return removed
@@ -218,7 +218,8 @@ class RealNode:
         self.name = f"{cluster_name}-node"
         self.procs: list[k8senv.Proc] = []
         self.slot: Slot | None = None
-        self.cgroup_root = f"/{CGROUP_PREFIX}{os.getpid()}"
+        # One cgroup root per node: two nodes of one run (two regions) must not share one.
+        self.cgroup_root = f"/{CGROUP_PREFIX}{os.getpid()}-{cluster_name}"
         self._holder: k8senv.Proc | None = None
         self._holder_pid = 0
         self._cluster: k8senv.Cluster | None = None
@@ -387,14 +388,16 @@ class RealNode:
 
     def write_certs(self, pki: Path) -> None:
         """Certificates signed by the plane's CA: the apiserver's kubelet client, and the node's
-        kubelet (client and serving), kube-proxy and CoreDNS identities."""
+        kubelet (client and serving), kube-proxy and CoreDNS identities (named after the node:
+        a plane may have one node per region)."""
         self._cert(pki, "apiserver-kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet")
-        self._cert(pki, "kubelet-client", f"/O=system:nodes/CN=system:node:{self.name}")
-        self._cert(pki, "kube-proxy", "/CN=system:kube-proxy")
-        self._cert(pki, "coredns", "/CN=ddiloco:coredns")
+        n = self.name
+        self._cert(pki, f"{n}-kubelet-client", f"/O=system:nodes/CN=system:node:{self.name}")
+        self._cert(pki, f"{n}-kube-proxy", "/CN=system:kube-proxy")
+        self._cert(pki, f"{n}-coredns", "/CN=ddiloco:coredns")
         self._cert(
             pki,
-            "kubelet-serving",
+            f"{n}-kubelet-serving",
             f"/CN={self.name}",
             f"subjectAltName=IP:{self.node_ip},DNS:{self.name}\nextendedKeyUsage=serverAuth\n",
         )
@@ -625,8 +628,8 @@ class RealNode:
                 {
                     "name": who,
                     "user": {
-                        "client-certificate": str(pki / f"{cert}.crt"),
-                        "client-key": str(pki / f"{cert}.key"),
+                        "client-certificate": str(pki / f"{self.name}-{cert}.crt"),
+                        "client-key": str(pki / f"{self.name}-{cert}.key"),
                     },
                 }
             ],
@@ -717,8 +720,8 @@ disabled_plugins = ['io.containerd.nri.v1.nri', 'io.containerd.internal.v1.opt']
             "readOnlyPort": 0,
             "healthzBindAddress": "127.0.0.1",
             "healthzPort": 10248,
-            "tlsCertFile": str(pki / "kubelet-serving.crt"),
-            "tlsPrivateKeyFile": str(pki / "kubelet-serving.key"),
+            "tlsCertFile": str(pki / f"{self.name}-kubelet-serving.crt"),
+            "tlsPrivateKeyFile": str(pki / f"{self.name}-kubelet-serving.key"),
             "authentication": {
                 "anonymous": {"enabled": False},
                 "webhook": {"enabled": True},

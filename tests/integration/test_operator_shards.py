@@ -10,20 +10,16 @@ python tests/integration/k8senv.py build          # once per machine
 - the apiserver refuses a change of shards or updateEncoding on an existing job (`kubectl
   apply`), and bad values (shards 0, encoding int3, one syncUrl for 2 shards), each with its
   message;
-- a job an older operator made (a Deployment and claim `<job>-synchronizer-state`) is moved
-  to a StatefulSet that mounts the same claim;
-- Services an older operator made with the "http" port only get the "upload" port (a patch
-  of their ports, clusterIP kept), and a settled job's Services are not written again.
+- Services with the "http" port only get the "upload" port (a patch of their ports,
+  clusterIP kept), and a settled job's Services are not written again.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import k8senv
-import kubernetes
 import operator_helpers as h
 import pytest
 from kubernetes.client.exceptions import ApiException
@@ -102,7 +98,7 @@ def test_two_shards_are_a_statefulset_with_a_headless_service_and_a_claim_each(
         assert learner_env["DDILOCO_UPDATE_ENCODING"] == "int4"
 
     # the status merges both shards' answers (the stub: shard i owns fragment i at version
-    # i + 1, synchronizer/shards.merge_statuses adds them up)
+    # i + 1, wire/job_status.merge_statuses adds them up)
     status = ready["status"]
     assert status["globalVersion"] == 1 + 2, status
     assert status["synchronizer"]["shards"] == 2
@@ -184,119 +180,6 @@ def test_bad_values_are_refused_by_the_crd(
     assert message in json.loads(e.value.body)["message"]
 
 
-def _old_operators_objects(cl: h.Clusters, job: str, uid: str) -> str:
-    """What an operator before shards made: claim `<job>-synchronizer-state` and a Deployment
-    mounting it (labels and owner as builders.py gave them then). Returns the claim's uid."""
-    labels = {
-        "app.kubernetes.io/name": "ddiloco",
-        "app.kubernetes.io/instance": job,
-        "app.kubernetes.io/component": "synchronizer",
-        "app.kubernetes.io/managed-by": "ddiloco-operator",
-        "ddiloco.dev/job": job,
-        "ddiloco.dev/job-uid": uid,
-    }
-    owner = {
-        "apiVersion": f"{h.GROUP}/{h.VERSION}",
-        "kind": "DecoupledDiLoCoJob",
-        "name": job,
-        "uid": uid,
-        "controller": True,
-    }
-    meta = {"labels": labels, "ownerReferences": [owner]}
-    claim = cl.core().create_namespaced_persistent_volume_claim(
-        cl.ns,
-        {
-            "metadata": {"name": f"{job}-synchronizer-state", **meta},
-            "spec": {
-                "accessModes": ["ReadWriteOnce"],
-                "resources": {"requests": {"storage": "1Gi"}},
-                "storageClassName": "",
-            },
-        },
-    )
-    selector = {"ddiloco.dev/job": job, "app.kubernetes.io/component": "synchronizer"}
-    cl.apps().create_namespaced_deployment(
-        cl.ns,
-        {
-            "metadata": {"name": f"{job}-synchronizer", **meta},
-            "spec": {
-                "replicas": 1,
-                "strategy": {"type": "Recreate"},
-                "selector": {"matchLabels": selector},
-                "template": {
-                    "metadata": {"labels": labels},
-                    "spec": {
-                        "containers": [
-                            {"name": "synchronizer", "image": "ddiloco:old", "command": ["x"]}
-                        ],
-                        "volumes": [
-                            {
-                                "name": "state",
-                                "persistentVolumeClaim": {"claimName": f"{job}-synchronizer-state"},
-                            }
-                        ],
-                    },
-                },
-            },
-        },
-    )
-    return str(claim.metadata.uid)
-
-
-def test_an_older_operators_deployment_becomes_a_statefulset_on_the_same_claim(
-    k8s: Any, cl: h.Clusters, tmp_path: Any
-) -> None:
-    body = h.job_manifest("upg", [{"name": "a", "replicas": 1}])
-    body["spec"]["synchronizer"]["tls"] = {"enabled": False}
-    job = h.create_job(cl, body, volume=False)
-    cl.pvs.append(h.state_volume(cl, job, claim=f"{job}-synchronizer-state"))  # type: ignore[attr-defined]
-    claim_uid = _old_operators_objects(cl, job, cl.job(job)["metadata"]["uid"])
-    sync = f"{job}-synchronizer"
-    k8senv.wait_until(
-        "the old synchronizer pod",
-        lambda: [
-            p
-            for p in cl.core()
-            .list_namespaced_pod(cl.ns, label_selector=f"ddiloco.dev/job={job}")
-            .items
-            if p.status.phase == "Running"
-        ],
-        timeout=30,
-    )
-
-    op = h.Operator(k8s.home.kubeconfig, cl.ns, tmp_path)
-    op.start()
-    try:
-        h.wait_condition(cl, job, "SynchronizerReady", timeout=60)
-        assert gone(lambda: cl.apps().read_namespaced_deployment(sync, cl.ns))
-        sts = cl.apps().read_namespaced_stateful_set(sync, cl.ns)
-        assert not sts.spec.volume_claim_templates
-        (state,) = [v for v in sts.spec.template.spec.volumes if v.name == "state"]
-        assert state.persistent_volume_claim.claim_name == f"{job}-synchronizer-state"
-        claim = cl.core().read_namespaced_persistent_volume_claim(
-            f"{job}-synchronizer-state", cl.ns
-        )
-        assert claim.metadata.uid == claim_uid and claim.status.phase == "Bound"  # same state
-        (pod,) = (
-            cl.core().list_namespaced_pod(cl.ns, label_selector=SYNC_PODS.format(job=job)).items
-        )
-        assert pod.metadata.name == f"{sync}-0" and pod.status.phase == "Running"
-        events = kubernetes.client.CoreV1Api(cl.api["home"]).list_namespaced_event(
-            cl.ns, field_selector=f"involvedObject.name={job}"
-        )
-        assert "SynchronizerUpgrade" in {e.reason for e in events.items}
-        time.sleep(3 * float(h.RESYNC_S))  # settled: no second replacement
-        assert cl.apps().read_namespaced_stateful_set(sync, cl.ns).metadata.uid == sts.metadata.uid
-        h.delete_jobs(cl, op)
-        assert gone(
-            lambda: cl.core().read_namespaced_persistent_volume_claim(
-                f"{job}-synchronizer-state", cl.ns
-            )
-        )
-    finally:
-        op.stop()
-
-
 def reconciles(op: h.Operator, namespace: str, job: str) -> float:
     """How many reconciles of the job the operator finished (its /metrics)."""
     ours = {"namespace": namespace, "job": job, "result": "ok"}
@@ -312,9 +195,7 @@ def ports_of(svc: Any) -> list[tuple[str, int, Any, str]]:
     return [(p.name, p.port, p.target_port, p.app_protocol) for p in svc.spec.ports]
 
 
-def test_services_of_an_older_operator_get_the_upload_port(
-    cl: h.Clusters, operator: h.Operator
-) -> None:
+def test_services_missing_the_upload_port_get_it(cl: h.Clusters, operator: h.Operator) -> None:
     body = h.job_manifest("ports", [{"name": "a", "replicas": 1}])
     body["spec"]["synchronizer"]["tls"] = {"enabled": False}
     job = h.create_job(cl, body)
@@ -322,8 +203,8 @@ def test_services_of_an_older_operator_get_the_upload_port(
     names = [f"{job}-synchronizer", f"{job}-synchronizer-shards"]
     want = [("http", 8470, "http", "kubernetes.io/h2c"), ("upload", 8471, "upload", "http")]
     core = cl.core()
-    # An operator before the upload port made both Services with "http" only: stop this one,
-    # take "upload" out of them, then start it again, as an upgrade does. The headless one
+    # Services with "http" only: stop the operator, take "upload" out of both, then start it
+    # again. The headless one
     # also gets a port nobody wants, which must go (the ports are replaced, not merged).
     operator.stop()
     stale = {"name": "stale", "port": 9000, "targetPort": 9000, "protocol": "TCP"}

@@ -389,7 +389,7 @@ def test_up_real_node_killed_leaves_nothing(k8s_bindir: Path, tmp_path: Path) ->
     left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and str(run_dir) in _cmdline(p)]
     assert not left, [_cmdline(p) for p in left]
     # Its cgroups are all that is left, and a later start removes them.
-    stale = f"{realnode.CGROUP_PREFIX}{proc.pid}"
+    stale = f"{realnode.CGROUP_PREFIX}{proc.pid}-home"  # the node of cluster "home"
     assert any((c / stale).exists() for c in realnode._cgroup_controllers())
     removed = realnode.cleanup_stale()
     assert any(r.endswith(stale) for r in removed), removed

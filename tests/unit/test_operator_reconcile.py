@@ -607,22 +607,6 @@ def test_credentials_follow_the_key() -> None:
     }
 
 
-def test_a_copy_of_the_key_in_a_region_is_deleted() -> None:
-    """An older operator copied the job key into every region; a region holds only its
-    learners' credentials now. A key Secret the job owns is home's own (a kubeconfig that
-    points back home), never deleted."""
-    job = make_job()
-    home_pods, remote_pods = healthy_pods()
-    copy = settled(job, REMOTE, ClusterView(pods=remote_pods, token=TOKEN))
-    _, plan = step(job, observe(job, home_pods, remote=copy))
-    assert verbs(plan) == [("delete", "Secret", "tiny-token")]
-    assert plan.actions[0].target == REMOTE
-    own = SecretView(data={"token": TOKEN.encode()}, job_uid=job.uid, owners=(job.uid,))
-    aliased = dataclasses.replace(copy, secrets={**copy.secrets, "tiny-token": own})
-    _, plan = step(job, observe(job, home_pods, remote=aliased))
-    assert verbs(plan) == []
-
-
 def test_invalid_spec_sets_a_condition_and_acts_nowhere() -> None:
     job = make_job(synchronizer={"quorum": 9})
     job, plan = step(job, observe(job))

@@ -99,7 +99,7 @@ def test_learners_get_every_shards_url_in_order_and_the_encoding() -> None:
         f"http://sh-synchronizer-{i}.sh-synchronizer-shards.ns.svc:8470" for i in range(3)
     )
     assert e["DDILOCO_UPDATE_ENCODING"] == "int8"
-    # one shard: the ClusterIP Service, as before shards (upgraded learners keep their URL)
+    # one shard: the ClusterIP Service's URL
     one = make_job(1)
     e1 = env(
         builders.build_learner_pod(one, one.spec.learner_groups[0], 0)["spec"]["containers"][0]
@@ -118,7 +118,7 @@ def test_the_services_of_a_sharded_synchronizer() -> None:
     assert (
         builders.LABEL_POD_INDEX
         not in sync_workload.build_synchronizer_service(make_job(1))["spec"]["selector"]
-    )  # S = 1: the Service an older operator made, unchanged
+    )  # S = 1: every pod is shard 0
     # both name the main port and the upload port (a learner's shard host, on either)
     for spec in (headless, svc):
         got = [(p["name"], p["port"], p["targetPort"]) for p in spec["ports"]]
@@ -176,30 +176,6 @@ def test_a_new_job_gets_the_services_and_the_statefulset_but_no_claim() -> None:
     ]
     assert actions(plan, "StatefulSet") == [("create", "sh-synchronizer")]
     assert actions(plan, "PersistentVolumeClaim") == []  # the StatefulSet controller's
-
-
-def test_an_older_operators_deployment_is_replaced_keeping_its_claim() -> None:
-    job = make_job(1)
-    old = {"metadata": {"name": "sh-synchronizer", "uid": "dep-1"}}
-    plan = reconcile(job, observe(job, claim=True, legacy_deployment=old), fresh_token=TOKEN)
-    (delete,) = [a for a in plan.actions if a.kind == "Deployment"]
-    assert (delete.verb, delete.uid) == ("delete", "dep-1")
-    assert actions(plan, "StatefulSet") == []  # not while the old pod may still write
-    assert [e.reason for e in plan.events] == ["SynchronizerUpgrade"]
-    going = {"metadata": {**old["metadata"], "deletionTimestamp": "2026-12-02T01:00:00Z"}}
-    plan = reconcile(job, observe(job, claim=True, legacy_deployment=going), fresh_token=TOKEN)
-    assert actions(plan, "Deployment") == actions(plan, "StatefulSet") == []
-    status = plan.status
-    assert status is not None
-    sync_ready = next(x for x in status.conditions if x.type == "SynchronizerReady")
-    assert "older operator" in sync_ready.message
-    # gone: the StatefulSet mounts the old claim instead of claim templates
-    plan = reconcile(job, observe(job, claim=True), fresh_token=TOKEN)
-    (create,) = [a for a in plan.actions if a.kind == "StatefulSet"]
-    spec = create.body["spec"]
-    assert "volumeClaimTemplates" not in spec
-    (state,) = [v for v in spec["template"]["spec"]["volumes"] if v["name"] == "state"]
-    assert state["persistentVolumeClaim"]["claimName"] == "sh-synchronizer-state"
 
 
 def test_a_replace_keeps_what_a_statefulset_never_changes() -> None:

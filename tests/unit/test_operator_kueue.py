@@ -1,0 +1,219 @@
+"""The operator's Kueue integration, purely (operator/kueue.py): the Workload it asks Kueue
+for, the job it runs once Kueue has (or has not) admitted it, and the Workload status that
+gives the quota back; and the Suspended and Complete conditions every job has (status.py).
+The real Kueue's side: tests/integration/test_kueue.py."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from ddiloco.operator import conditions as c
+from ddiloco.operator import kueue
+from ddiloco.operator.api import DecoupledDiLoCoJob, validate
+from ddiloco.operator.plan import ClusterView, Observed, home
+from ddiloco.operator.reconcile import reconcile
+
+
+def make_job(labels: dict[str, str] | None = None, **spec: Any) -> DecoupledDiLoCoJob:
+    body: dict[str, Any] = {
+        "metadata": {
+            "name": "tiny",
+            "namespace": "ns",
+            "uid": "job-1",
+            "generation": 2,
+            "labels": {kueue.QUEUE_LABEL: "team-a", **(labels or {})},
+        },
+        "spec": {
+            "image": "ddiloco:dev",
+            "training": {"model": "tiny"},
+            "synchronizer": {"shards": 2, "resources": {"requests": {"cpu": "2"}}},
+            "learnerGroups": [
+                {
+                    "name": "gpu",
+                    "replicas": 4,
+                    "minReplicas": 2,
+                    "gpusPerLearner": 2,
+                    "resources": {"requests": {"cpu": "8", "memory": "32Gi"}},
+                    "nodeSelector": {"pool": "a100"},
+                },
+                {"name": "cpu", "replicas": 1, "resources": {"requests": {"cpu": "1"}}},
+                {"name": "idle", "replicas": 0},
+            ],
+        },
+    }
+    body["spec"].update(spec)
+    return DecoupledDiLoCoJob.from_body(body)
+
+
+def admitted_workload(counts: dict[str, int], flavor: str = "spot") -> dict[str, Any]:
+    return {
+        "metadata": {"name": "ddiloco-tiny", "namespace": "ns", "generation": 1},
+        "status": {
+            "conditions": [
+                {"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved"},
+                {"type": "Admitted", "status": "True", "reason": "Admitted"},
+            ],
+            "admission": {
+                "clusterQueue": "cq",
+                "podSetAssignments": [
+                    {"name": name, "count": n, "flavors": {"cpu": flavor}}
+                    for name, n in counts.items()
+                ],
+            },
+        },
+    }
+
+
+FLAVORS = {
+    "spot": {
+        "spec": {
+            "nodeLabels": {"cloud/spot": "true"},
+            "tolerations": [{"key": "spot", "operator": "Exists", "effect": "NoSchedule"}],
+        }
+    }
+}
+
+
+def test_the_workload_has_one_pod_set_per_group_with_slots_and_one_for_the_synchronizer() -> None:
+    job = make_job(labels={kueue.PRIORITY_LABEL: "high"})
+    wl = kueue.build_workload(job, priority=1000)
+    assert wl["kind"] == "Workload" and wl["metadata"]["namespace"] == "ns"
+    assert wl["metadata"]["ownerReferences"][0]["uid"] == "job-1"
+    assert wl["spec"]["queueName"] == "team-a"
+    assert wl["spec"]["priority"] == 1000
+    assert wl["spec"]["priorityClassRef"]["name"] == "high"
+    sets = {p["name"]: p for p in wl["spec"]["podSets"]}
+    assert set(sets) == {"synchronizer", "learners-gpu", "learners-cpu"}  # "idle" has no slots
+    assert sets["synchronizer"]["count"] == 2
+    assert sets["synchronizer"]["template"]["spec"]["containers"][0]["resources"] == {
+        "requests": {"cpu": "2"}
+    }
+    gpu = sets["learners-gpu"]
+    assert (gpu["count"], gpu["minCount"]) == (4, 2)
+    pod = gpu["template"]["spec"]
+    res = pod["containers"][0]["resources"]
+    assert res["requests"] == {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "2"}
+    assert res["limits"] == {"nvidia.com/gpu": "2"}
+    assert pod["nodeSelector"] == {"pool": "a100"}
+    assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+    assert "minCount" not in sets["learners-cpu"]  # all or nothing
+
+
+def test_without_an_admission_the_job_runs_suspended_and_says_it_is_queued() -> None:
+    job = make_job()
+    for wl in (None, {"status": {"conditions": [
+        {"type": "QuotaReserved", "status": "False", "reason": "Pending",
+         "message": "couldn't assign flavors to pod set learners-gpu: insufficient quota"},
+    ]}}):  # fmt: skip
+        gate = kueue.Gate.of(job, wl, {})
+        assert not gate.admitted and gate.job.spec.suspend
+        assert gate.reason == kueue.QUEUED
+        assert "team-a" in gate.message
+    assert "insufficient quota" in gate.message  # Kueue's own words reach the condition
+    cond = kueue.suspended_condition(gate, job)
+    assert (cond.type, cond.status, cond.reason) == ("Suspended", "True", "Queued")
+
+
+def test_admitted_it_runs_the_admitted_counts_on_the_flavors_nodes() -> None:
+    job = make_job()
+    wl = admitted_workload({"synchronizer": 2, "learners-gpu": 3, "learners-cpu": 1})
+    gate = kueue.Gate.of(job, wl, FLAVORS)
+    assert gate.admitted and not gate.job.spec.suspend
+    groups = {g.name: g for g in gate.job.spec.learner_groups}
+    assert groups["gpu"].replicas == 3 and groups["cpu"].replicas == 1
+    assert groups["idle"].replicas == 0
+    assert groups["gpu"].node_selector == {"pool": "a100", "cloud/spot": "true"}
+    assert [t.key for t in groups["gpu"].tolerations] == ["spot"]
+    assert "gpu 3 of 4" in gate.message and "cq" in gate.message
+    assert not validate(gate.job.spec)  # what reconcile plans is a valid job
+    assert job.spec.learner_groups[0].replicas == 4  # the spec itself is left as it is
+    cond = kueue.suspended_condition(gate, job)
+    assert (cond.status, cond.reason) == ("False", "Admitted")
+
+
+def test_evicted_it_is_suspended_with_kueues_reason_until_readmitted() -> None:
+    job = make_job()
+    wl = admitted_workload({"synchronizer": 2, "learners-gpu": 4, "learners-cpu": 1})
+    wl["status"]["conditions"].append(
+        {"type": "Evicted", "status": "True", "reason": "Preempted",
+         "message": "Preempted to accommodate a workload (UID: x) due to prioritization"}
+    )  # fmt: skip
+    gate = kueue.Gate.of(job, wl, FLAVORS)
+    assert gate.evicted and not gate.admitted and gate.job.spec.suspend
+    assert gate.reason == "Preempted" and "prioritization" in gate.message
+
+    released = kueue.release_status(wl, "2026-01-01T00:00:00Z")
+    assert released["admission"] is None
+    conds = {x["type"]: x for x in released["conditions"]}
+    assert conds["QuotaReserved"]["status"] == "False"
+    assert conds["Admitted"]["status"] == "False"
+    assert (conds["Requeued"]["status"], conds["Requeued"]["reason"]) == ("True", "Preempted")
+    assert conds["Evicted"]["status"] == "True"  # Kueue clears it when it admits again
+
+
+def test_a_user_suspend_stays_a_suspend_whatever_kueue_says() -> None:
+    job = make_job(suspend=True)
+    gate = kueue.Gate.of(job, admitted_workload({"synchronizer": 2, "learners-gpu": 4}), {})
+    cond = kueue.suspended_condition(gate, job)
+    assert (cond.status, cond.reason) == ("True", c.JOB_SUSPENDED)
+
+
+def test_finishing_marks_the_workload_finished_and_stopped_needs_every_pod_gone() -> None:
+    wl = admitted_workload({"synchronizer": 1})
+    done = kueue.finish_status(wl, "The job is done", "2026-01-01T00:00:00Z")
+    assert {x["type"]: x["status"] for x in done["conditions"]}["Finished"] == "True"
+
+    class P:
+        job_uid = "job-1"
+
+    job = make_job()
+    assert not kueue.stopped(job, [P()], None)
+    assert not kueue.stopped(job, [], {"status": {"replicas": 1}})
+    assert kueue.stopped(job, [], {"status": {"replicas": 0}})
+
+
+def test_min_replicas_above_replicas_is_refused() -> None:
+    job = make_job(
+        learnerGroups=[{"name": "g", "replicas": 2, "minReplicas": 3}],
+    )
+    assert any("minReplicas" in p for p in validate(job.spec))
+
+
+def _pass(job: DecoupledDiLoCoJob, sync: dict[str, Any] | None = None) -> DecoupledDiLoCoJob:
+    obs = Observed(
+        now=datetime(2026, 11, 30, tzinfo=UTC),
+        clusters={home(job): ClusterView(token="tok")},
+        sync_status=sync,
+    )
+    plan = reconcile(job, obs, fresh_token="fresh")
+    assert plan.status is not None
+    return job.model_copy(update={"status": plan.status})
+
+
+def test_suspended_and_complete_conditions_as_core_jobs_have_them() -> None:
+    """Suspended appears when suspended and turns False (JobResumed) after; Complete appears
+    once the job is done; neither is there on a job that never got there."""
+    job = _pass(make_job(labels={}))
+    types = {x.type for x in job.status.conditions}
+    assert "Suspended" not in types and "Complete" not in types
+
+    job = _pass(job.model_copy(update={"spec": job.spec.model_copy(update={"suspend": True})}))
+    suspended = c.get(job.status.conditions, "Suspended")
+    assert suspended is not None and (suspended.status, suspended.reason) == (
+        "True",
+        c.JOB_SUSPENDED,
+    )
+    job = _pass(job.model_copy(update={"spec": job.spec.model_copy(update={"suspend": False})}))
+    resumed = c.get(job.status.conditions, "Suspended")
+    assert resumed is not None and (resumed.status, resumed.reason) == ("False", c.JOB_RESUMED)
+
+    training = job.spec.training.model_copy(update={"total_tokens": 100})
+    job = job.model_copy(update={"spec": job.spec.model_copy(update={"training": training})})
+    done = _pass(job, sync={"finished": True, "total_tokens": 100, "global_version": 9})
+    complete = c.get(done.status.conditions, "Complete")
+    assert complete is not None and (complete.status, complete.reason) == (
+        "True",
+        c.TOKEN_BUDGET_REACHED,
+    )
+    assert done.status.phase == "Succeeded"
