@@ -98,9 +98,9 @@ def clamp_total(value: object) -> int | float:
 
 
 def record_from_row(row: dict[str, Any]) -> LearnerRecord:
-    """A saved record, each field clamped into its range: a ledger written by anything
-    (an older synchronizer that kept whatever clients sent, a hand edit) cannot make status
-    or metrics fail. Unknown fields are ignored; it is alive again only once it speaks."""
+    """A saved record, each field clamped into its range: a ledger edited by hand or damaged
+    on disk cannot make status or metrics fail (its format version is checked before this,
+    storage/statedir.py). It is alive again only once it speaks."""
     r = LearnerRecord(str(row.get("learner_id", "")))
     for f in fields(LearnerRecord):
         if f.name in VOLATILE or f.name == "learner_id" or f.name not in row:
