@@ -75,6 +75,7 @@ PLAUSIBLE = {
     "tokens": "240",
     "learner_step": "1",
     "incarnation": "1",
+    "encoding": "float32",
 }
 ODD_VALUES = st.one_of(
     st.sampled_from(["", "-1", "1e999", "NaN", "9" * 30, "l1"]),
