@@ -659,8 +659,10 @@ def test_a_finished_job_keeps_its_synchronizer_and_the_model_comes_out(
     )  # fmt: skip
     info = json.loads((local / "ddiloco_export.json").read_text())
     assert info["model"] == "tiny" and min(info["versions"]) >= 1, info  # every fragment merged
-    layout = json.loads(run.kubectl("exec", pod, "-c", "synchronizer", "--", "cat",
-                                    "/var/lib/ddiloco/layout.json"))  # fmt: skip
+    saved = json.loads(run.kubectl("exec", pod, "-c", "synchronizer", "--", "cat",
+                                   "/var/lib/ddiloco/layout.json"))  # fmt: skip
+    assert saved["format"] == 1, saved  # the state dir's format version (docs/storage.md)
+    layout = saved["layout"]
 
     with safe_open(str(local / "model.safetensors"), framework="pt") as f:
         shapes = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
