@@ -949,8 +949,15 @@ def test_a_user_fine_tunes_their_model_on_their_data_and_a_second_job_resumes(
                                evaluated_at_the_end, timeout=180)  # fmt: skip
     assert status["evaluation"]["loss"] < start, status["evaluation"]
     assert status.get("progressPercentage", 0) >= 100, status
-    learners = run.get("pods", "-l", f"ddiloco.dev/job={TUNE},{LEARNER_LABEL}")["items"]
-    assert sorted(p["status"]["phase"] for p in learners) == ["Succeeded", "Succeeded"]
+
+    # the learners hear `finished` at their next call after the budget is merged, hand over
+    # and exit 0: their pods end Succeeded (the job's phase may say so first)
+    def learners_exited() -> list[str] | None:
+        pods = run.get("pods", "-l", f"ddiloco.dev/job={TUNE},{LEARNER_LABEL}")["items"]
+        phases = sorted(p["status"]["phase"] for p in pods)
+        return phases if phases == ["Succeeded", "Succeeded"] else None
+
+    k8senv.wait_until("both learners Succeeded", learners_exited, timeout=90)
 
     pointer = ckpt / TUNE / "latest"
     if not pointer.exists():  # say why, from the synchronizer's log
