@@ -189,6 +189,30 @@ def missing_message() -> str:
     return msg
 
 
+def run_build_script(
+    script: Path, out_dir: Path, logfile: Path, echo: IO[str] | None
+) -> tuple[int, float]:
+    """`bash script out_dir`, its output into `logfile` (and `echo`, line by line): the exit
+    code and the seconds it took. The builds of the control plane and of Kueue share it."""
+    t0 = time.monotonic()
+    with open(logfile, "w") as out:
+        proc = subprocess.Popen(
+            ["bash", str(script), str(out_dir)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+        )
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.write(line)
+            if echo is not None:
+                echo.write(line)
+                echo.flush()
+        rc = proc.wait()
+    return rc, time.monotonic() - t0
+
+
 def build(echo: IO[str] | None = None) -> Path:
     """Build the binaries for the current key unless another run already did; return their dir.
 
@@ -212,23 +236,7 @@ def build(echo: IO[str] | None = None) -> Path:
                 f"{'.'.join(map(str, MIN_GO))} and the Go module proxy"
             )
         shutil.rmtree(tmp, ignore_errors=True)
-        t0 = time.monotonic()
-        with open(logfile, "w") as out:
-            proc = subprocess.Popen(
-                ["bash", str(BUILD_SH), str(tmp)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                bufsize=1,
-            )
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                out.write(line)
-                if echo is not None:
-                    echo.write(line)
-                    echo.flush()
-            rc = proc.wait()
-        seconds = time.monotonic() - t0
+        rc, seconds = run_build_script(BUILD_SH, tmp, logfile, echo)
         if rc != 0:
             failed.write_text(f"rc={rc}\n")
             shutil.rmtree(tmp, ignore_errors=True)

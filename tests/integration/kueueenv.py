@@ -152,23 +152,7 @@ def build(echo: IO[str] | None = None) -> Path:
         if problem := _k8senv().go_problem():
             raise BuildFailed(f"cannot build Kueue: {problem}; need Go and the Go module proxy")
         shutil.rmtree(tmp, ignore_errors=True)
-        t0 = time.monotonic()
-        with open(logfile, "w") as out:
-            proc = subprocess.Popen(
-                ["bash", str(BUILD_SH), str(tmp)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                bufsize=1,
-            )
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                out.write(line)
-                if echo is not None:
-                    echo.write(line)
-                    echo.flush()
-            rc = proc.wait()
-        seconds = time.monotonic() - t0
+        rc, seconds = _k8senv().run_build_script(BUILD_SH, tmp, logfile, echo)
         if rc != 0:
             shutil.rmtree(tmp, ignore_errors=True)
             raise BuildFailed(f"Kueue build failed (rc={rc}) after {seconds:.0f}s; see {logfile}")
