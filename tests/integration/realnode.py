@@ -286,7 +286,12 @@ class RealNode:
             raise FileNotFoundError(archive)
         names = archive_names(archive)
         # (ctr's own output is a progress table that cuts long names; it is not parsed.)
-        self.ctr("images", "import", str(archive), timeout=600)
+        # The layers' blobs go once unpacked: the snapshots are what containers run from, and
+        # keeping both doubles what each node holds on disk (twice the image).
+        # (--local: ctr unpacks itself; the transfer API has no way to discard.)
+        self.ctr(
+            "images", "import", "--local", "--discard-unpacked-layers", str(archive), timeout=600
+        )
         have = set(self.images())
         if missing := [n for n in names if n not in have]:
             raise RuntimeError(f"realnode: after importing {archive}, containerd lacks {missing}")
@@ -568,6 +573,20 @@ class RealNode:
             )
         if left := [str(r) for r in roots if r.exists()]:
             log.warning("realnode: could not remove cgroups %s", left)
+        self._remove_images()
+
+    def _remove_images(self) -> None:
+        """Remove the node's image store (gigabytes per imported image) once nothing of the node
+        holds a mount under it; the logs stay beside it. pytest keeps its last runs' temporary
+        folders, and a few runs' image stores alone would fill the disk."""
+        store = self.run_dir / "containerd"
+        if not store.exists():
+            return
+        mounts = Path("/proc/self/mountinfo").read_text()
+        if str(self.run_dir) in mounts:
+            log.warning("realnode: mounts left under %s; its image store stays", self.run_dir)
+            return
+        shutil.rmtree(store, ignore_errors=True)
 
     def leftovers(self) -> list[str]:
         """What of this node is still on the host (empty after stop(), for tests): its link,
