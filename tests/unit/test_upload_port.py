@@ -558,6 +558,8 @@ def test_an_upload_port_at_its_cap_sends_that_update_to_the_main_port(
     s = Streamer(cfg, LAYOUT, lambda: TENSORS)
     s.fetch_all()  # joined and initialized
     uploads = server.server.config.app.state.uploads
+    # fetch_all closed its download connection; the port uncounts it once it reads the close
+    wait_for(lambda: uploads.authenticated == 0)
     holders = held_mid_body(server, TOKEN, 2)
     s.report(
         Heartbeat(
