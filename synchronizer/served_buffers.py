@@ -4,6 +4,7 @@ buffers that are reused once no download holds them.
 
     served = Served("bfloat16", fragments=4)
     view = served.encode(p, fs.params)     # a memoryview of the whole payload
+    view, outs = served.allot(p, entries, meta)  # or a header, and views to write into
     ...                                     # install it; the one it replaces:
     served.retire(p, old_view)              # reused by a later encode once nobody reads it
 
@@ -86,6 +87,24 @@ class Served:
     ) -> memoryview:
         """A safetensors payload of `entries` in an idle buffer of fragment p (or a new one):
         the header, then `fill(name, out)` writes each tensor into its flat view `out`."""
+        view, outs = self.allot(p, entries, metadata)
+        for name, out in outs.items():
+            if out.numel():
+                fill(name, out)
+        del outs
+        return view
+
+    def allot(
+        self,
+        p: int,
+        entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        metadata: dict[str, str] | None,
+    ) -> tuple[memoryview, dict[str, torch.Tensor]]:
+        """A safetensors payload of `entries` (name, dtype, shape) in an idle buffer of
+        fragment p (or a new one), its header written, and each tensor's flat view in it for
+        the caller to write (an empty tensor of its own where it has no values). A view keeps
+        the buffer from being reused while it lives; `retire` gives back a payload the caller
+        does not serve."""
         head, offsets = codec.header_bytes(entries, metadata)
         size = len(head) + (offsets[-1][1] if offsets else 0)
         buf = self._idle(p, size)
@@ -94,15 +113,16 @@ class Served:
         else:
             self.reused += 1
         buf[: len(head)] = head
+        outs: dict[str, torch.Tensor] = {}
         for (name, dtype, _), (begin, end) in zip(entries, offsets, strict=True):
             if end > begin:
-                out = torch.frombuffer(
+                outs[name] = torch.frombuffer(
                     buf, dtype=dtype, count=(end - begin) // dtype.itemsize,
                     offset=len(head) + begin,
                 )  # fmt: skip
-                fill(name, out)
-                del out
-        return memoryview(buf)
+            else:
+                outs[name] = torch.empty(0, dtype=dtype)
+        return memoryview(buf), outs
 
     def prime(self, p: int, tensors: dict[str, torch.Tensor]) -> int:
         """Give fragment p `KEEP` idle buffers of its payload's size, every page touched,

@@ -16,17 +16,26 @@ once, and the new lineage (random) keeps a learner's S of before it from being t
 new one's. A lineage that starts at version 0 is named by S_0's content
 (`broadcast.initial_token`). A delta whose S would not be finite (an overflow) is not
 published: S restarts from Theta (a new lineage, whole fragments).
+
+A delta is encoded in one sweep per tensor, a cache-sized chunk at a time and split between
+threads (`_delta`): the difference, its codes and scales (written into the delta payload),
+and S_v (written into the whole payload, which is S_v's only copy), with no full-size
+temporary; the same bytes as quantizing the whole difference and applying it
+(tests/unit/test_delta_encode.py).
 """
 
 from __future__ import annotations
 
+import functools
 import secrets
+import threading
 from typing import Final, NamedTuple
 
 import torch
 
+from ddiloco.synchronizer import parallel_passes
 from ddiloco.synchronizer.served_buffers import Served
-from ddiloco.wire import broadcast, quant
+from ddiloco.wire import broadcast, encodings, quant
 from ddiloco.wire.broadcast import BASE_KEY, DELTAS, MAX_TOKEN, TOKEN_KEY, UNCHANGED
 
 __all__ = ["LABELS", "Broadcast", "encode"]
@@ -50,7 +59,8 @@ class Broadcast(NamedTuple):
     base: str | None = None
     """Names S_{v-1}, what `delta` applies to."""
     held: dict[str, torch.Tensor] | None = None
-    """S_v itself, float32 (delta encodings): the next delta's base."""
+    """S_v itself, float32 (delta encodings): views of `whole`'s tensors (which keep its
+    buffer from reuse while they live), the next delta's base."""
     same: memoryview | None = None
     """For a learner that holds S_v already (`token`): a payload of no tensors saying so."""
 
@@ -102,36 +112,164 @@ def encode(
     if prev is not None and prev.held is not None and prev.version == version:
         # a merge that merged nothing: the same S, served again whole (new buffers: the
         # caller retires the old ones)
-        meta = broadcast.whole_meta(str(prev.token))
-        return prev._replace(whole=payloads.encode(p, prev.held, meta), delta=None, base=None)
+        whole, held = _whole(payloads, p, prev.held, str(prev.token))
+        return prev._replace(whole=whole, delta=None, base=None, held=held)
     if prev is not None and prev.held is not None and prev.token is not None:
-        lineage = prev.token.rsplit(".", 1)[0]
-        try:  # a difference that overflows is not finite: quantize refuses it
-            deltas = {
-                k: quant.quantize(theta[k].to(torch.float32) - prev.held[k], q_encoding, block)
-                for k in sorted(theta)
-            }
-        except ValueError:
-            deltas = None
-        held = {
-            k: broadcast.apply_delta(prev.held[k], q, torch.empty_like(prev.held[k]))
-            for k, q in (deltas or {}).items()
-        }
-        if deltas is not None and all(bool(torch.isfinite(t).all()) for t in held.values()):
-            token = broadcast.token(lineage, version)
-            meta = broadcast.quantized_meta(q_encoding, encoding, block, theta)
-            meta |= {TOKEN_KEY: token, BASE_KEY: prev.token}
-            delta = payloads.encode_codes(p, deltas, meta)
-            whole = payloads.encode(p, held, broadcast.whole_meta(token))
+        token = broadcast.token(prev.token.rsplit(".", 1)[0], version)
+        meta = broadcast.quantized_meta(q_encoding, encoding, block, theta)
+        meta |= {TOKEN_KEY: token, BASE_KEY: prev.token}
+        got = _delta(payloads, p, q_encoding, block, theta, prev.held, meta, token)
+        if got is not None:  # else a difference or S_v overflowed: S restarts from Theta
+            delta, whole, held = got
             return Broadcast(
                 version, whole, "fp32", delta, encoding, token, prev.token, held, _same(token)
             )
     if not all(bool(torch.isfinite(v).all()) for v in theta.values()):
         raise ValueError(f"fragment {p} version {version} is not finite: it is never served")
-    held = {k: v.detach().to(torch.float32, copy=True) for k, v in theta.items()}
-    token = broadcast.initial_token(held) if version == 0 else broadcast.token(_lineage(), version)
-    whole = payloads.encode(p, held, broadcast.whole_meta(token))
+    token = broadcast.initial_token(theta) if version == 0 else broadcast.token(_lineage(), version)
+    whole, held = _whole(payloads, p, theta, token)
     return Broadcast(version, whole, "fp32", None, "", token, None, held, _same(token))
+
+
+CHUNK: Final = 1 << 17
+"""Values of a tensor a delta is encoded at a time (`_delta`): 512 KiB of float32, so that a
+chunk's passes (difference, quantization, S_v, its check) run in a core's cache, and few
+enough chunks that the Python between the passes costs little."""
+
+_local = threading.local()
+
+
+def _scratch(n: int) -> torch.Tensor:
+    """This thread's float32 scratch of at least `n` values."""
+    buf = getattr(_local, "scratch", None)
+    if buf is None or buf.numel() < n:
+        buf = _local.scratch = torch.empty(n, dtype=torch.float32)
+    return buf
+
+
+def _whole(
+    payloads: Served, p: int, tensors: dict[str, torch.Tensor], token: str
+) -> tuple[memoryview, dict[str, torch.Tensor]]:
+    """S (`tensors`, copied as float32) as a delta encoding's whole payload named `token`,
+    and S as views of it: the next delta's base is the payload, not a copy beside it."""
+    names = sorted(tensors)
+    entries = [(k, torch.float32, tuple(tensors[k].shape)) for k in names]
+    whole, outs = payloads.allot(p, entries, broadcast.whole_meta(token))
+    for k in names:
+        if outs[k].numel():
+            parallel_passes.copy_(outs[k], tensors[k], payloads.ways)
+    return whole, {k: outs[k].view(tensors[k].shape) for k in names}
+
+
+def _delta(
+    payloads: Served,
+    p: int,
+    q_encoding: quant.Encoding,
+    block: int,
+    theta: dict[str, torch.Tensor],
+    base: dict[str, torch.Tensor],
+    meta: dict[str, str],
+    token: str,
+) -> tuple[memoryview, memoryview, dict[str, torch.Tensor]] | None:
+    """The delta payload Q(Theta - S_{v-1}) (`base`: S_{v-1}) and the whole payload S_v
+    named `token`, with S_v as views of it; None when a difference or S_v is not finite
+    (both payloads given back). The same bytes as quantizing each difference
+    (`quant.quantize`), applying it (`broadcast.apply_delta`) and encoding both: the codes,
+    scales and S_v are written into their payloads a chunk at a time (`CHUNK`), each tensor
+    split between threads (parallel_passes.py), with no full-size temporary."""
+    names = sorted(theta)
+    if sorted(base) != names or any(base[k].numel() != theta[k].numel() for k in names):
+        return None
+    if block < 2 or block % 2:  # a block `quant.quantize` refuses
+        return None
+    code_dtype = torch.uint8 if q_encoding == "int4" else torch.int8
+    per = block // 2 if q_encoding == "int4" else block
+    parts: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    for k in names:
+        nb = -(-theta[k].numel() // block)
+        parts[k] = (code_dtype, (nb * per,))
+        parts[k + encodings.SCALES_SUFFIX] = (torch.float32, (nb,))
+    delta_entries = [(k, *parts[k]) for k in sorted(parts)]
+    whole_entries = [(k, torch.float32, tuple(theta[k].shape)) for k in names]
+    delta, douts = payloads.allot(p, delta_entries, meta)
+    whole, wouts = payloads.allot(p, whole_entries, broadcast.whole_meta(token))
+    for k in names:
+        x = theta[k].detach().reshape(-1)
+        if x.dtype != torch.float32:
+            x = x.to(torch.float32)
+        h, out = base[k].detach().reshape(-1), wouts[k]
+        codes, scales = douts[k], douts[k + encodings.SCALES_SUFFIX]
+        piece = functools.partial(_delta_piece, x, h, out, codes, scales, q_encoding, block)
+        if x.numel() and not all(parallel_passes.run(x.numel(), piece, payloads.ways)):
+            payloads.retire(p, delta)
+            payloads.retire(p, whole)
+            return None
+    return delta, whole, {k: wouts[k].view(theta[k].shape) for k in names}
+
+
+def _delta_piece(
+    x: torch.Tensor,
+    h: torch.Tensor,
+    out: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    encoding: quant.Encoding,
+    block: int,
+    s: slice,
+) -> bool:
+    """The blocks of one tensor (flat: Theta `x`, S_{v-1} `h`) that start in `s`: codes and
+    scales into `codes` and `scales`, S_v into `out`, chunk by chunk; the piece that ends the
+    tensor also does its last block when it is partial (zero-padded, as `quantize` pads).
+    False when a value is not finite."""
+    n = x.numel()
+    full = n // block * block
+    lo = -(-s.start // block) * block
+    hi = full if s.stop == n else min(full, -(-s.stop // block) * block)
+    per = block // 2 if encoding == "int4" else block
+    step = max(1, CHUNK // block) * block
+    scratch = _scratch(max(step, 2 * block))
+    for a in range(lo, hi, step):
+        b = min(a + step, hi)
+        b0, b1 = a // block, b // block
+        w = out[a:b]
+        torch.sub(x[a:b], h[a:b], out=w)
+        if not quant.quantize_into(
+            w, encoding, codes[b0 * per : b1 * per], scales[b0:b1], scratch[: b - a]
+        ) or not _settle(w, scales[b0:b1], h[a:b]):
+            return False
+    if s.stop == n and full < n:
+        b0 = full // block
+        d = scratch[:block]
+        d.zero_()
+        torch.sub(x[full:], h[full:], out=d[: n - full])
+        if not quant.quantize_into(
+            d, encoding, codes[b0 * per :], scales[b0:], scratch[block : 2 * block]
+        ):
+            return False
+        _dequantized(d, scales[b0:])
+        if not _finite(torch.add(d[: n - full], h[full:], out=out[full:])):
+            return False
+    return True
+
+
+def _dequantized(w: torch.Tensor, scales: torch.Tensor) -> None:
+    """D(codes) into `w`, which holds `quant.quantize_into`'s float codes: the same bits as
+    `quant.dequantize_blocks` (the codes as float32 times their block's scale)."""
+    w.view(scales.numel(), -1).mul_(scales[:, None])
+
+
+def _settle(w: torch.Tensor, scales: torch.Tensor, h: torch.Tensor) -> bool:
+    """S_v = S_{v-1} + D(codes) into `w` (`broadcast.apply_delta`'s arithmetic); whether it
+    is finite."""
+    _dequantized(w, scales)
+    return _finite(w.add_(h))
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Whether every value of `t` is finite: its sum is finite only then (an inf or a NaN
+    makes it inf or NaN), and a sum is a fraction of `isfinite`'s cost; a sum that overflowed
+    on finite values is told apart by the exact check."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def _same(token: str) -> memoryview:

@@ -96,6 +96,53 @@ def quantize(x: torch.Tensor, encoding: Encoding, block: int = DEFAULT_BLOCK) ->
     return Quantized(encoding, tuple(x.shape), block, codes.view(-1), scales)
 
 
+def quantize_into(
+    d: torch.Tensor,
+    encoding: Encoding,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    scratch: torch.Tensor,
+) -> bool:
+    """Blocks of `d` (float32, flat, scales.numel() whole blocks) quantized as `quantize`
+    does, into `codes` (int8; int4: packed uint8, half as many) and `scales` (float32): the
+    same bits, without its padded copy or full-size temporaries (synchronizer/served_versions.py
+    runs it a cache-sized chunk at a time). `d` is overwritten with the codes as float32, read back
+    from their integers as dequantization reads them (a zero is +0.0); `scratch` (float32,
+    d's size) is clobbered. False, with the
+    outputs meaningless, when a value of `d` is not finite (its block's absmax is not)."""
+    qmax = QMAX[encoding]
+    nb = scales.numel()
+    n = d.numel()
+    if not nb:
+        return True
+    grid = d.view(nb, n // nb)
+    torch.amax(torch.abs(d, out=scratch).view(nb, n // nb), dim=1, out=scales)
+    if not bool(torch.isfinite(scales).all()):
+        return False
+    scales.div_(qmax)
+    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    grid.mul_(inv[:, None])
+    d.round_().clamp_(-qmax, qmax)
+    if encoding != "int4":
+        codes.copy_(d)
+        d.copy_(codes)
+        return True
+    raw = scratch.view(torch.uint8)
+    small, packed = raw[:n].view(torch.int8), raw[n : 2 * n].view(torch.int16)
+    small.copy_(d)  # -qmax..qmax: float to int8 is a vector conversion, to uint8 is not
+    d.copy_(small)
+    small.add_(qmax)  # 0..2 qmax
+    pairs = small.view(torch.int16)  # each pair of codes, as one int16 in memory order
+    if sys.byteorder == "little":  # the first code (the low nibble's) is the low byte
+        torch.bitwise_and(pairs, 0x0F, out=packed)
+        packed.bitwise_or_(pairs.bitwise_right_shift_(4))
+    else:
+        torch.bitwise_and(pairs, 0x0F, out=packed).bitwise_left_shift_(4)
+        packed.bitwise_or_(pairs.bitwise_right_shift_(8))
+    codes.copy_(packed)
+    return True
+
+
 def dequantize(q: Quantized) -> torch.Tensor:
     """The float32 tensor `q` stands for, in its original shape."""
     qmax = QMAX[q.encoding]
