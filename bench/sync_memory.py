@@ -61,6 +61,7 @@ child writes its samples as JSON (`--serve` mode, never run by hand).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
@@ -166,8 +167,10 @@ def account(sync: Any, pool_sizes: dict[int, int]) -> tuple[dict[str, int], dict
         for view in (served.whole, served.delta):
             if view is not None:
                 buffer("served", view)
-        if served.held:
-            tensors("served", list(served.held.values()))
+        if served.held:  # S_v: views of the whole payload's buffer, counted just above
+            whole = served.whole.obj if served.whole is not None else None
+            own = [t for t in served.held.values() if not _views(t, whole)]
+            tensors("served", own)
     spares = sync.payloads.spares
     for p in sync.owned:
         for buf in list(spares[p]) if p < len(spares) else []:
@@ -536,3 +539,11 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _views(t: object, buf: object) -> bool:
+    """Whether tensor `t`'s memory lies inside bytearray `buf` (a view made by frombuffer)."""
+    if not isinstance(buf, bytearray) or not hasattr(t, "data_ptr"):
+        return False
+    start = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    return start <= t.data_ptr() < start + len(buf)
