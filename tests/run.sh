@@ -37,6 +37,13 @@ fi
 .venv/bin/python -m pip install -q -e '.[dev]'
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+# The image build is mostly downloads and disk, the Go builds below are CPU: they run side by
+# side, and the image's log is shown when it is done (or failed).
+image_log=$(mktemp)
+image_start=$(date +%s)
+.venv/bin/python tests/integration/image.py build >"$image_log" 2>&1 &
+image_pid=$!
+trap 'kill "$image_pid" 2>/dev/null || true' EXIT  # a failed Go build stops it too
 start=$(date +%s)
 .venv/bin/python tests/integration/k8senv.py build
 echo "k8senv ready after $(( $(date +%s) - start ))s"
@@ -46,7 +53,14 @@ echo "s3server ready after $(( $(date +%s) - start ))s"
 start=$(date +%s)
 .venv/bin/python tests/integration/kueueenv.py build
 echo "kueue ready after $(( $(date +%s) - start ))s"
-start=$(date +%s)
-.venv/bin/python tests/integration/image.py build
-echo "image ready after $(( $(date +%s) - start ))s"
+image_rc=0
+wait "$image_pid" || image_rc=$?
+trap - EXIT
+cat "$image_log"
+rm -f "$image_log"
+if [ "$image_rc" -ne 0 ]; then
+  echo "image build failed (exit $image_rc)" >&2
+  exit "$image_rc"
+fi
+echo "image ready after $(( $(date +%s) - image_start ))s (built beside the Go builds)"
 exec .venv/bin/python -m pytest tests --durations=40 "$@"

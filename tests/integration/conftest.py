@@ -48,9 +48,10 @@ Failure injection (kwok stages): label a Running pod
 shape it; tested). Labelling a node `node-not-ready.stage.kwok.x-k8s.io=true` sets it NotReady
 (untested here; it taints the shared node, so its pods get evicted after 10 s).
 
-``real_plane`` (session scope) -> ``k8senv.ControlPlane`` with one cluster "home", no fake nodes
-    and one real node (realnode.py): pods run real containers (containerd + runc). Started on
-    first use (~10-20 s), separate from ``k8s``. Besides the ``k8s`` API above:
+``real_plane`` (session scope) -> ``k8senv.ControlPlane`` with two clusters, "home" and
+    "region-a", no fake nodes and a real node in each (realnode.py): pods run real containers
+    (containerd + runc). Started on first use (~20 s), separate from ``k8s``. Besides the
+    ``k8s`` API above:
     real_plane.real_node        realnode.RealNode: .name "home-node" (label
                                 ddiloco.dev/real-node=true), .node_ip, .host_ip (the apiserver
                                 listens there), .pod_cidr, .run(*argv) inside the node,
@@ -63,10 +64,9 @@ shape it; tested). Labelling a node `node-not-ready.stage.kwok.x-k8s.io=true` se
     (hostPath, chmod 0777, pinned to the node) work. Needs root and Debian's runc and
     containernetworking-plugins: without them it fails (never skips).
 
-``real_regions`` (session scope) -> ``k8senv.ControlPlane`` with two clusters, "home" and
-    "region-a", a real node in each (like ``real_plane``'s), and region-a joined to home only by
-    a shaped link (wanlink.py, REGION_LINK: 50mbit each way, 40 ms round trip). Started on
-    first use (~20 s), separate from ``real_plane``. Besides the API above:
+``real_regions`` (session scope) -> ``real_plane`` itself, whose region-a is joined to home only
+    by a shaped link (wanlink.py, REGION_LINK: 50mbit each way, 40 ms round trip). Each test
+    module uses namespaces of its own. Besides the API above:
     real_regions.real_nodes["region-a"]     that region's RealNode
     real_regions.import_image(archive, cluster="region-a")
     real_regions.links["region-a"]          wanlink.RegionLink: .host_ip (where region-a's pods
@@ -76,6 +76,10 @@ shape it; tested). Labelling a node `node-not-ready.stage.kwok.x-k8s.io=true` se
 ``kueue`` (session scope) -> ``kueueenv.Kueue``: Kueue's controller manager (v0.17, built by
     `python tests/integration/kueueenv.py build`) serving the home cluster of ``k8s``, its CRDs
     and webhooks installed; .log, .alive(), .tail(). Started on first use (~10 s).
+
+``real_kueue`` (session scope) -> ``kueueenv.Kueue`` like ``kueue``, serving the home cluster of
+    ``real_plane`` instead: Kueue admitting jobs whose pods run real containers. Skips (fails
+    in CI) when Kueue is not built, like ``kueue``.
 
 With CI=true a missing build or toolchain fails the session; elsewhere the tests skip with the
 command to run. A build that failed is an error everywhere. The build never runs inside pytest.
@@ -98,7 +102,14 @@ import pytest
 # --import-mode=importlib puts nothing on sys.path; load the harness and the test helpers of
 # this folder by path, once, under their own names, so test modules just `import k8senv` etc.
 # (in dependency order)
-for _name in ("k8senv", "kueueenv", "realnode", "operator_helpers", "chart_helpers"):
+for _name in (
+    "k8senv",
+    "kueueenv",
+    "realnode",
+    "realnode_image",
+    "operator_helpers",
+    "chart_helpers",
+):
     if _name not in sys.modules:
         _spec = importlib.util.spec_from_file_location(
             _name, Path(__file__).with_name(f"{_name}.py")
@@ -169,37 +180,12 @@ def k8s(
 def real_plane(
     k8s_bindir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[k8senv.ControlPlane]:
+    """The home cluster's real node and region-a's behind the shaped link: one plane for every
+    real-node test, so the session starts two nodes and imports an image once per node."""
     if problems := realnode.problems():
         pytest.fail("k8senv real node cannot run here: " + "; ".join(problems), pytrace=False)
     plane = k8senv.ControlPlane(
-        k8s_bindir, tmp_path_factory.mktemp("realnode"), ["home"], nodes_per_cluster=0,
-        real_node=True,
-    )  # fmt: skip
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PATH", f"{k8s_bindir}{os.pathsep}{os.environ.get('PATH', '')}")
-        try:
-            plane.start()
-            yield plane
-        finally:
-            plane.stop()
-            node = plane.real_node
-            assert node is not None
-            left = [p.name for p in plane.procs if k8senv.pid_alive(p.pid)]
-            if node.holder_pid and k8senv.pid_alive(node.holder_pid):
-                left.append(f"node holder {node.holder_pid}")
-            left += node.leftovers()
-            if left:
-                pytest.fail(f"k8senv: left behind after stop(): {left}", pytrace=False)
-
-
-@pytest.fixture(scope="session")
-def real_regions(
-    k8s_bindir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[k8senv.ControlPlane]:
-    if problems := realnode.problems():
-        pytest.fail("k8senv real node cannot run here: " + "; ".join(problems), pytrace=False)
-    plane = k8senv.ControlPlane(
-        k8s_bindir, tmp_path_factory.mktemp("regions"), ["home", "region-a"],
+        k8s_bindir, tmp_path_factory.mktemp("realnode"), ["home", "region-a"],
         nodes_per_cluster=0, real_nodes=2, link=REGION_LINK,
     )  # fmt: skip
     with pytest.MonkeyPatch.context() as mp:
@@ -219,9 +205,30 @@ def real_regions(
 
 
 @pytest.fixture(scope="session")
+def real_regions(real_plane: k8senv.ControlPlane) -> k8senv.ControlPlane:
+    """``real_plane``, named for the tests about its two regions."""
+    return real_plane
+
+
+@pytest.fixture(scope="session")
 def kueue(k8s: k8senv.ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """Kueue's controller manager in the home cluster of ``k8s`` (kueueenv.Kueue), started on
     first use and kept for the session; skips (fails in CI) when Kueue is not built."""
+    yield from _kueue_on(k8s, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def real_kueue(
+    real_plane: k8senv.ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    """Kueue's controller manager in the home cluster of ``real_plane``, as ``kueue``."""
+    yield from _kueue_on(real_plane, tmp_path_factory)
+
+
+def _kueue_on(
+    plane: k8senv.ControlPlane, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Any]:
+    """A started kueueenv.Kueue in `plane`'s home cluster until the generator is closed."""
     try:
         bindir = kueueenv.find_built()
     except kueueenv.BuildFailed as e:
@@ -231,7 +238,7 @@ def kueue(k8s: k8senv.ControlPlane, tmp_path_factory: pytest.TempPathFactory) ->
         if _in_ci():
             pytest.fail(f"{msg} [CI=true: the build step must run before pytest]", pytrace=False)
         pytest.skip(msg)
-    kq = kueueenv.Kueue(bindir, k8s, k8s.names[0], tmp_path_factory.mktemp("kueue"))
+    kq = kueueenv.Kueue(bindir, plane, plane.names[0], tmp_path_factory.mktemp("kueue"))
     try:
         kq.start()
         yield kq

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import calendar
 import contextlib
-import importlib.util
 import ipaddress
 import json
 import re
@@ -39,18 +38,12 @@ from urllib.parse import urlsplit
 import chart_helpers as c
 import k8senv
 import pytest
+import realnode_image
 import yaml
 from safetensors import safe_open
 
 # the module fixture saves and imports a 5 GB image (minutes); each test waits on real pods
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
-
-if "image" not in sys.modules:  # image.py sits beside k8senv.py; loaded by path like it
-    _spec = importlib.util.spec_from_file_location("image", Path(__file__).with_name("image.py"))
-    assert _spec is not None and _spec.loader is not None
-    sys.modules["image"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["image"])
-import image  # noqa: E402
 
 JOB = "tiny-cpu"
 SYNC_POD_LABEL = "app.kubernetes.io/component=synchronizer"
@@ -128,15 +121,7 @@ def real_container(pod: dict[str, Any]) -> str:
 @pytest.fixture(scope="module")
 def run(real_plane: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
     t0 = time.monotonic()
-    tag = image.ensure_image()
-    node = real_plane.real_node
-    if not any(name.endswith(tag) for name in node.images()):
-        archive = tmp_path_factory.mktemp("image") / "ddiloco.tar"
-        image.save_archive(tag, archive)
-        t1 = time.monotonic()
-        real_plane.import_image(archive)
-        print(f"\nimage {tag}: imported into the node in {time.monotonic() - t1:.1f}s")
-        archive.unlink()
+    tag = realnode_image.on_node(real_plane, tmp_path_factory)
     ns = f"t-realnode-{uuid.uuid4().hex[:6]}"
     real_plane.kubectl("home", "create", "namespace", ns)
     k8senv.wait_until(

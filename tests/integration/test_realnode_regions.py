@@ -249,9 +249,11 @@ def wan(real_regions: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         if w.figures:
             print("\nregions figures: " + json.dumps(w.figures, indent=1))
         link.heal()
+        t0 = time.monotonic()
         with contextlib.suppress(Exception):
             plane.kubectl("home", "-n", ns, "delete", "ddj", "--all", "--wait=true",
                           "--timeout=90s", check=False)  # fmt: skip
+        print(f"\nregions: the job deleted in {time.monotonic() - t0:.1f}s")
         op.stop()
         for cluster in plane.names:
             plane.kubectl(cluster, "delete", "namespace", ns, "--wait=false", check=False)
