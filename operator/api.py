@@ -948,7 +948,8 @@ class Condition(_Model):
     """A status condition, as metav1.Condition."""
 
     type: str
-    """Condition type: Ready, SynchronizerReady, LearnersReady or Degraded."""
+    """Condition type: Ready, SynchronizerReady, LearnersReady, Degraded, Suspended,
+    Complete or Failed."""
     status: Literal["True", "False", "Unknown"]
     """Whether the condition holds."""
     reason: str
@@ -1042,6 +1043,29 @@ class SlotStatus(_Model):
     """The slot used up failurePolicy.maxReplacementsPerSlot and stays empty."""
 
 
+class ComponentStatus(_Model):
+    """Pod counts of one component of the job, in the shape of a Kubeflow TrainJob's
+    status.jobsStatus entries (counts of pods here, not of child Jobs)."""
+
+    name: str
+    """`synchronizer`, `learners-<group>` (the names of the job's Kueue pod sets) or
+    `evaluator`."""
+    active: int = Field(0, ge=0)
+    """Pods that are pending or running and not counted failed (learners: hot spares not
+    included, status.groups[].spares has them)."""
+    ready: int = Field(0, ge=0)
+    """Of those, the Ready ones."""
+    succeeded: int = Field(0, ge=0)
+    """Pods that finished (a learner that exited 0: its slot is done)."""
+    failed: int = Field(0, ge=0)
+    """Learners: slots whose pod failed and that hold no pod now (waiting for the
+    replacement's backoff, or at the replacement limit). Synchronizer: pods that failed or
+    whose container crash-loops (CrashLoopBackOff)."""
+    suspended: int = Field(0, ge=0)
+    """Pods the spec asks for that do not run because the job is suspended (spec.suspend,
+    or not admitted by Kueue)."""
+
+
 class SynchronizerStatus(_Model):
     """Where the synchronizer is and whether it answers."""
 
@@ -1074,9 +1098,10 @@ class EvaluationStatus(_Model):
 class JobStatus(_Model):
     """Observed state, written only by the operator."""
 
-    phase: Literal["Pending", "Running", "Degraded", "Suspended", "Succeeded", "Invalid"] | None = (
-        None
-    )
+    phase: (
+        Literal["Pending", "Running", "Degraded", "Suspended", "Succeeded", "Failed", "Invalid"]
+        | None
+    ) = None
     """Summary of the conditions for `kubectl get`; never a trigger."""
     observed_generation: int | None = None
     """metadata.generation this status was computed from."""
@@ -1084,13 +1109,21 @@ class JobStatus(_Model):
         default_factory=list,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
-    """Ready, SynchronizerReady, LearnersReady, Degraded."""
+    """Ready, SynchronizerReady, LearnersReady, Degraded; Suspended, Complete and Failed when
+    they apply (operator/conditions.py says when each is True)."""
     desired_learners: int | None = None
     """Learner slots in all groups."""
     ready_learners: int | None = None
     """Learner pods that are Ready, in all groups."""
     groups: list[GroupStatus] = Field(default_factory=list)
     """Per-group counts and slot bookkeeping."""
+    components: list[ComponentStatus] = Field(
+        default_factory=list,
+        max_length=MAX_GROUPS + 2,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    """Pod counts per component: the synchronizer, each learner group, the evaluator when
+    spec.evaluation is set."""
     slots: list[SlotStatus] = Field(
         default_factory=list,
         max_length=MAX_SLOT_DETAIL,

@@ -25,8 +25,46 @@ Like cert-manager's Certificate conditions, each type says when it is True:
                         once it runs again; absent on a job that was never suspended. As a
                         batch/v1 Job's and a Kubeflow TrainJob's.
     Complete            the job is done: the token budget is merged or every learner finished
-                        (absent before). There is no Failed condition: no failure ends a job;
-                        a slot at its replacement limit makes it Degraded and the rest train on.
+                        (absent before). As a batch/v1 Job's and a Kubeflow TrainJob's.
+    Failed              the job cannot go on by itself (absent before); phase Failed. Decided
+                        from what the apiserver holds, never from the operator's memory, by
+                        the rules below. Complete and Failed exclude each other: the first
+                        to be recorded stands for the spec's generation.
+
+When a job Fails (reasons; each message names the pods and quotes why they ended):
+
+    LearnersExhausted         no learner slot can train any more and at least one is at its
+                              replacement limit: every slot of the spec's groups has either
+                              finished (its pod Succeeded) or failed `maxReplacementsPerSlot`
+                              times (its last pod kept, for its logs), so no learner is left
+                              running and none will be made. A single slot at the limit while
+                              others train is Degraded only (ReplacementLimitReached): the rest
+                              train on. Slots of a group whose cluster cannot be seen are never
+                              counted as exhausted.
+    SynchronizerStateUnusable a synchronizer pod's container keeps exiting with code 2, which
+                              the synchronizer uses for what a restart cannot fix (a state
+                              directory of a format it does not know, another shard's state,
+                              settings it refuses: cli/errors.py, synchronizer/server.py):
+                              its last termination has exit code 2, it is not Ready, and it
+                              is in CrashLoopBackOff or restarted at least twice. The message
+                              quotes the last line of its termination message (the container
+                              keeps its logs' tail there: FallbackToLogsOnError).
+
+A Failed condition is terminal for the generation it was recorded at: the rules are evaluated
+again only once the spec changes (metadata.generation moves), e.g. after raising
+`maxReplacementsPerSlot` or fixing the synchronizer's state or image. It lives in the job's
+status, so an operator restart neither loses nor repeats it; an event `Failed` (Warning)
+says when it turns True.
+
+What a Failed job keeps, like a batch/v1 Job past its backoffLimit: no pod is made any more
+(no replacement, no new slot, no hot spare: the standing ones are deleted) and learner pods
+still running are deleted (under Kueue its Workload is marked Finished and its quota goes to
+other jobs, so it must not keep pods). Failed learner pods stay for their logs. The
+synchronizer stays when it holds a usable model (LearnersExhausted: `ddiloco export`, the
+evaluator and `ddiloco status` still reach it, as after Complete); when it is the cause
+(SynchronizerStateUnusable) it is scaled to zero with its evaluator, as for a suspend, so
+that its state claim is kept and free to mount for inspection or repair instead of a pod
+crash-looping on it.
 
 Reasons are CamelCase and stable; tests and dashboards match on them. `lastTransitionTime`
 moves only when a condition's status flips, as the Kubernetes API conventions ask.
@@ -45,8 +83,9 @@ LEARNERS_READY: Final = "LearnersReady"
 DEGRADED: Final = "Degraded"
 SUSPENDED_TYPE: Final = "Suspended"
 COMPLETE: Final = "Complete"
+FAILED: Final = "Failed"
 TYPES: Final = (READY, SYNCHRONIZER_READY, LEARNERS_READY, DEGRADED)  # always present
-OPTIONAL: Final = (SUSPENDED_TYPE, COMPLETE)  # present when they apply
+OPTIONAL: Final = (SUSPENDED_TYPE, COMPLETE, FAILED)  # present when they apply
 OWNED: Final = (*TYPES, *OPTIONAL)
 
 # Ready
@@ -70,6 +109,9 @@ LEARNERS_COMPLETED: Final = "LearnersCompleted"
 JOB_SUSPENDED: Final = "JobSuspended"
 JOB_RESUMED: Final = "JobResumed"
 # Complete: COMPLETED or TOKEN_BUDGET_REACHED
+# Failed (also Ready's and the LearnersReady/SynchronizerReady reasons while Failed)
+LEARNERS_EXHAUSTED: Final = "LearnersExhausted"
+SYNCHRONIZER_STATE_UNUSABLE: Final = "SynchronizerStateUnusable"
 # Degraded
 AS_EXPECTED: Final = "AsExpected"
 REPLACEMENT_LIMIT_REACHED: Final = "ReplacementLimitReached"

@@ -23,8 +23,8 @@ for its built-in kinds:
   gives the quota back (clears the Workload's admission, sets Requeued), and Kueue queues it
   again. Readmitted, the synchronizer starts from its kept state and the learners pull the
   global model: nothing that was accepted is lost.
-- finished (the budget merged or every learner done): the Workload is marked Finished, which
-  frees its quota.
+- finished (the budget merged or every learner done: Complete) or Failed: the Workload is
+  marked Finished (reason Succeeded or Failed), which frees its quota.
 
 Why a Workload, not plain pod groups: the learner pods come and go (replacements, hot
 spares, groups in other clusters, a synchronizer StatefulSet), and a pod group would need
@@ -49,6 +49,7 @@ from ddiloco.operator.api import (
     Condition,
     DecoupledDiLoCoJob,
     JobSpec,
+    JobStatus,
     LearnerGroup,
     Toleration,
 )
@@ -337,14 +338,28 @@ def release_status(workload: Mapping[str, Any], now: str) -> dict[str, Any]:
     return {"admission": None, "conditions": conds}
 
 
-def finish_status(workload: Mapping[str, Any], message: str, now: str) -> dict[str, Any]:
-    """The Workload status that frees the quota of a job that is done."""
+def finish_status(
+    workload: Mapping[str, Any], message: str, now: str, reason: str = "Succeeded"
+) -> dict[str, Any]:
+    """The Workload status that frees the quota of a job that is done (reason Succeeded) or
+    has Failed (reason Failed), as Kueue's job framework writes it."""
     gen = (workload.get("metadata") or {}).get("generation")
     conds = [dict(x) for x in (workload.get("status") or {}).get("conditions") or []]
-    conds = _set_condition(conds, FINISHED, True, "Succeeded", message, now)
+    conds = _set_condition(conds, FINISHED, True, reason, message, now)
     for cond in conds:
         cond.setdefault("observedGeneration", gen)
     return {"conditions": conds}
+
+
+def finished_as(status: JobStatus) -> tuple[str, str] | None:
+    """(Kueue's Finished reason, message) for a job that is done (Succeeded) or has Failed
+    (Failed, quoting the job's Failed condition); None while it runs on."""
+    if status.phase == "Succeeded":
+        return "Succeeded", "The job is done"
+    if status.phase == "Failed":
+        failed = c.get(status.conditions, c.FAILED)
+        return "Failed", failed.message if failed is not None else "The job failed"
+    return None
 
 
 def stopped(
@@ -468,12 +483,11 @@ class Queue:
                     post(Event("Normal", "QuotaReleased", "Every pod is gone: the quota "
                                "goes back to Kueue, which queues the job again"))  # fmt: skip
             elif (
-                status is not None
-                and status.phase == "Succeeded"
-                and admission
+                admission
                 and not _true(wl, FINISHED)
-            ):
-                self._patch_status(wl, finish_status(wl, "The job is done", now))
+                and (end := finished_as(status if status is not None else job.status))
+            ):  # (the status as written, or as it stands after a pass that changed nothing)
+                self._patch_status(wl, finish_status(wl, end[1], now, reason=end[0]))
         before = c.get(job.status.conditions, c.SUSPENDED_TYPE)
         was_evicted = (
             before is not None

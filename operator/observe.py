@@ -110,6 +110,16 @@ class Observer:
             views = {t: ClusterView(problem=problem) for t in views}
             sts = service = headless = None
         sts_dict = as_dict(h, sts) if sts is not None else None
+        sync_pods = (
+            core.list_namespaced_pod(
+                job.namespace,
+                label_selector=f"{builders.LABEL_JOB_UID}={job.uid},"
+                f"{builders.LABEL_COMPONENT}=synchronizer",
+                **kw,
+            ).items
+            if sts is not None
+            else []
+        )
         available = int(((sts_dict or {}).get("status") or {}).get("availableReplicas") or 0)
         cert_manager, certificate = certs.observe_cert_manager(h, job, self.timeout)
         sync_status = (
@@ -125,6 +135,9 @@ class Observer:
             now=datetime.now(UTC),
             clusters=views,
             statefulset=sts_dict,
+            synchronizer_pods=tuple(
+                as_dict(h, p) for p in sync_pods if builders.made_by(job, p.metadata)
+            ),
             service=service is not None,
             shards_service=headless is not None,
             service_ports=_ports(h, service),

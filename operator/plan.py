@@ -235,6 +235,9 @@ class Observed:
     now: datetime
     clusters: Mapping[Target, ClusterView]
     statefulset: Mapping[str, Any] | None = None  # the synchronizer StatefulSet as read
+    # the synchronizer's pods as read (the job's own, at home): their container statuses
+    # say when it crash-loops (status.py's Failed rules, status.components)
+    synchronizer_pods: tuple[Mapping[str, Any], ...] = ()
     service: bool = False  # the ClusterIP Service exists
     shards_service: bool = False  # the headless Service exists
     # their spec.ports as read (None: not read); reconcile sets them to what the builder wants

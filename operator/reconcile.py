@@ -16,7 +16,8 @@ replacement is created once the old pod is gone and the backoff has passed. Ever
 its slot's attempt number; a replacement is *counted* when a pod with a higher attempt is
 observed, so a crash between any two steps neither loses nor doubles a count. Past
 `failurePolicy.maxReplacementsPerSlot` the slot stays empty (its failed pod kept, for its
-logs) and the job Degraded. The LearnerFailed event quotes the pod's reason, exit code and last
+logs) and the job Degraded; Failed once no slot can train any more (conditions.py), after
+which no pod is made. The LearnerFailed event quotes the pod's reason, exit code and last
 log lines (its termination message), so they outlive the pod. Spec changes reach new pods
 only (replacements and new slots), like a StatefulSet's OnDelete, with one exception: a
 new division of the data (slots.py) restarts the learners whose data part changed.
@@ -63,7 +64,7 @@ from ddiloco.operator.plan import (
     target_of_group,
 )
 from ddiloco.operator.slots import Slot
-from ddiloco.operator.status import budget_reached, summarize
+from ddiloco.operator.status import budget_reached, failing, learners_exhausted, summarize
 from ddiloco.operator.tokens import token_plan
 
 MAX_EVENT_TAIL = 800  # characters of a failed learner's last output quoted in its event
@@ -102,8 +103,12 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
     plan.actions += [tok.action] if tok.action is not None else []
     plan.events += [tok.event] if tok.event is not None else []
     tls = tls_plan(job, obs, plan)  # certificates and their Secrets (certs.py)
-    _synchronizer(job, obs, plan, tls.revision)
-    plan.actions += evaluator_workload.evaluator_actions(job, obs, token)  # spec.evaluation
+    failure = failing(job, obs)  # Failed: no pod is made any more (conditions.py)
+    halted = job  # the synchronizer as the spec says, or at zero when it is the cause
+    if failure is not None and failure[0] == c.SYNCHRONIZER_STATE_UNUSABLE:
+        halted = job.model_copy(update={"spec": job.spec.model_copy(update={"suspend": True})})
+    _synchronizer(_draining(job, obs) if halted is job else halted, obs, plan, tls.revision)
+    plan.actions += evaluator_workload.evaluator_actions(halted, obs, token)  # spec.evaluation
 
     sync_status, bad = syncstatus.checked(obs.sync_status)
     obs = dataclasses.replace(obs, sync_status=sync_status)
@@ -168,8 +173,9 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
         for index, sid in enumerate(ids):
             rec, pod = books[(group.name, index)], pods.get((group.name, index))
             rec, counted = _slot(
-                job, group, index, tgt, rec, pod, obs.now, plan, shard_count, hot.take, budget_done
-            )
+                job, group, index, tgt, rec, pod, obs.now, plan, shard_count, hot.take,
+                budget_done, halted=failure is not None,
+            )  # fmt: skip
             replaced += counted
             promoted += counted if pod is not None and pod.serial is not None else 0
             mine.append(rec)
@@ -198,7 +204,12 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
             )
         # once every slot of the group has finished, its spares only hold (GPU) nodes
         spares.refill(
-            job, group, tgt, hot, plan, finished=budget_done or 0 < group.replicas == finished
+            job,
+            group,
+            tgt,
+            hot,
+            plan,
+            finished=budget_done or failure is not None or 0 < group.replicas == finished,
         )
         spares.resend(job, group, view.pods, obs.now, plan)
         standing, standing_ready = hot.counts()
@@ -238,7 +249,12 @@ def reconcile(job: DecoupledDiLoCoJob, obs: Observed, fresh_token: str) -> Plan:
             )
         )
 
-    status = summarize(job, obs, groups, new_slots, degraded, not_ready, done, shard_count)
+    if failure is None:
+        failure = learners_exhausted(job.spec.total_replicas(), at_limit, done, limit)
+    status = summarize(job, obs, groups, new_slots, degraded, not_ready, done, shard_count, failure)
+    before = c.get(job.status.conditions, c.FAILED)
+    if failure is not None and (before is None or before.status != "True"):
+        plan.events.append(Event("Warning", "Failed", failure[1]))
     if status != job.status:
         plan.status = status
     return plan
@@ -394,11 +410,14 @@ def _slot(
     shard_count: int,
     take_spare: Callable[[], PodView | None] | None = None,
     budget_done: bool = False,
+    halted: bool = False,
 ) -> tuple[Slot, int]:
     """One slot's next step; returns its new record and 1 if a replacement was counted.
     A due replacement goes to a Ready hot spare when `take_spare` gives one (spares.py).
     Once the job's token budget is merged (`budget_done`) a slot is done whatever its pod
-    does: its learner exits 0 (or has), and a pod that ends or goes is not replaced."""
+    does: its learner exits 0 (or has), and a pod that ends or goes is not replaced. Once
+    the job has Failed (`halted`) no pod is made and a live one is deleted, not a failure;
+    the slot's books stay as they were (a slot at its limit stays so)."""
     counted = 0
     if pod is not None and pod.attempt > rec.replacements:
         counted = 1  # a pod we created after a failure: the replacement happened
@@ -419,6 +438,10 @@ def _slot(
         return rec.update(seen=False, failed=False), counted
     if budget_done:
         return rec.update(seen=False, failed=False), counted
+    if halted:
+        if pod is not None and not pod.terminating and pod.phase in ("Pending", "Running"):
+            plan.actions.append(Action("delete", tgt, "Pod", pod.name, uid=pod.uid))
+        return rec.update(seen=False), counted
 
     def failed(reason: str, text: str) -> Slot:
         name = f"Learner pod {pod.name}" if pod is not None else "The learner pod"
@@ -477,6 +500,18 @@ def _slot(
         plan.actions.append(Action("delete", tgt, "Pod", pod.name, uid=pod.uid))
         return rec.update(seen=False), counted
     return rec.update(seen=True), counted
+
+
+def _draining(job: DecoupledDiLoCoJob, obs: Observed) -> DecoupledDiLoCoJob:
+    """The job whose synchronizer to build: a suspended one (spec.suspend, or preempted by
+    Kueue) keeps it running for as long as a learner pod of the job is there, since each
+    learner hands its fragments over on SIGTERM and needs the synchronizer to accept them;
+    it goes to zero once the last of them is gone."""
+    if not job.spec.suspend or not any(
+        p.job_uid == job.uid and not p.spare for v in obs.clusters.values() for p in v.pods
+    ):
+        return job
+    return job.model_copy(update={"spec": job.spec.model_copy(update={"suspend": False})})
 
 
 def _synchronizer(

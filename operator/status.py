@@ -1,6 +1,8 @@
 """The status a reconcile pass reports: counts, conditions and the derived phase.
 
-    status = summarize(job, obs, groups, slots, degraded, not_ready, done, shard_count)
+    failure = failing(job, obs)          # before a pass acts: a Failed job makes no pod
+    failure = failure or learners_exhausted(desired, at_limit, done, limit)   # slots seen
+    status = summarize(job, obs, groups, slots, degraded, not_ready, done, shard_count, failure)
 
 Pure: the flow of cert-manager's readiness controller (gather, evaluate into conditions);
 reconcile.py gathers, this module evaluates, and the runtime writes the result only when it
@@ -12,6 +14,18 @@ the operator's last request (an available pod that never answers is not a synchr
 can use). The phase summarises what is going on, not whether every box is ticked: Running
 while the synchronizer is available and at least one learner trains, even with a slot empty
 (Ready then says False, LearnersNotReady, and names the slot).
+
+Failed (conditions.py has the rules): `failing` says, before a pass acts, whether the job has
+Failed (recorded for this generation, or its synchronizer crash-loops on exit code 2), and
+`learners_exhausted`, after the slots are seen, whether no slot can train any more. Both read
+only what the apiserver holds (the last status, pods), never the operator's memory.
+
+Per-component counts (status.components) come from the same observation: the synchronizer's
+pods, each group's slot pods and slot books, the evaluator's Deployment. The name is ours, not
+Trainer's `jobsStatus`: those entries count child Jobs, ours count pods (a learner slot is a
+pod), and the same name would promise the same unit; the fields are Trainer's.
+status.groups stays beside it: it holds the slots' books, spares and cluster places; only
+its `ready` repeats a component's count (readyLearners sums it).
 
 Size: every message is bounded (the first few slots by name, then a count) and per-slot
 detail is in slots.py's compact form, so the status stays far below etcd's object limit at
@@ -28,6 +42,7 @@ from ddiloco.operator import builders
 from ddiloco.operator import conditions as c
 from ddiloco.operator import slots as books
 from ddiloco.operator.api import (
+    ComponentStatus,
     Condition,
     DecoupledDiLoCoJob,
     EvaluationStatus,
@@ -35,15 +50,19 @@ from ddiloco.operator.api import (
     JobStatus,
     SynchronizerStatus,
 )
-from ddiloco.operator.plan import Observed, iso
+from ddiloco.operator.plan import ClusterView, Observed, iso, target_of
 from ddiloco.operator.slots import Slot
-from ddiloco.operator.syncstatus import derived
+from ddiloco.operator.syncstatus import checked, derived
 
 MAX_MESSAGE = 1024  # characters of a condition message
 MAX_REMAINING_S = 2**31 - 1  # estimatedRemainingSeconds at most (Kubeflow Trainer's int32)
 
 # Fields of the synchronizer's GET /v1/status copied into the job status when present.
 SYNC_FIELDS = ("global_version", "merges", "tokens_merged", "goodput")
+
+SYNC_REFUSED_EXIT = 2  # what the synchronizer exits with on a start it refuses (cli/errors.py)
+SYNC_REFUSED_RESTARTS = 2  # restarts that make such exits a crash loop, not a passing fault
+MAX_QUOTED = 300  # characters of a container's last line quoted in the Failed message
 
 
 def summarize(
@@ -55,7 +74,10 @@ def summarize(
     not_ready: list[str],
     done: int,
     shard_count: int | None = None,
+    failure: tuple[str, str] | None = None,
 ) -> JobStatus:
+    """The status of a pass; `failure`: (reason, message) of the job's Failed condition
+    (`failing`, `learners_exhausted`), None while it has not Failed."""
     spec, now, gen = job.spec, iso(obs.now), job.generation
     desired = spec.total_replicas()
     ready = sum(g.ready for g in groups if g.name in {x.name for x in spec.learner_groups})
@@ -116,9 +138,18 @@ def summarize(
                 )
                 + " answered the operator's last request",
             )
+        if failure is not None and failure[0] == c.SYNCHRONIZER_STATE_UNUSABLE:
+            sync_c = c.make(c.SYNCHRONIZER_READY, False, failure[0], failure[1])
         if completed:
             learn_c = c.make(
                 c.LEARNERS_READY, True, c.LEARNERS_COMPLETED, f"All {desired} learner pods finished"
+            )
+        elif failure is not None:
+            learn_c = c.make(
+                c.LEARNERS_READY,
+                False,
+                failure[0],
+                f"The job Failed ({failure[0]}): no learner pod is made any more",
             )
         elif desired == 0:
             learn_c = c.make(c.LEARNERS_READY, True, c.NO_LEARNERS, "No learner slots are desired")
@@ -150,7 +181,9 @@ def summarize(
         )
 
     budget_done = budget_reached(job, obs.sync_status)
-    if spec.suspend:
+    if failure is not None:  # terminal for this generation, suspended or not
+        ready_c, phase = c.make(c.READY, False, failure[0], failure[1]), "Failed"
+    elif spec.suspend:
         ready_c, phase = c.make(c.READY, False, c.SUSPENDED, "The job is suspended"), "Suspended"
     elif budget_done:
         ready_c = c.make(
@@ -201,6 +234,7 @@ def summarize(
             "desired_learners": desired,
             "ready_learners": ready,
             "groups": groups,
+            "components": components(job, obs, slots),
             "slots": detail,
             "unhealthy_slots": unhealthy,
             "data_parts": shard_count if shard_count is not None else old.data_parts,
@@ -227,7 +261,167 @@ def _lifecycle(suspended: bool, phase: str, ready_c: Condition, old: JobStatus) 
         out.append(c.make(c.SUSPENDED_TYPE, False, c.JOB_RESUMED, "The job is running again"))
     if phase == "Succeeded":
         out.append(c.make(c.COMPLETE, True, ready_c.reason, ready_c.message))
+    if phase == "Failed":
+        out.append(c.make(c.FAILED, True, ready_c.reason, ready_c.message))
     return out
+
+
+def recorded_failure(job: DecoupledDiLoCoJob) -> tuple[str, str] | None:
+    """(reason, message) of the Failed condition the job's status holds for this very
+    generation of the spec: terminal until the spec changes."""
+    failed = c.get(job.status.conditions, c.FAILED)
+    if failed is None or failed.status != "True" or failed.observed_generation != job.generation:
+        return None
+    return failed.reason, failed.message
+
+
+def failing(job: DecoupledDiLoCoJob, obs: Observed) -> tuple[str, str] | None:
+    """Whether the job has Failed, as far as a pass can tell before it acts: recorded for
+    this generation, or (its budget not merged) a synchronizer pod crash-looping on the
+    exit code of a start it refuses (`synchronizer_refused`). LearnersExhausted is decided
+    after the slots are seen (`learners_exhausted`)."""
+    if (recorded := recorded_failure(job)) is not None:
+        return recorded
+    if job.spec.suspend or budget_reached(job, checked(obs.sync_status)[0]):
+        return None
+    return synchronizer_refused(obs.synchronizer_pods)
+
+
+def learners_exhausted(
+    desired: int, at_limit: list[Slot], done: int, limit: int
+) -> tuple[str, str] | None:
+    """LearnersExhausted when every one of the `desired` slots has either finished (`done`)
+    or used up its replacements (`at_limit`: failed, at `limit`), at least one of them."""
+    if desired <= 0 or not at_limit or len(at_limit) + done < desired:
+        return None
+    shown = ", ".join(f"{s.id} ({s.reason})" for s in at_limit[:5])
+    more = f" and {len(at_limit) - 5} more" if len(at_limit) > 5 else ""
+    finished = f"; {done} finished" if done else ""
+    return (
+        c.LEARNERS_EXHAUSTED,
+        _bounded(
+            f"No learner is left to train: {len(at_limit)} of {desired} learner slots failed "
+            f"after {limit} replacements, failurePolicy.maxReplacementsPerSlot{finished}: "
+            f"{shown}{more}. Read their pods' logs, fix the cause, then raise "
+            "maxReplacementsPerSlot to go on"
+        ),
+    )
+
+
+def synchronizer_refused(pods: tuple[Mapping[str, Any], ...]) -> tuple[str, str] | None:
+    """SynchronizerStateUnusable for the first synchronizer pod whose container is not Ready,
+    last ended with SYNC_REFUSED_EXIT, and is in CrashLoopBackOff or restarted at least
+    SYNC_REFUSED_RESTARTS times; its message quotes the last line of that termination's
+    message (the synchronizer's one-line error)."""
+    for pod in pods:
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        if meta.get("deletionTimestamp"):
+            continue
+        for cs in status.get("containerStatuses") or []:
+            if cs.get("name") != "synchronizer" or cs.get("ready"):
+                continue
+            state, last = cs.get("state") or {}, cs.get("lastState") or {}
+            ended = state.get("terminated") or last.get("terminated") or {}
+            if ended.get("exitCode") != SYNC_REFUSED_EXIT:
+                continue
+            restarts = int(cs.get("restartCount") or 0)
+            looping = (state.get("waiting") or {}).get("reason") == "CrashLoopBackOff"
+            if restarts < SYNC_REFUSED_RESTARTS and not looping:
+                continue
+            lines = [x.strip() for x in str(ended.get("message") or "").splitlines() if x.strip()]
+            said = lines[-1] if lines else "no message; see its logs"
+            said = said if len(said) <= MAX_QUOTED else said[: MAX_QUOTED - 4] + " ..."
+            name = meta.get("name", "?")
+            return (
+                c.SYNCHRONIZER_STATE_UNUSABLE,
+                f"Synchronizer pod {name} keeps exiting with code {SYNC_REFUSED_EXIT} "
+                f"(restarted {restarts} times), a start it refuses and a restart cannot fix "
+                f"(its state directory, or its settings): {said}. It is scaled to zero with "
+                "its state claim kept; fix the cause (`kubectl logs --previous`), then change "
+                "the spec to start it again",
+            )
+    return None
+
+
+def components(job: DecoupledDiLoCoJob, obs: Observed, slots: list[Slot]) -> list[ComponentStatus]:
+    """status.components: the synchronizer, each learner group of the spec, the evaluator
+    when spec.evaluation is set. A group whose cluster cannot be seen keeps its last counts."""
+    spec, old = job.spec, {x.name: x for x in job.status.components}
+    out = [_synchronizer_counts(job, obs)]
+    for group in spec.learner_groups:
+        name = f"learners-{group.name}"
+        view = obs.clusters.get(target_of(job, group), ClusterView(problem=("", "")))
+        if view.problem is not None:
+            out.append(old.get(name) or ComponentStatus(name=name))
+            continue
+        pods = [
+            p
+            for p in view.pods
+            if p.job_uid == job.uid
+            and not p.spare
+            and p.group == group.name
+            and 0 <= p.index < group.replicas
+            and not p.terminating
+        ]
+        live = [p for p in pods if p.phase in ("Pending", "Running")]
+        out.append(
+            ComponentStatus(
+                name=name,
+                active=len(live),
+                ready=sum(p.ready and p.phase == "Running" for p in live),
+                succeeded=sum(p.phase == "Succeeded" for p in pods),
+                failed=sum(
+                    s.failed
+                    for s in slots
+                    if s.group == group.name
+                    and s.index < group.replicas
+                    and not any(p.index == s.index for p in live)
+                ),
+                suspended=group.replicas if spec.suspend else 0,
+            )
+        )
+    if spec.evaluation is not None:
+        dep = (obs.evaluator or {}).get("status") or {}
+        out.append(
+            ComponentStatus(
+                name="evaluator",
+                active=int(dep.get("replicas") or 0),
+                ready=int(dep.get("readyReplicas") or 0),
+                suspended=1 if spec.suspend else 0,
+            )
+        )
+    return out
+
+
+def _synchronizer_counts(job: DecoupledDiLoCoJob, obs: Observed) -> ComponentStatus:
+    active = ready = succeeded = failed = 0
+    for pod in obs.synchronizer_pods:
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        phase = status.get("phase") or "Pending"
+        if meta.get("deletionTimestamp"):
+            continue
+        if phase == "Succeeded":
+            succeeded += 1
+            continue
+        looping = any(
+            ((cs.get("state") or {}).get("waiting") or {}).get("reason") == "CrashLoopBackOff"
+            for cs in status.get("containerStatuses") or []
+        )
+        if phase == "Failed" or looping:
+            failed += 1
+            continue
+        active += 1
+        conds = {x.get("type"): x.get("status") for x in status.get("conditions") or []}
+        ready += conds.get("Ready") == "True"
+    shards = job.spec.synchronizer.shards
+    return ComponentStatus(
+        name="synchronizer",
+        active=active,
+        ready=ready,
+        succeeded=succeeded,
+        failed=failed,
+        suspended=shards if job.spec.suspend else 0,
+    )
 
 
 def budget_reached(job: DecoupledDiLoCoJob, sync: Mapping[str, Any] | None) -> bool:
@@ -236,7 +430,7 @@ def budget_reached(job: DecoupledDiLoCoJob, sync: Mapping[str, Any] | None) -> b
     another), or the last status said so for this generation of the spec (the synchronizer
     need not answer any more once the job is done)."""
     total = job.spec.training.total_tokens
-    if total <= 0:
+    if total <= 0 or recorded_failure(job) is not None:  # Failed first: Complete never
         return False
     if sync is not None and sync.get("finished") is True and sync.get("total_tokens") == total:
         return True

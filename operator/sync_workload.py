@@ -244,6 +244,9 @@ def build_synchronizer_statefulset(
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["ddiloco", "synchronizer"],
+        # its one-line error on a refused start (exit 2) becomes the termination message,
+        # which the job's Failed condition quotes (operator/conditions.py)
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "env": env,
         "ports": [
             {"name": "http", "containerPort": SYNC_PORT, "protocol": "TCP"},

@@ -80,7 +80,11 @@ def test_rbac_is_exactly_deploy_rbac(helm: c.Helm) -> None:
     cluster = next(r for r in roles if r["metadata"]["name"].endswith("-cluster"))
     assert c.rule_triples(cluster["rules"]) == scan | {
         ("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")
-    }, "the only cluster-scoped needs are reading CRDs and scanning namespaces"
+    } | {
+        ("kueue.x-k8s.io", kind, "get") for kind in ("resourceflavors", "workloadpriorityclasses")
+    }, (
+        "the only cluster-scoped needs: reading CRDs and Kueue's cluster objects, scanning namespaces"
+    )
     # Watching every namespace, kopf scans none: that right is left out.
     roles = c.by_kind(helm.template(), "ClusterRole")
     assert c.rule_triples([r for role in roles for r in role["rules"]]) == documented - scan

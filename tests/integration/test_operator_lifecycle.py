@@ -191,8 +191,14 @@ def test_suspend_frees_the_learners_and_resume_brings_them_back(
         lambda: not any(cl.pods(c, job) for c in ("home", "region-a")),
         timeout=20,
     )
-    dep = cl.apps().read_namespaced_stateful_set(f"{job}-synchronizer", cl.ns)
-    assert dep.spec.replicas == 0
+    # the synchronizer, which took the learners' last hand-overs, stops once they are gone
+    k8senv.wait_until(
+        "the synchronizer scaled to 0",
+        lambda: (
+            cl.apps().read_namespaced_stateful_set(f"{job}-synchronizer", cl.ns).spec.replicas == 0
+        ),
+        timeout=20,
+    )
     # scaled to 0, the shard keeps its claim (whenScaled: Retain): resuming keeps the state
     claim = f"state-{job}-synchronizer-0"
     assert cl.core().read_namespaced_persistent_volume_claim(claim, cl.ns).status.phase == "Bound"

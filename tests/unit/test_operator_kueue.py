@@ -1,6 +1,7 @@
 """The operator's Kueue integration, purely (operator/kueue.py): the Workload it asks Kueue
 for, the job it runs once Kueue has (or has not) admitted it, and the Workload status that
-gives the quota back; and the Suspended and Complete conditions every job has (status.py).
+gives the quota back (also for a Failed job); and the Suspended and Complete conditions
+every job has (status.py).
 The real Kueue's side: tests/integration/test_kueue.py."""
 
 from __future__ import annotations
@@ -171,6 +172,30 @@ def test_finishing_marks_the_workload_finished_and_stopped_needs_every_pod_gone(
     assert not kueue.stopped(job, [P()], None)
     assert not kueue.stopped(job, [], {"status": {"replicas": 1}})
     assert kueue.stopped(job, [], {"status": {"replicas": 0}})
+
+
+def test_a_failed_job_finishes_its_workload_with_reason_failed() -> None:
+    """Kueue frees the quota of a Finished Workload: a Failed job's says Failed and quotes
+    why; a running job's is left alone."""
+    failed = make_job().status.model_copy(
+        update={
+            "phase": "Failed",
+            "conditions": [c.make(c.FAILED, True, c.LEARNERS_EXHAUSTED, "No learner is left")],
+        }
+    )
+    assert kueue.finished_as(failed) == ("Failed", "No learner is left")
+    done = failed.model_copy(update={"phase": "Succeeded"})
+    assert kueue.finished_as(done) == ("Succeeded", "The job is done")
+    assert kueue.finished_as(failed.model_copy(update={"phase": "Running"})) is None
+    wl = admitted_workload({"synchronizer": 1})
+    reason, message = kueue.finished_as(failed) or ("", "")
+    out = kueue.finish_status(wl, message, "2026-01-01T00:00:00Z", reason=reason)
+    fin = next(x for x in out["conditions"] if x["type"] == "Finished")
+    assert (fin["status"], fin["reason"], fin["message"]) == (
+        "True",
+        "Failed",
+        "No learner is left",
+    )
 
 
 def test_min_replicas_above_replicas_is_refused() -> None:

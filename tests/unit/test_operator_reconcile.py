@@ -504,6 +504,12 @@ def test_suspend_removes_learners_without_counting_failures() -> None:
         "tiny-home-1",
         "tiny-ra-0",
     ]
+    # the synchronizer accepts the learners' hand-overs until their pods are gone, then stops
+    assert not [a for a in plan.actions if a.kind == "StatefulSet"]
+    leaving = tuple(pod(p.group, p.index, p.uid, terminating=True) for p in home_pods)
+    _, plan = step(suspended, observe(job, leaving, ()))
+    assert not [a for a in plan.actions if a.kind == "StatefulSet"]
+    _, plan = step(suspended, observe(job))
     sts = next(a for a in plan.actions if a.kind == "StatefulSet")
     assert sts.verb == "replace" and sts.body["spec"]["replicas"] == 0
     assert suspended.status.phase == "Suspended" and cond(suspended, c.READY)[1] == c.SUSPENDED

@@ -1,5 +1,6 @@
 """The status tells the truth: readiness, phase, failure reasons, valid names,
-unique data parts under scaling, and a status that fits etcd at the CRD's largest spec.
+unique data parts under scaling, a status that fits etcd at the CRD's largest spec, the
+Failed condition's rules (conditions.py) and the per-component counts.
 
     .venv/bin/pytest tests/unit/test_operator_status.py
 
@@ -561,3 +562,232 @@ def test_a_pod_that_cannot_start_says_why_in_the_job_status(
     job, _ = step(job, observe(job, (starting,)))
     ready = c.get(job.status.conditions, c.LEARNERS_READY)
     assert ready is not None and ready.message.endswith("waiting for a-0")
+
+
+# --------------------------------------------------------------------------- Failed, components
+
+
+def next_generation(job: DecoupledDiLoCoJob, **spec: Any) -> DecoupledDiLoCoJob:
+    """A spec change as the apiserver records it: metadata.generation moves, status kept."""
+    body = job.model_dump(by_alias=True, exclude_none=True, mode="json")
+    body["spec"].update(spec)
+    body["metadata"]["generation"] = job.generation + 1
+    return DecoupledDiLoCoJob.from_body(body).model_copy(update={"status": job.status})
+
+
+def fail_learner(
+    job: DecoupledDiLoCoJob,
+    pods: dict[str, PodView],
+    index: int,
+    reason: str = "Error",
+    code: int = 1,
+    phase: str = "Failed",
+) -> None:
+    """Slot a-<index>'s current pod ends (kwok's failed stage), or Succeeds with code 0."""
+    name = builders.learner_pod_name(job, "a", index)
+    body = builders.build_learner_pod(
+        job, job.spec.learner_groups[0], index, attempt=pods[name].attempt
+    )
+    status = kwok_failed(reason, code, "Traceback ...\nRuntimeError: boom")
+    pods[name] = as_pod(job, body, f"ended-{name}-{random.random()}", **{**status, "phase": phase})
+
+
+def sync_pod(job: DecoupledDiLoCoJob, **container: Any) -> dict[str, Any]:
+    """The synchronizer's pod as the apiserver holds it, Ready, or with the given container
+    status (a kubelet's words for a crash loop)."""
+    cs = {"name": "synchronizer", "ready": True, "restartCount": 0, "state": {"running": {}}}
+    cs.update(container)
+    return {
+        "metadata": {
+            "name": f"{builders.synchronizer_name(job)}-0",
+            "labels": builders.labels(job, "synchronizer"),
+        },
+        "status": {
+            "phase": "Running",
+            "conditions": [{"type": "Ready", "status": "True" if cs["ready"] else "False"}],
+            "containerStatuses": [cs],
+        },
+    }
+
+
+REFUSED_LOG = (
+    "INFO Starting synchronizer\n"
+    "ddiloco synchronizer: error: /state/layout.json: format 9, this synchronizer reads 3\n"
+)
+
+
+def crash_loop(
+    exit_code: int = 2, restarts: int = 3, waiting: str = "CrashLoopBackOff"
+) -> dict[str, Any]:
+    return {
+        "ready": False,
+        "restartCount": restarts,
+        "state": {"waiting": {"reason": waiting}},
+        "lastState": {
+            "terminated": {"exitCode": exit_code, "reason": "Error", "message": REFUSED_LOG}
+        },
+    }
+
+
+def with_sync(obs: Observed, *pods: dict[str, Any]) -> Observed:
+    return dataclasses.replace(obs, synchronizer_pods=pods)
+
+
+def counts(job: DecoupledDiLoCoJob, name: str) -> tuple[int, int, int, int, int]:
+    """(active, ready, succeeded, failed, suspended) of one status.components entry."""
+    x = next(x for x in job.status.components if x.name == name)
+    return x.active, x.ready, x.succeeded, x.failed, x.suspended
+
+
+def test_a_job_with_every_slot_at_its_replacement_limit_fails_and_makes_no_pod() -> None:
+    job = make_job(failurePolicy={"backoffSeconds": 0, "maxReplacementsPerSlot": 0})
+    pods: dict[str, PodView] = {}
+    job = settle(job, pods)
+    ok = sync_pod(job)
+    job, _ = step(job, with_sync(observe(job, tuple(pods.values())), ok))
+    assert counts(job, "synchronizer") == (1, 1, 0, 0, 0)
+    assert counts(job, "learners-a") == (2, 2, 0, 0, 0)
+
+    fail_learner(job, pods, 0, "OOMKilled", 137)
+    job, plan = step(job, with_sync(observe(job, tuple(pods.values())), ok))
+    assert job.status.phase == "Degraded"  # one slot left trains: Degraded, not Failed
+    assert c.get(job.status.conditions, c.FAILED) is None
+    assert counts(job, "learners-a") == (1, 1, 0, 1, 0)
+
+    fail_learner(job, pods, 1)
+    job, plan = step(job, with_sync(observe(job, tuple(pods.values())), ok))
+    assert job.status.phase == "Failed"
+    assert cond(job, c.FAILED) == ("True", c.LEARNERS_EXHAUSTED)
+    assert cond(job, c.READY) == ("False", c.LEARNERS_EXHAUSTED)
+    assert cond(job, c.DEGRADED) == ("True", c.REPLACEMENT_LIMIT_REACHED)
+    assert c.get(job.status.conditions, c.COMPLETE) is None
+    failed = c.get(job.status.conditions, c.FAILED)
+    assert failed is not None and "a-0 (OOMKilled), a-1 (Error)" in failed.message
+    assert [e.reason for e in plan.events].count("Failed") == 1
+    assert [a for a in plan.actions if a.kind in ("Pod", "StatefulSet")] == []  # all kept
+    assert counts(job, "learners-a") == (0, 0, 0, 2, 0)
+    assert counts(job, "synchronizer") == (1, 1, 0, 0, 0)  # kept: the model can be exported
+
+    # the next pass knows only the status, as a restarted operator: Failed, no second event
+    again, plan = step(job, with_sync(observe(job, tuple(pods.values())), ok))
+    assert again.status.phase == "Failed" and "Failed" not in [e.reason for e in plan.events]
+    assert created(plan) == [] and plan.status is None
+
+    # raising the limit is a new generation: the rules run again, the slots are replaced
+    retry = next_generation(again, failurePolicy={"backoffSeconds": 0, "maxReplacementsPerSlot": 1})
+    retry = settle(retry, pods)
+    assert retry.status.phase == "Running" and cond(retry, c.READY)[0] == "True"
+    assert c.get(retry.status.conditions, c.FAILED) is None
+    assert {p.attempt for p in pods.values()} == {1}
+
+
+def test_finished_and_exhausted_slots_fail_the_job_and_spares_go() -> None:
+    job = make_job(failurePolicy={"backoffSeconds": 0, "maxReplacementsPerSlot": 0, "hotSpares": 1})
+    pods: dict[str, PodView] = {}
+    job = settle(job, pods)
+    assert any(p.spare for p in pods.values())
+    fail_learner(job, pods, 0, "Completed", 0, phase="Succeeded")
+    fail_learner(job, pods, 1, "OOMKilled", 137)
+    job, plan = step(job, observe(job, tuple(pods.values())))
+    assert cond(job, c.FAILED) == ("True", c.LEARNERS_EXHAUSTED)
+    failed = c.get(job.status.conditions, c.FAILED)
+    assert failed is not None and "1 of 2 learner slots" in failed.message
+    assert "1 finished" in failed.message
+    assert counts(job, "learners-a")[2:4] == (1, 1)  # succeeded, failed
+    run_pods(job, pods, plan)
+    job, plan = step(job, observe(job, tuple(pods.values())))
+    assert created(plan) == []
+    run_pods(job, pods, plan)
+    assert not any(p.spare for p in pods.values())  # a hot spare only holds a node now
+
+
+def test_a_synchronizer_refusing_its_state_fails_the_job_quoting_its_error() -> None:
+    job = make_job()
+    pods: dict[str, PodView] = {}
+    job = settle(job, pods)
+    live = tuple(pods.values())
+
+    # a crash loop on another code is a fault a restart may fix; one exit 2 is not a loop yet
+    for container in (crash_loop(exit_code=1), crash_loop(restarts=1, waiting="ContainerCreating")):
+        seen, plan = step(job, with_sync(observe(job, live), sync_pod(job, **container)))
+        assert seen.status.phase != "Failed" and c.get(seen.status.conditions, c.FAILED) is None
+    seen, _ = step(job, with_sync(observe(job, live), sync_pod(job, **crash_loop(exit_code=1))))
+    assert counts(seen, "synchronizer") == (0, 0, 0, 1, 0)
+
+    job, plan = step(job, with_sync(observe(job, live), sync_pod(job, **crash_loop())))
+    assert job.status.phase == "Failed"
+    assert cond(job, c.FAILED) == ("True", c.SYNCHRONIZER_STATE_UNUSABLE)
+    assert cond(job, c.SYNCHRONIZER_READY) == ("False", c.SYNCHRONIZER_STATE_UNUSABLE)
+    failed = c.get(job.status.conditions, c.FAILED)
+    assert failed is not None
+    assert "layout.json: format 9, this synchronizer reads 3" in failed.message
+    assert "tiny-synchronizer-0" in failed.message and "INFO" not in failed.message
+    assert [e.reason for e in plan.events] == ["Failed"]
+    # the learners go (nothing they train can be merged); the synchronizer goes to zero
+    assert sorted(a.name for a in plan.actions if a.verb == "delete") == sorted(pods)
+    (sts,) = [a for a in plan.actions if a.kind == "StatefulSet"]
+    assert sts.verb == "replace" and sts.body is not None and sts.body["spec"]["replicas"] == 0
+    assert created(plan) == []
+
+    # its pod and the learners gone, the job stays Failed and makes nothing
+    gone, plan = step(job, observe(job, ()))
+    assert gone.status.phase == "Failed" and created(plan) == []
+    assert "Failed" not in [e.reason for e in plan.events]
+    # a new generation (e.g. a fixed image) starts it again
+    fixed, plan = step(next_generation(gone, image="ddiloco:fixed"), observe(gone, ()))
+    assert c.get(fixed.status.conditions, c.FAILED) is None
+    assert len(created(plan)) == 2
+
+
+def test_complete_and_failed_exclude_each_other() -> None:
+    budget = {"model": "tiny", "totalTokens": 100}
+    finished = {**ANSWER, "finished": True, "total_tokens": 100}
+    limit0 = {"backoffSeconds": 0, "maxReplacementsPerSlot": 0}
+
+    # done first: learners that end after the budget is merged are no failure
+    job = make_job(training=budget, failurePolicy=limit0)
+    pods: dict[str, PodView] = {}
+    job = settle(job, pods)
+    job, _ = step(job, observe(job, tuple(pods.values()), sync=finished))
+    fail_learner(job, pods, 0)
+    fail_learner(job, pods, 1)
+    job, _ = step(job, observe(job, tuple(pods.values()), sync=finished))
+    assert cond(job, c.COMPLETE) == ("True", c.TOKEN_BUDGET_REACHED)
+    assert c.get(job.status.conditions, c.FAILED) is None and job.status.phase == "Succeeded"
+
+    # Failed first: a synchronizer that then says the budget is merged changes nothing
+    job = make_job(training=budget, failurePolicy=limit0)
+    pods = {}
+    job = settle(job, pods)
+    fail_learner(job, pods, 0)
+    fail_learner(job, pods, 1)
+    job, _ = step(job, observe(job, tuple(pods.values())))
+    assert job.status.phase == "Failed"
+    job, _ = step(job, observe(job, tuple(pods.values()), sync=finished))
+    assert job.status.phase == "Failed" and c.get(job.status.conditions, c.COMPLETE) is None
+
+
+def test_components_count_suspended_pods_and_the_evaluator() -> None:
+    job = make_job(
+        [{"name": "a", "replicas": 2}, {"name": "b", "replicas": 1}],
+        suspend=True,
+        evaluation={"data": "/data/heldout.jsonl"},
+    )
+    obs = dataclasses.replace(
+        observe(job), evaluator={"status": {"replicas": 0, "readyReplicas": 0}}
+    )
+    job, _ = step(job, obs)
+    assert [x.name for x in job.status.components] == [
+        "synchronizer", "learners-a", "learners-b", "evaluator",
+    ]  # fmt: skip
+    assert counts(job, "synchronizer") == (0, 0, 0, 0, 1)
+    assert counts(job, "learners-a") == (0, 0, 0, 0, 2)
+    assert counts(job, "learners-b") == (0, 0, 0, 0, 1)
+    assert counts(job, "evaluator") == (0, 0, 0, 0, 1)
+    resumed = with_spec(job, suspend=False)
+    obs = dataclasses.replace(
+        observe(resumed), evaluator={"status": {"replicas": 1, "readyReplicas": 1}}
+    )
+    resumed, _ = step(resumed, obs)
+    assert counts(resumed, "evaluator") == (1, 1, 0, 0, 0)
+    assert counts(resumed, "learners-a") == (0, 0, 0, 0, 0)  # asked for, not made yet
