@@ -24,7 +24,8 @@ updates (what the encoding changes); down is the synchronizer's broadcasts (floa
 
 `--downloads`: the same runs for pairs of update and broadcast encodings (`DOWNLOAD_ARMS`:
 wire/broadcast.py's float32, bfloat16, int8, int8-delta, int4-delta downloads, with
-bfloat16 and int4 uploads), paired by seed against bfloat16 up / float32 down, with the bytes
+bfloat16 and int4 uploads; `--arms` picks some), paired by seed against the first arm
+(bfloat16 up / float32 down unless `--arms` says otherwise), with the bytes
 per token up, down and in all against data-parallel's (one run: its bytes do not depend on
 the seed). Down is what the learners downloaded (their final stats); the synchronizer's count,
 which adds the run's evaluator reading the whole model every `--eval-every` seconds, is
@@ -319,6 +320,7 @@ def table(rows: list[dict[str, Any]], prefix: str = "diloco_") -> str:
 
 DOWNLOAD_ARMS = (
     ("bfloat16", "float32"),
+    ("bfloat16", "bfloat16"),
     ("bfloat16", "int8-delta"),
     ("int4", "float32"),
     ("int4", "bfloat16"),
@@ -327,6 +329,21 @@ DOWNLOAD_ARMS = (
     ("int4", "int4-delta"),
 )
 """--downloads: (update encoding, broadcast encoding) per arm; the first is the baseline."""
+
+
+def download_arms(spec: str | None) -> tuple[tuple[str, str], ...]:
+    """--arms "up/down,up/down": the chosen arms in the given order (the first is the
+    baseline the others are paired against); all of `DOWNLOAD_ARMS` when not given."""
+    if not spec:
+        return DOWNLOAD_ARMS
+    arms = []
+    for item in spec.split(","):
+        up, sep, down = item.strip().partition("/")
+        if not sep or (up, down) not in DOWNLOAD_ARMS:
+            known = ", ".join(f"{u}/{d}" for u, d in DOWNLOAD_ARMS)
+            raise SystemExit(f"--arms: unknown arm {item!r} (known: {known})")
+        arms.append((up, down))
+    return tuple(arms)
 
 
 def downloads_table(rows: list[dict[str, Any]]) -> str:
@@ -379,7 +396,7 @@ def downloads(args: argparse.Namespace) -> None:
     rows: list[dict[str, Any]] = []
     t0 = time.time()
     for seed in range(args.seeds):
-        for up, down in DOWNLOAD_ARMS:
+        for up, down in download_arms(args.arms):
             r = run_diloco(seed, up, args, out / f"s{seed}-{up}-{down}", download=down)
             rows.append(r)
             print(json.dumps(r), flush=True)
@@ -424,11 +441,16 @@ def main() -> None:
         help="broadcast encodings: float32 / bfloat16 / int8 / int8-delta / int4-delta downloads "
         "with bf16 and int4 uploads, and data-parallel's bytes",
     )
+    ap.add_argument(
+        "--arms",
+        help='--downloads: the arms to run, "up/down" comma-separated (e.g. '
+        '"bfloat16/float32,bfloat16/bfloat16"; the first is the baseline); default: all',
+    )
     args = ap.parse_args()
     if args.downloads and args.controlled:
         rows = []
         for seed in range(args.seeds):
-            for up, down in DOWNLOAD_ARMS:
+            for up, down in download_arms(args.arms):
                 r = controlled(
                     seed, up, learners=args.learners, rounds=args.rounds, h=args.h, download=down
                 )

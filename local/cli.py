@@ -184,8 +184,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--broadcast-encoding",
         choices=list(BROADCAST_ENCODINGS),
-        default="float32",
-        help="how the synchronizer serves merged fragments: float32 (default), bfloat16, int8, "
+        default="bfloat16",
+        help="how the synchronizer serves merged fragments: bfloat16 (default), float32, int8, "
         "or int8-delta / int4-delta (quantized deltas from the copy each learner holds)",
     )
     ap.add_argument("--seed", type=int, default=0)

@@ -94,9 +94,9 @@ class LocalConfig:
     update_encoding: str = "bfloat16"
     """How learners send updates (wire/encodings.py: float32, bfloat16, int8, int4); the
     synchronizer is configured to accept that one alone."""
-    broadcast_encoding: str = "float32"
-    """How the synchronizer serves merged fragments (wire/broadcast.py: float32,
-    bfloat16, int8, int8-delta, int4-delta)."""
+    broadcast_encoding: str = "bfloat16"
+    """How the synchronizer serves merged fragments (wire/broadcast.py: bfloat16, float32,
+    int8, int8-delta, int4-delta)."""
     sync_shards: int = 1
     """S, synchronizer shards, each a process with its own state dir and port."""
     tensorboard: Path | None = None

@@ -925,14 +925,15 @@ class JobSpec(_Model):
     """How learners encode the updates they send: bfloat16, float32, or int8 / int4
     (blockwise absmax scales, with error feedback on the learner). The synchronizer accepts
     only this encoding. Fixed for the job's life."""
-    broadcast_encoding: BroadcastEncoding = "float32"
-    """How learners download merged fragments: float32, bfloat16, int8, or int8-delta /
-    int4-delta (the change since the copy the learner holds, quantized with its error carried
-    into the next: every learner holds what the synchronizer serves bit for bit; one that
-    missed a version gets it whole). int8-delta measured level with float32 at a quarter of
-    its bytes, for links that are the bottleneck; its encoding costs the synchronizer seconds
-    per merge of a large fragment on few cores (bench/RESULTS.md, "Downloads" and "The round
-    trip"), so it is not the default."""
+    broadcast_encoding: BroadcastEncoding = "bfloat16"
+    """How learners download merged fragments: bfloat16 (the default: level with float32 at
+    equal tokens, at half its bytes), float32, int8, or int8-delta / int4-delta (the change
+    since the copy the learner holds, quantized with its error carried into the next: every
+    learner holds what the synchronizer serves bit for bit; one that missed a version gets it
+    whole). int8-delta measured level with float32 at a quarter of its bytes, for links that
+    are the bottleneck; its encoding costs the synchronizer seconds per merge of a large
+    fragment on few cores (bench/RESULTS.md, "Downloads" and "The round trip"), so it is not
+    the default."""
     suspend: bool = False
     """While true no learner pods run and the synchronizer is scaled to zero (Kueue sets it)."""
     managed_by: str | None = Field(None, min_length=3, max_length=63, pattern=MANAGED_BY)

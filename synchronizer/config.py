@@ -262,14 +262,16 @@ class SyncSettings(BaseSettings):
     max_norm_ratio: float = Field(100.0, gt=1.0)
     """Refuse an update whose norm exceeds this multiple of the recent median norm (kept in
     the fragment file, so it too survives a restart)."""
-    broadcast_encoding: BroadcastEncoding = "float32"
-    """How merged fragments are served to learners (wire/broadcast.py): `float32`,
-    `bfloat16`, `int8` (blockwise absmax codes of Theta, a float32 scale per 128 values),
-    `int8-delta` or `int4-delta` (the difference from the served copy the learner holds,
-    quantized so that its error is carried into the next one: a learner that follows every
-    merge holds what the synchronizer serves bit for bit, within half a quantization step of
-    Theta; one that missed a version, or after a restart, gets it whole in float32). The delta
-    encodings keep a float32 copy of each fragment's served copy beside Theta."""
+    broadcast_encoding: BroadcastEncoding = "bfloat16"
+    """How merged fragments are served to learners (wire/broadcast.py): `bfloat16` (the
+    default: learners rebase on Theta rounded to bfloat16, level with `float32` at equal
+    tokens, at half its bytes), `float32`, `int8` (blockwise absmax codes of Theta, a float32
+    scale per 128 values), `int8-delta` or `int4-delta` (the difference from the served copy
+    the learner holds, quantized so that its error is carried into the next one: a learner
+    that follows every merge holds what the synchronizer serves bit for bit, within half a
+    quantization step of Theta; one that missed a version, or after a restart, gets it whole
+    in float32). The delta encodings keep a float32 copy of each fragment's served copy
+    beside Theta."""
     update_encodings: Annotated[list[UpdateEncoding], NoDecode] = Field(
         default_factory=lambda: ["float32", "bfloat16"], min_length=1
     )

@@ -97,7 +97,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--broadcast-encoding",
         choices=list(BROADCAST_ENCODINGS),
-        help="how merged fragments are served (env DDILOCO_BROADCAST_ENCODING; default float32; "
+        help="how merged fragments are served (env DDILOCO_BROADCAST_ENCODING; default bfloat16; "
         "int8-delta / int4-delta: quantized deltas from the copy a learner holds)",
     )
     ap.add_argument(

@@ -144,12 +144,12 @@ def check_synchronizer(s: Scrape, fragments: int) -> None:
     accepted = s.get("ddiloco_updates_accepted_total")
     assert accepted == s.get("ddiloco_update_bytes_count") >= contributions
     assert s.get("ddiloco_update_bytes_sum") == s.get("ddiloco_bytes_up_total") > 0
-    # learners upload bfloat16 deltas; the synchronizer serves float32 fragments
+    # learners upload bfloat16 deltas; the synchronizer serves bfloat16 fragments (the default)
     assert s.by("ddiloco_bytes_received_total", "encoding") == {
         "bf16": s.get("ddiloco_bytes_up_total")
     }
     assert s.by("ddiloco_bytes_served_total", "encoding") == {
-        "fp32": s.get("ddiloco_bytes_down_total")
+        "bf16": s.get("ddiloco_bytes_down_total")
     }
     quorum = sum(s.by("ddiloco_round_quorum_seconds_sum", "fragment").values())
     publish = sum(s.by("ddiloco_round_publish_seconds_sum", "fragment").values())

@@ -59,6 +59,7 @@ def make(state: Path, clock: Clock, **kw: object) -> Synchronizer:
         "outer_lr": 1.0,
         "outer_momentum": 0.0,
         "max_update_ratio": 10.0,
+        "broadcast_encoding": "float32",  # the served copy is Theta exactly: the merge's figures
     }
     return Synchronizer(SyncSettings(**(base | kw)), clock=clock)  # type: ignore[arg-type]
 

@@ -82,7 +82,7 @@ def wait_arrival(diloco: DecoupledDiLoCo) -> None:
 
 def global_weight(server: SyncServer, p: int = 0) -> torch.Tensor:
     _, tensors = server.client().fragment(p)
-    return next(iter(tensors.values()))
+    return next(iter(tensors.values())).float()
 
 
 @pytest.mark.parametrize("adoption", ["rebase", "overwrite"])

@@ -48,6 +48,7 @@ def sync_for(state: Path, clock: Clock, scale: str, quorum: int = 1) -> Synchron
         max_update_ratio=10.0,
         max_staleness=4,
         merge_scale=scale,  # type: ignore[arg-type]
+        broadcast_encoding="float32",  # the served copy is Theta exactly: the merge's figures
     )
     return Synchronizer(settings, clock=clock)
 

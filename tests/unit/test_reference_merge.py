@@ -133,6 +133,7 @@ def check(state: Path, shapes: Shapes, knobs: Knobs, plan: Plan, ways: int) -> i
             max_norm_ratio=1e6,
             merge_threads=ways,
             update_encodings=list(UPDATE_ENCODINGS),
+            broadcast_encoding="float32",  # the served copy is Theta exactly: the reference's
             **knobs,
         ),
         clock=Clock(),

@@ -366,7 +366,8 @@ def test_init_from_a_gpt_export_seeds_the_synchronizer(
     client.close()
     assert set(served) == set(exported)
     for name, t in exported.items():
-        assert torch.equal(served[name].float(), t), name  # the job's initial model: the export
+        # the job's initial model: the export, in the broadcast's dtype
+        assert torch.equal(served[name], t.to(served[name].dtype)), name
     # and every learner's local model starts from it too
     task = build_task(preset="tiny", data=str(trained[2]), batch_size=2, init_from=str(gpt_export))
     params = dict(task.model.named_parameters())

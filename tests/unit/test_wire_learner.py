@@ -66,6 +66,7 @@ def test_quantized_hand_overs_carry_what_was_dropped(
         merge="mean",
         max_update_ratio=100.0,
         update_encodings=[encoding],
+        broadcast_encoding="float32",  # the global copy is read back exactly: the anchor
     )
     model, opt, diloco = learner(server, encoding)
     g = torch.Generator().manual_seed(3)
