@@ -23,8 +23,11 @@ which the synchronizer's checkpoints write with too):
 Every export also writes ddiloco_export.json: its source, the fragment versions and the
 spec's name. From a state dir it reads layout.json and fragment-NNNN.safetensors (the
 `param/` tensors, float32); a running synchronizer replaces those atomically, so a live
-state dir reads fine. From `--sync-url` (token from DDILOCO_TOKEN or `--token-file`) it GETs
-/v1/status, /v1/model and each fragment in turn, each at its latest version. A sharded
+state dir reads fine. From `--sync-url` (the job key, from DDILOCO_TOKEN or `--token-file`)
+it GETs /v1/status, /v1/model and each fragment's Theta in float32 in turn
+(`GET /v1/fragments/{p}/float32`), each at its latest version: the same bits a state-dir
+export writes, whatever encoding the synchronizer broadcasts to learners (bfloat16 by
+default). A learner's or evaluator's credential is refused there (403). A sharded
 synchronizer: `--state-dir` and `--sync-url` take every shard's, comma-separated (each
 fragment is read from its owner). Errors are one line, `ddiloco export: error: ...`, with
 exit status 2.
@@ -37,6 +40,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -122,8 +126,29 @@ def from_state_dir(path: str | os.PathLike[str], *, shard_ok: bool = False) -> G
     return GlobalModel(params, versions, spec, str(root.resolve()), layout)
 
 
+BUSY_WAIT_S = 60.0
+"""How long a fragment's float32 read is asked again while the synchronizer answers 503
+(another read of that fragment is being encoded)."""
+
+
+def exact_fragment(client: Any, p: int) -> tuple[int, dict[str, torch.Tensor]]:
+    """Fragment p's float32 Theta and version from `client` (a SyncClient or ShardClients),
+    asked again each second while it answers 503, for `BUSY_WAIT_S` at most."""
+    from ddiloco.learner.sync_client import SyncUnavailable
+
+    deadline = time.monotonic() + BUSY_WAIT_S
+    while True:
+        try:
+            return client.exact_fragment(p)
+        except SyncUnavailable as e:
+            if e.status != 503 or time.monotonic() >= deadline:
+                raise
+        time.sleep(1.0)
+
+
 def from_synchronizer(url: str, token: Any, tls: Any = None) -> GlobalModel:
-    """The global model a live synchronizer serves (GET /v1/status, /v1/model, fragments)."""
+    """The global model a live synchronizer holds (GET /v1/status, /v1/model, and each
+    fragment's float32 Theta): exact, as a state-dir export's."""
     from ddiloco.learner.shard_clients import ShardClients
     from ddiloco.learner.sync_client import SyncClient, SyncRefused, SyncUnavailable
 
@@ -144,12 +169,17 @@ def from_synchronizer(url: str, token: Any, tls: Any = None) -> GlobalModel:
         params: dict[str, torch.Tensor] = {}
         versions = []
         for f in status.fragments:
-            version, tensors = client.fragment(f.index)
+            version, tensors = exact_fragment(client, f.index)
             versions.append(version)
-            params |= {k: v.float() for k, v in tensors.items()}
+            params |= tensors
     except SyncRefused as e:
         if e.status == 401:
             raise ExportError(f"{url} refused the token (401): check DDILOCO_TOKEN") from None
+        if e.status == 403:
+            raise ExportError(
+                f"{url} refused: {e}: --sync-url needs the job key (DDILOCO_TOKEN), not a "
+                "learner's or evaluator's credential"
+            ) from None
         raise ExportError(f"{url} refused: {e}") from None
     except SyncUnavailable as e:
         raise ExportError(f"cannot reach the synchronizer at {url}: {e}") from None
@@ -184,7 +214,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     source = ap.add_mutually_exclusive_group(required=True)
     source.add_argument("--state-dir", help="the synchronizer's state directory")
-    source.add_argument("--sync-url", help="a live synchronizer (token: DDILOCO_TOKEN)")
+    source.add_argument("--sync-url", help="a live synchronizer (the job key: DDILOCO_TOKEN)")
     ap.add_argument("--out", required=True, help="directory to write (created if missing)")
     ap.add_argument("--token-file", help="file holding the job token (instead of DDILOCO_TOKEN)")
     ap.add_argument("--ca-file", help="PEM CA of an https synchronizer")

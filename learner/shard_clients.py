@@ -36,7 +36,8 @@ def split_urls(value: str) -> list[str]:
 class ShardClients:
     """A `SyncClient` per shard behind the calls a launcher or a status reader makes:
     `status()` is `merge_statuses` of every shard's (SyncUnavailable if any is away),
-    `fragment(p)` asks p's owner (learnt from the last status), `request` goes to shard 0.
+    `fragment(p)` and `exact_fragment(p)` ask p's owner (learnt from the last status), `request`
+    goes to shard 0.
 
         clients = ShardClients(["http://h:8470", "http://h:8471"], token)
         job = clients.status()
@@ -73,10 +74,17 @@ class ShardClients:
         self.owners = {f.index: f.shard for f in job.fragments}
         return job
 
-    def fragment(self, p: int) -> Any:
+    def owner(self, p: int) -> SyncClient:
+        """The client of p's owner (learnt from the last status)."""
         if p not in self.owners:
             self.status()
-        return self.clients[self.owners.get(p, 0)].fragment(p)
+        return self.clients[self.owners.get(p, 0)]
+
+    def fragment(self, p: int) -> Any:
+        return self.owner(p).fragment(p)
+
+    def exact_fragment(self, p: int) -> Any:
+        return self.owner(p).exact_fragment(p)
 
     def request(self, *args: Any, **kwargs: Any) -> Any:
         return self.clients[0].request(*args, **kwargs)

@@ -36,6 +36,7 @@ from ddiloco.learner.upload_sender import Failed, PartsSender
 from ddiloco.wire import broadcast, codec
 from ddiloco.wire.auth import StaticTokens, Tokens
 from ddiloco.wire.broadcast import Download, Held
+from ddiloco.wire.errors import PayloadError
 from ddiloco.wire.protocol import (
     API_PREFIX,
     CONTENT_TYPE,
@@ -364,6 +365,18 @@ class SyncClient:
         synchronizer serves (wire/broadcast.py): float tensors, or float32 ones dequantized."""
         version, got = self.download(p)
         return version, got.tensors
+
+    def exact_fragment(self, p: int) -> tuple[int, dict[str, torch.Tensor]]:
+        """Global fragment p's Theta in float32, bit for bit, and its version, whatever the
+        broadcast encoding (`GET /v1/fragments/{p}/float32`: the job key only, for
+        `ddiloco export`). `SyncUnavailable` with status 503 while the synchronizer is
+        encoding another such read of p: ask again (Retry-After)."""
+        _, headers, body = self.request("GET", f"{API_PREFIX}/fragments/{p}/float32")
+        version = int(headers[VERSION_HEADER.lower()])
+        header = codec.read_header(body)
+        if any(t.dtype != "F32" for t in header.tensors.values()):
+            raise PayloadError(f"fragment {p}'s float32 read holds other than float32 tensors")
+        return version, codec.decode(body, header)
 
     def download(self, p: int, held: Held | None = None) -> tuple[int, Download]:
         """Global fragment p, its version and (delta encodings) its token; `held`: the

@@ -21,6 +21,7 @@ the upload port asks it through the service. A fragment owns:
 What is done to one fragment is done here:
 
     frag.serve(held)                          # a download: its payload
+    frag.exact()                              # Theta in float32 (an export's read)
     frag.admit(meta, delta, ...)              # an update into its round, under its lock
     frag.fill(ticket, ...); frag.make_durable(ticket)   # its record, then its fsync
     frag.merge(live_tokens)                   # take the round, compute, make durable, install
@@ -68,11 +69,12 @@ from ddiloco.synchronizer.storage.state import FragmentState, Order, StateStore
 from ddiloco.synchronizer.storage.statedir import read_back
 from ddiloco.synchronizer.stream import RoundSum
 from ddiloco.synchronizer.update_passes import Term
+from ddiloco.wire import codec
 from ddiloco.wire.protocol import FragmentSpec, UpdateMeta
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DURABLES", "Fragment", "Merged", "Shared", "give_back", "thread_sched"]
+__all__ = ["DURABLES", "Busy", "Fragment", "Merged", "Shared", "give_back", "thread_sched"]
 
 DURABLES = ThreadPoolExecutor(32, thread_name_prefix="ddiloco-durable")
 """Where a merge's durable part (its fsyncs) runs while the merge's thread encodes the
@@ -149,6 +151,10 @@ class Merged:
     phases: dict[str, float]
 
 
+class Busy(Exception):
+    """A read that runs one at a time per fragment is under way already: ask again soon."""
+
+
 class Fragment:
     """Fragment `index` of the layout: its state, its round's sum, its log, journal and file,
     its served copy and its locks (module docstring). A fragment another shard owns is a
@@ -172,6 +178,8 @@ class Fragment:
         it persists; then before any waiting post (`first`, locks.py)."""
         self.merge_lock = threading.Lock()
         """One merge of this fragment at a time."""
+        self.exporting = threading.Lock()
+        """One float32 copy of Theta encoded at a time (`exact`)."""
         self.merging: dict[str, Contribution] = {}
         """The contributions a merge has taken and not yet installed: their high-water
         marks still count (a re-send of one is a duplicate)."""
@@ -240,6 +248,27 @@ class Fragment:
         served = self.served
         body, label = served.body(held)
         return served, body, label
+
+    def exact(self) -> tuple[int, memoryview | bytes]:
+        """The installed version and its Theta as a float32 safetensors payload, bit for bit
+        (an export's read: the broadcast encoding may round Theta, or serve S for it). With a
+        float32 broadcast that is the served whole payload itself. Otherwise it is encoded on
+        request under this fragment's lock, which a merge takes to install its next version
+        (only after that are the superseded buffers recycled): the version and the bytes
+        belong together, at the cost of update admissions to this fragment waiting one copy
+        of it. One such copy at a time (`Busy` for a second): a fragment-sized allocation
+        each."""
+        if self.shared.settings.broadcast_encoding == "float32":
+            served = self.served
+            return served.version, served.whole
+        if not self.exporting.acquire(blocking=False):
+            raise Busy(f"fragment {self.index}'s float32 copy is being read already")
+        try:
+            with self.lock:
+                fs = self.state
+                return fs.version, codec.encode(fs.params)
+        finally:
+            self.exporting.release()
 
     def _install_served(self, served: Broadcast) -> None:
         """Serve `served`, retiring the payload buffers of the version it replaces."""

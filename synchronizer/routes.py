@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Message, Receive
 
+from ddiloco.synchronizer.fragment import Busy
 from ddiloco.synchronizer.service import Synchronizer
 from ddiloco.wire.auth import Principal, Tokens, authenticate
 from ddiloco.wire.errors import Refusal, SyncError
@@ -278,6 +279,34 @@ async def fragment(p: int, sync: SyncDep, held: Annotated[str | None, Query()] =
     """The served fragment p; `held`: the token of the copy the learner holds (wire/broadcast.py),
     for a delta from it where the encoding has one."""
     version, body = await asyncio.to_thread(sync.fragment, p, held)
+    return Response(body, media_type=CONTENT_TYPE, headers={VERSION_HEADER: str(version)})
+
+
+@v1.get(
+    "/fragments/{p}/float32",
+    response_class=Response,
+    responses={
+        200: {"content": {CONTENT_TYPE: {}}, "description": "Theta of fragment p in float32"},
+        503: {"model": ErrorBody, "description": "busy: p's float32 copy is being read already"},
+    },
+)
+async def exact_fragment(p: int, sync: SyncDep, who: PrincipalDep) -> Response:
+    """Fragment p's Theta in float32, bit for bit, at the version in the version header
+    (`Synchronizer.exact_fragment`): what `ddiloco export --sync-url` writes, whatever the
+    broadcast encoding. The job key only: an administrator's read. Learners, spares and
+    evaluators train on or measure the broadcast, and each copy this route encodes holds up
+    the fragment's update admissions while it is made: a credential every pod holds must not
+    be able to keep that going (403). One copy of a fragment at a time; a second meanwhile
+    is 503 with Retry-After. Not on the upload port: an occasional read."""
+    if who.kind != "job":
+        raise SyncError(
+            Refusal.FORBIDDEN,
+            f"{who} may not read the float32 Theta: the job key only (ddiloco export)",
+        )
+    try:
+        version, body = await asyncio.to_thread(sync.exact_fragment, p)
+    except Busy as e:
+        raise HTTPException(503, f"{e}: ask again", headers={"Retry-After": "1"}) from None
     return Response(body, media_type=CONTENT_TYPE, headers={VERSION_HEADER: str(version)})
 
 

@@ -13,7 +13,8 @@ its inputs (liveness, step times); `MergePolicy` turns a round into the next ver
 `StateStore` keeps fragments, pending updates and the ledger on disk. The service holds
 these and what is global (layout, model spec, budget, evaluations, checkpoints, metrics),
 and its methods are what a route asks: `submit` (an update: checked, decoded, then its
-fragment's), `merge`, `join`, `heartbeat`, `poll`, `fragment` (a download), `status`.
+fragment's), `merge`, `join`, `heartbeat`, `poll`, `fragment` (a download), `exact_fragment`
+(an export's float32 read), `status`.
 
 The contract: an update answered `accepted` is in the fragment's pending log on disk before
 the answer, and is merged exactly once, whatever crashes: a restarted synchronizer replays
@@ -58,6 +59,7 @@ from ddiloco.synchronizer.metrics import SyncMetrics, encoding_of
 from ddiloco.synchronizer.prefault import prime
 from ddiloco.synchronizer.rounds import GracePolicy, Rounds
 from ddiloco.synchronizer.served_buffers import Served
+from ddiloco.synchronizer.served_versions import LABELS
 from ddiloco.synchronizer.storage.pending import PendingLog
 from ddiloco.synchronizer.storage.snapshots import Snapshots
 from ddiloco.synchronizer.storage.state import FragmentState, StateStore
@@ -318,6 +320,24 @@ class Synchronizer:
         """Fragment p's served version and the payload for a learner holding `held` (the
         token of its last download, wire/broadcast.py): the delta from it when the encoding has
         one and `held` names the version before, else the whole fragment."""
+        self.check_readable(p)
+        served, body, label = self.fragments[p].serve(held)
+        self.learners.count("bytes_down", len(body))
+        self.metrics.bytes_served.labels(label).inc(len(body))
+        return served.version, body
+
+    def exact_fragment(self, p: int) -> tuple[int, memoryview | bytes]:
+        """Fragment p's Theta in float32, bit for bit, and its version (`Fragment.exact`):
+        what an export writes, whatever the broadcast encoding. `Busy` while another such
+        read of p is being encoded."""
+        self.check_readable(p)
+        version, body = self.fragments[p].exact()
+        self.metrics.bytes_served.labels(LABELS["float32"]).inc(len(body))
+        return version, body
+
+    def check_readable(self, p: int) -> None:
+        """Refuse a read of fragment p before init (409), of one that does not exist (422)
+        or of one another shard owns (421)."""
         if self.layout is None:
             raise SyncError(
                 Refusal.NOT_INITIALIZED, "no global model yet: the first learner uploads it"
@@ -327,10 +347,6 @@ class Synchronizer:
                 Refusal.INVALID, f"fragment {p} does not exist (0..{len(self.fragments) - 1})"
             )
         self.check_owner(p)
-        served, body, label = self.fragments[p].serve(held)
-        self.learners.count("bytes_down", len(body))
-        self.metrics.bytes_served.labels(label).inc(len(body))
-        return served.version, body
 
     def check_owner(self, p: int) -> None:
         """Refuse (421, naming the owner) a fragment another shard owns; pure and lock-free,

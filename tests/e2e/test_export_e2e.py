@@ -7,7 +7,8 @@ JSONL corpus cut from the standard library's sources: the global model's eval lo
 `ddiloco export --state-dir` of that run loads with `AutoModelForCausalLM.from_pretrained`
 and gives the eval loss the launcher's evaluator measured on the synchronizer's own copy at
 the end; `ddiloco export --sync-url` against a synchronizer serving the same state writes the
-same tensors, and refuses a wrong token in one line.
+same float32 tensors bit for bit (though it broadcasts bfloat16 to learners), and refuses a
+wrong token, or a learner's credential, in one line.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ddiloco.learner.sync_client import SyncClient
 from ddiloco.learner.task import build_task
 from ddiloco.local.processes import Child, ddiloco_command, env_with, free_port, terminate_all
 from ddiloco.synchronizer.storage.state import StateStore
+from ddiloco.wire.auth import learner_token
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(400)]
 TOKEN = "export-token"
@@ -137,6 +139,7 @@ def test_export_from_a_live_synchronizer(
             assert sync.alive() and time.time() < deadline, sync.log_path.read_text()[-3000:]
             time.sleep(0.1)
         spec = client.model_spec()  # GET /v1/model
+        _, broadcast = client.fragment(0)  # what learners download: bfloat16 by default
         assert spec.kind == "hf" and "tokenizer.json" in spec.files
         # in-process `ddiloco export` (the CLI's own main; the state-dir test ran the command)
         monkeypatch.setenv("DDILOCO_TOKEN", TOKEN)
@@ -145,13 +148,20 @@ def test_export_from_a_live_synchronizer(
         monkeypatch.setenv("DDILOCO_TOKEN", "not-the-token")
         assert export.main(["--sync-url", url, "--out", str(tmp_path / "w")]) == 2
         wrong = capsys.readouterr().err
+        monkeypatch.setenv("DDILOCO_TOKEN", learner_token(TOKEN, "l0"))
+        assert export.main(["--sync-url", url, "--out", str(tmp_path / "l")]) == 2
+        learner = capsys.readouterr().err
     finally:
         client.close()
         terminate_all([sync])
     assert wrong.startswith("ddiloco export: error: ") and "refused the token" in wrong
     assert wrong.count("\n") == 1 and "Traceback" not in wrong
+    assert "HTTP 403" in learner and "needs the job key" in learner and learner.count("\n") == 1
     held = from_state_dir(run["state"])
     served = load_file(str(tmp_path / "live" / "model.safetensors"))
     assert served.keys() == held.params.keys()  # llama-tiny's head is tied: stored once
-    # a live synchronizer's fragments come in its broadcast encoding, bfloat16 by default
-    assert all(torch.equal(served[k], v.bfloat16().float()) for k, v in held.params.items())
+    # exact: the float32 Theta (GET /v1/fragments/{p}/float32), not the bfloat16 broadcast
+    assert all(served[k].dtype == torch.float32 for k in served)
+    assert all(torch.equal(served[k], v) for k, v in held.params.items())
+    assert all(t.dtype == torch.bfloat16 for t in broadcast.values())
+    assert any(not torch.equal(t.float(), served[k]) for k, t in broadcast.items())

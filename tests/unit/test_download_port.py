@@ -14,7 +14,9 @@ to the main URL when the port turns it away or serves no fragments.
 
 from __future__ import annotations
 
+import http.client
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -27,7 +29,7 @@ from ddiloco.learner.sync_client import ClientTLS, SyncClient, SyncRefused, Sync
 from ddiloco.learner.uploads import with_port
 from ddiloco.synchronizer import upload_port
 from ddiloco.wire import broadcast, codec, tls
-from ddiloco.wire.auth import StaticTokens, learner_token, spare_token
+from ddiloco.wire.auth import StaticTokens, evaluator_token, learner_token, spare_token
 from ddiloco.wire.protocol import (
     LAYOUT_KEY,
     VERSION_HEADER,
@@ -522,3 +524,128 @@ def test_a_learner_holds_its_initial_values_and_follows_deltas(make_sync_server)
         main.close()
         for c in ports.values():
             c.close()
+
+
+# ---- the float32 read of Theta (GET /v1/fragments/{p}/float32), main port only ----------
+def exact_path(p: int) -> str:
+    return f"/v1/fragments/{p}/float32"
+
+
+@pytest.mark.parametrize("encoding", ["bfloat16", "float32", "int8-delta"])
+def test_the_float32_read_is_theta_bit_for_bit(make_sync_server, encoding: str) -> None:
+    """Whatever the broadcast encoding, the job key reads each fragment's installed Theta in
+    float32, bit for bit, with its version; a float32 broadcast answers its served payload
+    itself (no copy made)."""
+    server = up.ready(make_sync_server, broadcast_encoding=encoding)
+    merge_once(server)
+    boss = SyncClient(server.url, server.token)
+    try:
+        for p in range(4):
+            version, tensors = boss.exact_fragment(p)
+            frag = server.sync.fragments[p]
+            assert version == frag.version == (1 if p == 1 else 0)
+            assert all(t.dtype == torch.float32 for t in tensors.values())
+            assert bits_equal(tensors, frag.state.params)
+        _, served = boss.fragment(1)
+    finally:
+        boss.close()
+    theta = server.sync.fragments[1].state.params["w1"]
+    assert torch.equal(served["w1"], theta) == (encoding == "float32")  # the broadcast rounds
+    if encoding == "float32":
+        assert server.sync.exact_fragment(1)[1] is server.sync.fragments[1].served.whole
+
+
+def test_the_float32_read_is_the_job_keys_only(make_sync_server) -> None:
+    """A learner's, a spare's or an evaluator's credential is 403, a wrong one 401; the
+    upload port does not serve the route (404: everything else is on the main port)."""
+    server = up.ready(make_sync_server)
+    for token in (
+        learner_token(TOKEN, "l0"),
+        spare_token(TOKEN, "pod-0"),
+        evaluator_token(TOKEN, "eval"),
+    ):
+        c = SyncClient(server.url, token)
+        with pytest.raises(SyncRefused) as e:
+            c.exact_fragment(1)
+        c.close()
+        assert (e.value.status, e.value.kind) == (403, "forbidden")
+        assert "job key only" in e.value.detail
+    status, _, _ = raw_get(server, "main", exact_path(1), "wrong")
+    assert status == 401
+    status, _, body = raw_get(server, "bulk", exact_path(1))
+    assert status == 404 and b"main port" in body
+
+
+def test_the_float32_read_of_a_missing_or_foreign_fragment(make_sync_server) -> None:
+    """Before init 409; a fragment that does not exist 422; one another shard owns 421
+    naming its owner, and the owner answers it."""
+    bare = make_sync_server(quorum=1, grace=False)
+    assert raw_get(bare, "main", exact_path(0))[0] == 409
+    servers = [make_sync_server(shard=i, shards=2, quorum=1, grace=False) for i in (0, 1)]
+    for server in servers:
+        boss = SyncClient(server.url, server.token)
+        boss.join(JoinRequest(learner_id="l0"))
+        boss.init(codec.encode(up.TENSORS, {LAYOUT_KEY: up.LAYOUT.model_dump_json()}))
+        boss.close()
+    for i, server in enumerate(servers):
+        c = SyncClient(server.url, server.token)
+        try:
+            with pytest.raises(SyncRefused) as e:
+                c.exact_fragment(4)
+            assert (e.value.status, e.value.kind) == (422, "invalid")
+            for p in range(4):
+                if p in server.sync.owned:
+                    assert bits_equal(c.exact_fragment(p)[1], {f"w{p}": up.TENSORS[f"w{p}"]})
+                    continue
+                with pytest.raises(SyncRefused) as e:
+                    c.exact_fragment(p)
+                assert (e.value.status, e.value.kind) == (421, "wrong_shard")
+                assert f"owned by shard {1 - i}" in e.value.detail
+        finally:
+            c.close()
+
+
+def test_a_second_float32_read_of_a_fragment_meanwhile_is_503(make_sync_server) -> None:
+    """One copy of a fragment at a time: while one is being encoded (here: waiting for the
+    fragment's lock, which the test holds as an update's admission would) a second is 503
+    with Retry-After, other fragments are read; the first completes once the lock is free,
+    and the export's reader asks again through 503s until it gets its copy."""
+    from ddiloco.cli.export import exact_fragment
+
+    server = up.ready(make_sync_server)
+    frag = server.sync.fragments[1]
+    first: dict[str, object] = {}
+
+    def read() -> None:
+        c = SyncClient(server.url, server.token)
+        try:
+            first["got"] = c.exact_fragment(1)
+        finally:
+            c.close()
+
+    frag.lock.acquire()
+    reader = threading.Thread(target=read)
+    try:
+        reader.start()
+        up.wait_for(frag.exporting.locked)
+        conn = http.client.HTTPConnection("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
+        conn.request("GET", exact_path(1), headers={"Authorization": f"Bearer {TOKEN}"})
+        busy = conn.getresponse()
+        assert busy.status == 503 and busy.getheader("retry-after") == "1"
+        assert b"being read already" in busy.read()
+        conn.close()
+        assert raw_get(server, "main", exact_path(2))[0] == 200
+    finally:
+        frag.lock.release()
+        reader.join(timeout=10)
+    version, tensors = first["got"]  # type: ignore[misc]
+    assert version == 0 and bits_equal(tensors, {"w1": up.TENSORS["w1"]})
+    frag.exporting.acquire()
+    threading.Timer(1.5, frag.exporting.release).start()
+    boss = SyncClient(server.url, server.token)
+    try:
+        t0 = time.monotonic()
+        assert exact_fragment(boss, 1)[0] == 0
+        assert time.monotonic() - t0 >= 1.5
+    finally:
+        boss.close()
