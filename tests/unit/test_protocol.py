@@ -255,6 +255,7 @@ def test_openapi_is_published(sync_server) -> None:
         "/v1/join",
         "/v1/init",
         "/v1/fragments/{p}",
+        "/v1/fragments/{p}/float32",
         "/v1/fragments/{p}/updates",
         "/v1/heartbeat",
         "/v1/status",
