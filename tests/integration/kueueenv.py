@@ -333,7 +333,8 @@ class Kueue:
             },
             "integrations": {"frameworks": ["batch/job"]},
             # The visibility API would be an aggregated apiserver on a fixed port; not needed.
-            "featureGates": {"VisibilityOnDemand": False},
+            # Workload slices (alpha): a partially admitted job grows when quota frees.
+            "featureGates": {"VisibilityOnDemand": False, "ElasticJobsViaWorkloadSlices": True},
         }
         (run / "config.yaml").write_text(json.dumps(config, indent=2) + "\n")
         env = {**os.environ, "KUBECONFIG": str(cl.kubeconfig)}

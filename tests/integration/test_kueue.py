@@ -78,6 +78,34 @@ class Queues:
             *KQ, "clusterqueues", self.cq, {"spec": {"stopPolicy": "None"}}
         )
 
+    def hold(self, name: str, cpu: int) -> None:
+        """A bare high-priority Workload in the LocalQueue asking for `cpu` (nothing runs it:
+        it only holds quota once admitted)."""
+        self.cl.custom().create_namespaced_custom_object(*KQ, self.ns, "workloads", {
+            "apiVersion": "kueue.x-k8s.io/v1beta2",
+            "kind": "Workload",
+            "metadata": {"name": name},
+            "spec": {
+                "queueName": "lq",
+                "priorityClassRef": {
+                    "group": "kueue.x-k8s.io", "kind": "WorkloadPriorityClass", "name": self.high,
+                },
+                "priority": 1000,
+                "podSets": [{
+                    "name": "main", "count": 1,
+                    "template": {"spec": {"restartPolicy": "Never", "containers": [{
+                        "name": "c", "image": "x",
+                        "resources": {"requests": {"cpu": str(cpu)}}}]}},
+                }],
+            },
+        })  # fmt: skip
+
+    def admitted(self, name: str) -> bool:
+        return any(
+            c["type"] == "Admitted" and c["status"] == "True"
+            for c in self.workload(name).get("status", {}).get("conditions", [])
+        )
+
     def workload(self, name: str) -> dict[str, Any]:
         return dict(self.cl.custom().get_namespaced_custom_object(*KQ, self.ns, "workloads", name))
 
@@ -155,39 +183,13 @@ def test_queued_admitted_preempted_and_readmitted(
     claim_uid = cl.core().read_namespaced_persistent_volume_claim(claim, cl.ns).metadata.uid
 
     # A higher-priority Workload that needs the whole quota: Kueue preempts the job.
-    high = {
-        "apiVersion": "kueue.x-k8s.io/v1beta2",
-        "kind": "Workload",
-        "metadata": {"name": "urgent"},
-        "spec": {
-            "queueName": "lq",
-            "priorityClassRef": {
-                "group": "kueue.x-k8s.io",
-                "kind": "WorkloadPriorityClass",
-                "name": queues.high,
-            },
-            "priority": 1000,
-            "podSets": [{
-                "name": "main", "count": 1,
-                "template": {"spec": {"restartPolicy": "Never", "containers": [{
-                    "name": "c", "image": "x", "resources": {"requests": {"cpu": "4"}}}]}},
-            }],
-        },
-    }  # fmt: skip
-    cl.custom().create_namespaced_custom_object(*KQ, cl.ns, "workloads", high)
+    queues.hold("urgent", cpu=4)
     evicted = h.wait_condition(cl, job, "Suspended", reason="Preempted", timeout=60)
     assert evicted["status"]["phase"] == "Suspended"
     assert "Evicted by Kueue" in h.condition(evicted, "Suspended")["message"]
     k8senv.wait_until("the learner pods gone", lambda: not cl.pods("home", job), timeout=30)
     # the pods' quota goes back to Kueue, which admits the urgent Workload
-    k8senv.wait_until(
-        "the urgent Workload admitted",
-        lambda: any(
-            c["type"] == "Admitted" and c["status"] == "True"
-            for c in queues.workload("urgent")["status"].get("conditions", [])
-        ),
-        timeout=60,
-    )
+    k8senv.wait_until("the urgent Workload admitted", lambda: queues.admitted("urgent"), timeout=60)
     ours = queues.workload(f"ddiloco-{job}")
     assert not ours["status"].get("admission")
     assert "Suspended" in events(cl, job) and "QuotaReleased" in events(cl, job)
@@ -235,3 +237,83 @@ def test_partial_admission_runs_fewer_learners(
     assert counts == {"synchronizer": 1, "learners-a": 2}
     assert "a 2 of 4" in h.condition(ready, "Suspended")["message"]
     assert cl.job(job)["spec"]["learnerGroups"][0]["replicas"] == 4  # the spec is the user's
+
+
+def test_a_partially_admitted_job_grows_when_quota_frees(
+    cl: h.Clusters, operator: h.Operator, queues: Queues
+) -> None:
+    """Kueue's workload slices (ElasticJobsViaWorkloadSlices, on in kueueenv): admitted with
+    2 of 4 learners, the job keeps a larger slice queued; once the quota frees Kueue admits
+    it in place of the first, and the job runs 4."""
+    queues.create(cpu=5)  # the synchronizer's 1 and 4 learners
+    queues.hold("other", cpu=2)  # higher priority: the job's slice cannot preempt it
+    k8senv.wait_until("the other Workload admitted", lambda: queues.admitted("other"), timeout=30)
+    job = h.create_job(cl, queued_job("grow", 4, queues.low, minReplicas=2))
+    first = f"ddiloco-{job}"
+    grown = f"{first}-{cl.job(job)['metadata']['uid'][:8]}-2"
+
+    ready = h.wait_condition(cl, job, "Ready", timeout=60)
+    assert ready["status"]["desiredLearners"] == 2 and len(cl.pods("home", job)) == 2
+    running = {p.metadata.uid for p in cl.pods("home", job)}
+    waiting = k8senv.wait_until("the larger slice", lambda: queues.workload(grown), timeout=30)
+    assert (
+        waiting["metadata"]["annotations"]["kueue.x-k8s.io/workload-slice-replacement-for"]
+        == f"{cl.ns}/{first}"
+    )
+    learners = next(p for p in waiting["spec"]["podSets"] if p["name"] == "learners-a")
+    assert learners["count"] == 4 and "minCount" not in learners
+    assert not waiting.get("status", {}).get("admission")  # the quota is short: it waits
+    assert "asks Kueue for the rest" in h.condition(cl.job(job), "Suspended")["message"]
+
+    cl.custom().delete_namespaced_custom_object(*KQ, cl.ns, "workloads", "other")
+
+    def four() -> dict[str, Any] | None:
+        j = cl.job(job)
+        ok = j["status"].get("readyLearners") == 4 and len(cl.pods("home", job)) == 4
+        return j if ok else None
+
+    grew = k8senv.wait_until("the job at 4 learners", four, timeout=60)
+    assert running <= {p.metadata.uid for p in cl.pods("home", job)}  # the 2 went on
+    assert grew["status"]["desiredLearners"] == 4
+    suspended = h.condition(grew, "Suspended")
+    assert suspended["status"] == "False" and "a 4 of 4" in suspended["message"]
+    assert "Grown" in events(cl, job)
+    old = queues.workload(first)
+    fin = next(c for c in old["status"]["conditions"] if c["type"] == "Finished")
+    assert fin["status"] == "True" and fin["reason"] == "WorkloadSliceReplaced"
+    new = queues.workload(grown)
+    counts = {a["name"]: a["count"] for a in new["status"]["admission"]["podSetAssignments"]}
+    assert counts == {"synchronizer": 1, "learners-a": 4}
+
+    def usage() -> tuple[int, str]:
+        st = cl.custom().get_cluster_custom_object(*KQ, "clusterqueues", queues.cq)["status"]
+        cpu = {r["name"]: r["total"] for f in st["flavorsReservation"] for r in f["resources"]}
+        return st.get("reservingWorkloads", 0), cpu.get("cpu", "0")
+
+    # the ClusterQueue's status follows its cache with a delay: wait for it to count the new
+    # slice's 1 + 4 cpu, then it counts that Workload only (nothing left of the old one's 3)
+    k8senv.wait_until("the ClusterQueue at 5 cpu", lambda: usage()[1] == "5", timeout=30)
+    assert usage() == (1, "5")
+    assert cl.job(job)["spec"]["learnerGroups"][0]["replicas"] == 4
+
+    # Preempted, the grown slice gets its minCount back with the quota: readmitted with 2
+    # (what is left beside the urgent Workload), it asks for the rest again.
+    queues.hold("urgent", cpu=2)
+    h.wait_condition(cl, job, "Suspended", reason="Preempted", timeout=60)
+
+    def back_at_two() -> dict[str, Any] | None:
+        j = cl.job(job)
+        ok = (
+            h.condition(j, "Suspended")["status"] == "False"
+            and "a 2 of 4" in h.condition(j, "Suspended")["message"]
+        )
+        return j if ok and len(cl.pods("home", job)) == 2 else None
+
+    k8senv.wait_until("the job readmitted with 2 learners", back_at_two, timeout=60)
+    again = next(p for p in queues.workload(grown)["spec"]["podSets"] if p["name"] == "learners-a")
+    assert again["minCount"] == 2
+    k8senv.wait_until(
+        "a larger slice again",
+        lambda: queues.workload(grown[: grown.rindex("-")] + "-3"),
+        timeout=30,
+    )

@@ -242,3 +242,132 @@ def test_suspended_and_complete_conditions_as_core_jobs_have_them() -> None:
         c.TOKEN_BUDGET_REACHED,
     )
     assert done.status.phase == "Succeeded"
+
+
+def _slice(
+    name: str,
+    at: str,
+    counts: dict[str, int] | None = None,
+    replaces: str | None = None,
+    finished: str | None = None,
+    owner: str = "job-1",
+) -> dict[str, Any]:
+    """A Workload slice of the job as read: admitted with `counts` (None: waiting), made at
+    `at`, optionally replacing `ns/<replaces>` and Finished with reason `finished`."""
+    wl: dict[str, Any] = (
+        admitted_workload(counts) if counts is not None else {"status": {"conditions": []}}
+    )
+    wl["metadata"] = {
+        "name": name,
+        "namespace": "ns",
+        "creationTimestamp": at,
+        "resourceVersion": "7",
+        "labels": {"ddiloco.dev/job-uid": owner},
+        "ownerReferences": [{"uid": owner, "kind": "DecoupledDiLoCoJob", "name": "tiny"}],
+        "annotations": {kueue.REPLACEMENT_FOR: f"ns/{replaces}"} if replaces else {},
+    }
+    wl["spec"] = {
+        "queueName": "team-a",
+        "podSets": [
+            {"name": "synchronizer", "count": 2, "template": {}},
+            {"name": "learners-gpu", "count": 4, "minCount": 2, "template": {}},
+            {"name": "learners-cpu", "count": 1, "template": {}},
+        ],
+    }
+    if finished:
+        wl["status"]["conditions"].append(
+            {"type": "Finished", "status": "True", "reason": finished}
+        )
+    return wl
+
+
+SHORT = {"synchronizer": 2, "learners-gpu": 2, "learners-cpu": 1}
+FULL = {"synchronizer": 2, "learners-gpu": 4, "learners-cpu": 1}
+
+
+def test_a_short_admission_asks_for_a_larger_slice_that_replaces_it() -> None:
+    """Admitted with 2 of 4: the slice that follows asks for the full counts with no minCount
+    (a smaller admission would only replace it with its like), names the admitted one as
+    the one it replaces, and is the job's, in its queue."""
+    job = make_job()
+    first = _slice("ddiloco-tiny", "2026-01-01T00:00:00Z", SHORT)
+    assert kueue.short_sets(first) == {"learners-gpu": (2, 4)}
+    assert not kueue.short_sets(_slice("ddiloco-tiny", "2026-01-01T00:00:00Z", FULL))
+    assert not kueue.short_sets(_slice("ddiloco-tiny", "2026-01-01T00:00:00Z"))  # waiting
+
+    grow = kueue.build_growth(job, first)
+    meta = grow["metadata"]
+    assert meta["name"] == "ddiloco-tiny-job-1-2" and meta["namespace"] == "ns"
+    assert meta["annotations"][kueue.REPLACEMENT_FOR] == "ns/ddiloco-tiny"
+    assert meta["annotations"][kueue.SLICE_NAME] == "ddiloco-tiny"
+    assert meta["annotations"][kueue.ELASTIC_ANNOTATION] == "true"
+    assert meta["ownerReferences"][0]["uid"] == "job-1"
+    assert grow["spec"]["queueName"] == "team-a"
+    assert {p["name"]: p["count"] for p in grow["spec"]["podSets"]} == {
+        "synchronizer": 2,
+        "learners-gpu": 4,
+        "learners-cpu": 1,
+    }
+    assert not any("minCount" in p for p in grow["spec"]["podSets"])
+    assert first["spec"]["podSets"][1]["minCount"] == 2  # the admitted one is left as read
+    assert kueue.slice_name(job, "ddiloco-tiny-job-1-2") == "ddiloco-tiny-job-1-3"
+
+
+def test_which_slice_the_job_follows() -> None:
+    first = _slice("ddiloco-tiny", "2026-01-01T00:00:00Z", SHORT)
+    waiting = _slice("ddiloco-tiny-2", "2026-01-01T00:00:05Z", replaces="ddiloco-tiny")
+    s = kueue.Slices.of("job-1", [waiting, first])
+    assert (s.current, s.growth, s.stale) == (first, waiting, None)
+
+    # Kueue admitted the larger slice and finished the first: the job follows the new one
+    replaced = _slice(
+        "ddiloco-tiny", "2026-01-01T00:00:00Z", SHORT, finished="WorkloadSliceReplaced"
+    )
+    grown = _slice("ddiloco-tiny-2", "2026-01-01T00:00:05Z", FULL, replaces="ddiloco-tiny")
+    assert kueue.Slices.of("job-1", [replaced, grown]) == kueue.Slices(current=grown)
+    # read between Kueue finishing the first and admitting its successor: the job keeps the
+    # admission it has for a while (the waiting slice stays), then waits like a queued one
+    replaced["status"]["conditions"][-1]["lastTransitionTime"] = "2026-01-01T00:01:00Z"
+    soon, late = (datetime(2026, 1, 1, 0, 1, s, tzinfo=UTC) for s in (2, 59))
+    assert kueue.Slices.of("job-1", [replaced, waiting], soon) == kueue.Slices(
+        current=replaced, growth=waiting
+    )
+    assert kueue.Gate.of(make_job(), replaced, {}).counts["gpu"] == 2
+    assert kueue.Slices.of("job-1", [replaced, waiting], late) == kueue.Slices(current=waiting)
+    # admitted while the first is not Finished: that one is to be finished (OutOfSync)
+    s = kueue.Slices.of("job-1", [first, grown])
+    assert (s.current, s.growth, s.stale) == (grown, None, first)
+    # made within the same second: the annotation orders them
+    same = _slice("ddiloco-tiny-2", "2026-01-01T00:00:00Z", replaces="ddiloco-tiny")
+    assert kueue.Slices.of("job-1", [same, first]).current is first
+
+    # the job ended with a larger slice waiting: it follows the finished one (still done)
+    done = _slice("ddiloco-tiny", "2026-01-01T00:00:00Z", SHORT, finished="Succeeded")
+    s = kueue.Slices.of("job-1", [done, waiting])
+    assert (s.current, s.growth) == (done, waiting)
+    assert kueue.Gate.of(make_job(), s.current, {}).admitted
+    assert not kueue.short_sets(done)  # nothing to grow into: the waiting one goes
+
+    # another job's Workload (a former job of the same name) is not this job's
+    other = _slice("ddiloco-tiny", "2026-01-01T00:00:00Z", FULL, owner="job-0")
+    assert kueue.Slices.of("job-1", [other]) == kueue.Slices()
+
+
+def test_the_probe_lowers_a_short_set_and_a_released_grown_slice_gets_its_min_back() -> None:
+    first = _slice("ddiloco-tiny", "2026-01-01T00:00:00Z", SHORT)
+    probe = kueue.probe_pod_sets(first)
+    assert probe is not None
+    assert {p["name"]: p["count"] for p in probe} == {
+        "synchronizer": 2,
+        "learners-gpu": 3,  # still at least the 2 admitted, and minCount <= count
+        "learners-cpu": 1,
+    }
+    assert kueue.probe_pod_sets(_slice("ddiloco-tiny", "2026-01-01T00:00:00Z", FULL)) is None
+
+    job = make_job()
+    grown = kueue.build_growth(job, first)
+    restored = kueue.restored_pod_sets(job, grown)
+    assert restored is not None
+    sets = {p["name"]: p for p in restored}
+    assert sets["learners-gpu"]["minCount"] == 2 and "minCount" not in sets["learners-cpu"]
+    assert kueue.restored_pod_sets(job, first) is None  # it has them already
