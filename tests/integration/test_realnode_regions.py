@@ -215,7 +215,8 @@ def wan(real_regions: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             ),
             timeout=30,
         )
-    plane.kubectl("home", "apply", "--server-side", "-f", str(h.CRD_FILE))
+    # (the plane is the session's: the chart's release in another module may own the CRD)
+    plane.kubectl("home", "apply", "--server-side", "--force-conflicts", "-f", str(h.CRD_FILE))
     plane.kubectl(
         "home", "wait", "--for=condition=Established", "--timeout=60s", f"crd/{h.PLURAL}.{h.GROUP}"
     )
