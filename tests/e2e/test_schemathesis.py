@@ -191,6 +191,7 @@ OPERATIONS = [
     ("POST", "/v1/join"),
     ("PUT", "/v1/init"),
     ("GET", "/v1/fragments/{p}"),
+    ("GET", "/v1/fragments/{p}/float32"),
     ("POST", "/v1/fragments/{p}/updates"),
     ("POST", "/v1/heartbeat"),
     ("GET", "/v1/model"),
@@ -203,6 +204,7 @@ OPERATIONS = [
 NEGATABLE = {
     "/v1/join",
     "/v1/fragments/{p}",
+    "/v1/fragments/{p}/float32",
     "/v1/fragments/{p}/updates",
     "/v1/heartbeat",
     "/v1/evaluations",
