@@ -507,6 +507,15 @@ def start_shard(
     return proc, f"http://127.0.0.1:{port}", log
 
 
+def init_payload(lay: Layout) -> bytes:
+    """The init upload: every tensor of `lay` drawn from one seeded generator, and the layout."""
+    g = torch.Generator().manual_seed(0)
+    init = {
+        t.name: torch.randn(t.shape, generator=g) * 0.02 for f in lay.fragments for t in f.tensors
+    }
+    return codec.encode(init, {LAYOUT_KEY: lay.model_dump_json()})
+
+
 def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
     http2 = arm.transport == "h2"
     base = "/dev/shm" if args.state_on == "tmpfs" else None
@@ -523,14 +532,7 @@ def run_arm(arm: Arm, args: argparse.Namespace, lay: Layout) -> dict[str, Any]:
                     logs = "".join(f.read_text() for f in root.glob("sync-*.log"))
                     raise RuntimeError(f"synchronizer did not start: {logs}")
                 time.sleep(0.2)
-        g = torch.Generator().manual_seed(0)
-        init = {
-            t.name: torch.randn(t.shape, generator=g) * 0.02
-            for f in lay.fragments
-            for t in f.tensors
-        }
-        body = codec.encode(init, {LAYOUT_KEY: lay.model_dump_json()})
-        del init
+        body = init_payload(lay)
         for boss in bosses:  # each shard keeps its own fragments of the one init upload
             join(boss, "init")
             boss.init(body)

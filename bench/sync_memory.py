@@ -319,12 +319,10 @@ def serve(root: Path, interval: float, argv: list[str]) -> int:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Start the sampled synchronizer, drive it as sync_ingest's round-trip arm does for
     `args.seconds`, and return the child's report."""
-    import torch
 
     from ddiloco.learner.sync_client import SyncClient
     from ddiloco.local.processes import free_port
-    from ddiloco.wire import codec, encodings
-    from ddiloco.wire.protocol import LAYOUT_KEY
+    from ddiloco.wire import encodings
 
     lay = sync_ingest.layout(int(args.params), args.fragments)
     base = "/dev/shm" if args.state_on == "tmpfs" else None
@@ -351,14 +349,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError(f"synchronizer did not start: {(root / 'sync.log').read_text()}")
             time.sleep(0.2)
-        g = torch.Generator().manual_seed(0)
-        init = {
-            t.name: torch.randn(t.shape, generator=g) * 0.02
-            for f in lay.fragments
-            for t in f.tensors
-        }
-        body = codec.encode(init, {LAYOUT_KEY: lay.model_dump_json()})
-        del init
+        body = sync_ingest.init_payload(lay)
         sync_ingest.join(boss, "init")
         time.sleep(1.0)  # the sampler's "start" phase: the app up and idle
         (root / "init").touch()
