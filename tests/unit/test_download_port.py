@@ -67,6 +67,15 @@ def sent(port: upload_port.UploadServer, n: int) -> None:
     assert port.downloads == n
 
 
+def initialized(servers) -> None:
+    """Each shard initialized from the one init upload (it keeps its own fragments)."""
+    for server in servers:
+        boss = SyncClient(server.url, server.token)
+        boss.join(JoinRequest(learner_id="l0"))
+        boss.init(codec.encode(up.TENSORS, {LAYOUT_KEY: up.LAYOUT.model_dump_json()}))
+        boss.close()
+
+
 def main_port(server, p: int) -> tuple[int, bytes]:
     c = SyncClient(server.url, server.token)
     try:
@@ -178,11 +187,7 @@ def test_a_shard_that_does_not_own_the_fragment_is_421(make_sync_server) -> None
     servers = [
         make_sync_server(shard=i, shards=2, quorum=1, grace=False, upload_port=0) for i in (0, 1)
     ]
-    for server in servers:
-        boss = SyncClient(server.url, server.token)
-        boss.join(JoinRequest(learner_id="l0"))
-        boss.init(codec.encode(up.TENSORS, {LAYOUT_KEY: up.LAYOUT.model_dump_json()}))
-        boss.close()
+    initialized(servers)
     for i, server in enumerate(servers):
         for p in range(4):
             with up.connect(server.sync.upload_port) as sock:
@@ -446,11 +451,7 @@ def test_a_delta_request_to_the_wrong_shard_is_421(make_sync_server, where: str)
         )
         for i in (0, 1)
     ]  # fmt: skip
-    for server in servers:
-        boss = SyncClient(server.url, server.token)
-        boss.join(JoinRequest(learner_id="l0"))
-        boss.init(codec.encode(up.TENSORS, {LAYOUT_KEY: up.LAYOUT.model_dump_json()}))
-        boss.close()
+    initialized(servers)
     server = servers[0]
     other = next(p for p in range(4) if p not in server.sync.owned)
     status, _, _ = raw_get(server, where, f"/v1/fragments/{other}?held=a.0")
@@ -582,11 +583,7 @@ def test_the_float32_read_of_a_missing_or_foreign_fragment(make_sync_server) -> 
     bare = make_sync_server(quorum=1, grace=False)
     assert raw_get(bare, "main", exact_path(0))[0] == 409
     servers = [make_sync_server(shard=i, shards=2, quorum=1, grace=False) for i in (0, 1)]
-    for server in servers:
-        boss = SyncClient(server.url, server.token)
-        boss.join(JoinRequest(learner_id="l0"))
-        boss.init(codec.encode(up.TENSORS, {LAYOUT_KEY: up.LAYOUT.model_dump_json()}))
-        boss.close()
+    initialized(servers)
     for i, server in enumerate(servers):
         c = SyncClient(server.url, server.token)
         try:
