@@ -727,6 +727,9 @@ def test_a_synchronizer_refusing_its_state_fails_the_job_quoting_its_error() -> 
     assert sorted(a.name for a in plan.actions if a.verb == "delete") == sorted(pods)
     (sts,) = [a for a in plan.actions if a.kind == "StatefulSet"]
     assert sts.verb == "replace" and sts.body is not None and sts.body["spec"]["replicas"] == 0
+    # the message quoted above is the container's termination message: its log's tail on exit
+    (container,) = sts.body["spec"]["template"]["spec"]["containers"]
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert created(plan) == []
 
     # its pod and the learners gone, the job stays Failed and makes nothing
