@@ -602,6 +602,19 @@ class ControlPlane:
             argv, input=input, capture_output=True, text=True, check=check, timeout=timeout
         )
 
+    def create_namespace(self, name: str, clusters: Sequence[str] | None = None) -> None:
+        """Namespace `name` in `clusters` (the home cluster's by default), returned once each
+        has its default ServiceAccount (kube-controller-manager makes it a moment later)."""
+        for cluster in clusters or self.names[:1]:
+            self.kubectl(cluster, "create", "namespace", name)
+            wait_until(
+                f"default ServiceAccount in {cluster}",
+                lambda c=cluster: (
+                    self.kubectl(c, "-n", name, "get", "sa", "default", check=False).returncode == 0
+                ),
+                timeout=30,
+            )
+
     def import_image(self, archive: Path, cluster: str | None = None) -> list[str]:
         """Import an image archive (OCI or docker-archive tar) into a real node's containerd
         (the home cluster's, or `cluster`'s); returns the image names (pods must not pull:

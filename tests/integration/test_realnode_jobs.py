@@ -123,15 +123,7 @@ def run(real_plane: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[R
     t0 = time.monotonic()
     tag = realnode_image.on_node(real_plane, tmp_path_factory)
     ns = f"t-realnode-{uuid.uuid4().hex[:6]}"
-    real_plane.kubectl("home", "create", "namespace", ns)
-    k8senv.wait_until(
-        "default ServiceAccount",
-        lambda: (
-            real_plane.kubectl("home", "-n", ns, "get", "sa", "default", check=False).returncode
-            == 0
-        ),
-        timeout=30,
-    )
+    real_plane.create_namespace(ns)
     print(f"image ready on the node after {time.monotonic() - t0:.1f}s")
     r = Run(real_plane, ns, f"dd-{uuid.uuid4().hex[:5]}", tag)
     try:

@@ -170,15 +170,7 @@ def env(
 ) -> Iterator[Env]:
     tag = realnode_image.on_node(real_plane, tmp_path_factory)
     ns = f"t-realkueue-{uuid.uuid4().hex[:6]}"
-    real_plane.kubectl("home", "create", "namespace", ns)
-    k8senv.wait_until(
-        "default ServiceAccount",
-        lambda: (
-            real_plane.kubectl("home", "-n", ns, "get", "sa", "default", check=False).returncode
-            == 0
-        ),
-        timeout=30,
-    )
+    real_plane.create_namespace(ns)
     e = Env(real_plane, ns, tag)
     release = f"dd-{uuid.uuid4().hex[:5]}"
     repo, version = tag.rsplit(":", 1)

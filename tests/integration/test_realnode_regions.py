@@ -206,15 +206,7 @@ def wan(real_regions: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     tag = image.ensure_image()
     import_image(plane, tag, tmp)
     ns = f"t-wan-{uuid.uuid4().hex[:6]}"
-    for cluster in plane.names:
-        plane.kubectl(cluster, "create", "namespace", ns)
-        k8senv.wait_until(
-            f"default ServiceAccount in {cluster}",
-            lambda c=cluster: (
-                plane.kubectl(c, "-n", ns, "get", "sa", "default", check=False).returncode == 0
-            ),
-            timeout=30,
-        )
+    plane.create_namespace(ns, plane.names)
     # (the plane is the session's: the chart's release in another module may own the CRD)
     plane.kubectl("home", "apply", "--server-side", "--force-conflicts", "-f", str(h.CRD_FILE))
     plane.kubectl(
