@@ -213,19 +213,55 @@ def _default_syncer() -> Any:
 
 
 def _syncer_config(a: argparse.Namespace) -> Any:
-    from ddiloco.simulator.syncer import SyncerConfig, parse_capacity
+    from ddiloco.simulator.syncer import DOWNLOAD_ENCODINGS, SyncerConfig, parse_capacity
 
     d = SyncerConfig()
     caps = {**d.shard_gbps, **parse_capacity(a.shard_gbps)} if a.shard_gbps else d.shard_gbps
-    return SyncerConfig(shard_gbps=caps, max_shards=a.max_shards)
+    encode = d.encode_gvps
+    if a.shard_encode_gvps:
+        given = parse_capacity(
+            a.shard_encode_gvps, "--shard-encode-gvps", DOWNLOAD_ENCODINGS, "G values/s"
+        )
+        encode = {**encode, **given}
+    return SyncerConfig(
+        shard_gbps=caps,
+        out_gbps=d.out_gbps if a.shard_out_gbps is None else a.shard_out_gbps,
+        download_encoding=a.download_encoding,
+        encode_gvps=encode,
+        max_shards=a.max_shards,
+    )
 
 
 def _add_syncer(p: argparse.ArgumentParser) -> None:
+    from ddiloco.simulator.syncer import DOWNLOAD_ENCODINGS
+
     p.add_argument(
         "--shard-gbps",
         default="",
-        help="update GB/s one synchronizer shard ingests, by encoding, e.g. "
-        "bf16=1.0,int8=0.9,int4=0.8 (default: this project's measurement, simulator/syncer.py)",
+        help="update GB/s one synchronizer shard ingests when it serves nothing, by encoding, "
+        "e.g. bf16=1.0,int8=0.9,int4=0.8 (default: this project's measurement, "
+        "simulator/syncer.py)",
+    )
+    p.add_argument(
+        "--shard-out-gbps",
+        type=float,
+        default=None,
+        help="served GB/s one shard sends when it ingests nothing (default: fitted to this "
+        "project's round trip, simulator/syncer.py)",
+    )
+    p.add_argument(
+        "--download-encoding",
+        default="bfloat16",
+        choices=DOWNLOAD_ENCODINGS,
+        help="what learners download of every merge, the synchronizer's broadcast_encoding "
+        "(the links' bits stay --down-bits)",
+    )
+    p.add_argument(
+        "--shard-encode-gvps",
+        default="",
+        help="G parameters per second one shard encodes a merge for serving in a quantized "
+        "download encoding, e.g. int8-delta=0.2,int4-delta=0.15 (default: measured, "
+        "simulator/syncer.py)",
     )
     p.add_argument("--max-shards", type=int, default=64, help="most synchronizer shards to try")
 
@@ -263,15 +299,17 @@ def wide_area_figures(
     }
     from ddiloco.simulator.syncer import ENCODINGS, fit
 
+    cfg = syncer_cfg or _default_syncer()
     syncer = {
         enc: (
             None
             if (got := fit(
-                syncer_cfg or _default_syncer(), params=net.params, learners=net.sites, H=H,
+                cfg, params=net.params, learners=net.sites, H=H,
                 step_s=step_s, fragments=fragments, tau=tau, encodings=(enc,),
             )) is None
-            else {"shards": got.shards, "mean_gbps": got.mean_gbps,
-                  "utilisation": got.mean_utilisation, "round_s": got.round_s}
+            else {"shards": got.shards, "mean_gbps": got.mean_gbps, "out_gbps": got.out_gbps,
+                  "utilisation": got.mean_utilisation, "serve_share": got.serve_share,
+                  "round_s": got.round_s}
         )
         for enc in ENCODINGS
     }  # fmt: skip
@@ -289,6 +327,10 @@ def wide_area_figures(
             "tau": tau,
             "grad_bits": net.grad_bits,
             "up_bits": net.up_bits,
+            "learners": net.sites,
+            "download_encoding": cfg.download_encoding,
+            "shard_gbps": dict(cfg.shard_gbps),
+            "shard_out_gbps": cfg.out_gbps,
         },
     }
 
@@ -313,12 +355,15 @@ def format_wide_area(f: dict[str, Any]) -> str:
             f"  Decoupled (bf16 / int4 up)        {eight['decoupled_gbps_per_site_bf16']:8.2f} / "
             f"{eight['decoupled_gbps_per_site_int4_up']:.2f} Gbps   paper: "
             f"{f['paper']['bandwidth_8_sites']} (Decoupled vs DP)",
-            "synchronizer shards that keep merging off the critical path (K = 1), by update encoding:",
+            "synchronizer shards that keep merging off the critical path (K = 1), by update "
+            f"encoding ({a['learners']} learners download every merge in "
+            f"{a['download_encoding']}):",
             *(
                 f"  {enc:<5} " + (
                     "none up to --max-shards" if v is None else
-                    f"S = {v['shards']:<3} ({v['mean_gbps']:.2f} GB/s in, {v['utilisation']:.0%} "
-                    f"busy, a round ingested in {v['round_s']:.2f} s)"
+                    f"S = {v['shards']:<3} ({v['mean_gbps']:.2f} GB/s in, {v['out_gbps']:.2f} "
+                    f"out, {v['utilisation']:.0%} busy of which serving {v['serve_share']:.0%}, "
+                    f"a round ingested in {v['round_s']:.2f} s)"
                 )
                 for enc, v in f.get("synchronizer", {}).items()
             ),

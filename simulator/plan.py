@@ -10,10 +10,11 @@ the learners' steps, `strategies.merged_work`, following PLAN_SAMPLE fragments w
 P = min(--fragments, H)), and per-site traffic for every P (`network.decoupled_traffic`). Configurations whose mean traffic or peak (a fragment's
 round trip within tau steps) exceeds the slowest link are dropped. Each configuration is
 given the most precise update encoding (bf16, then int8, then int4: the upload's bits on the
-links, and the synchronizer's measured per-shard capacity, `syncer.py`) that fits both the
-links and the synchronizer, with the fewest synchronizer shards S that keep the synchronizer
-off the critical path; a configuration no encoding and no S up to `SyncerConfig.max_shards`
-serves is dropped. Ranking: effective goodput (goodput x merged-work
+links, and the synchronizer's measured per-shard capacity, `syncer.py`: its ingest, and the
+round trip of every learner downloading every merge in `--download-encoding`) that fits both
+the links and the synchronizer, with the fewest synchronizer shards S that keep the
+synchronizer off the critical path; a configuration no encoding and no S up to
+`SyncerConfig.max_shards` serves is dropped. Ranking: effective goodput (goodput x merged-work
 ratio), then the more precise encoding (quality is not simulated: the paper finds int4 within
 0.1% of bf16, this project has not measured it yet), then fewer shards, lower peak bandwidth,
 smaller H, smaller K. Larger H and smaller K trade quality the simulator cannot see either
@@ -46,7 +47,7 @@ class Candidate:
     mean_gbps: float
     peak_gbps: float
     encoding: str = "bf16"
-    """Learner -> synchronizer update encoding (downloads stay bf16)."""
+    """Learner -> synchronizer update encoding (downloads: `SyncerConfig.download_encoding`)."""
     shards: int = 1
     """Synchronizer shards S that keep it off the critical path (`syncer.fit`)."""
     sync_utilisation: float = 0.0
@@ -141,8 +142,8 @@ def format_plan(cands: list[Candidate], top: int) -> str:
         )
     if not cands:
         lines.append(
-            "no configuration fits the links and the synchronizer; raise --link-gbps or "
-            "--shard-gbps"
+            "no configuration fits the links and the synchronizer; raise --link-gbps, "
+            "--shard-gbps or --shard-out-gbps"
         )
     return "\n".join(lines)
 

@@ -75,7 +75,7 @@ def test_wide_area_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_plan_flag_and_calibrate_flag(capsys: pytest.CaptureFixture[str]) -> None:
-    # capacities given: the measured defaults (simulator/syncer.py) fit nothing here today
+    # capacities given, so the ranking does not move with the measured defaults (syncer.py)
     gbps = "bf16=1,int8=1,int4=1"
     plan = run_json(
         capsys,
@@ -86,3 +86,53 @@ def test_plan_flag_and_calibrate_flag(capsys: pytest.CaptureFixture[str]) -> Non
     assert plan[0]["effective_goodput"] >= plan[-1]["effective_goodput"]
     cal = run_json(capsys, ["--calibrate", str(REPORT), "--json"])
     assert isinstance(cal, list) and cal[0]["name"] == "sim_local_report"
+
+
+def test_wide_area_download_side_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """The download side's flags reach the synchronizer model: float32 downloads (twice
+    bfloat16's bytes) never need fewer shards, a slower shard out needs more, and the
+    assumptions say what was used."""
+    base = run_json(capsys, ["wide-area", "--json"])
+    f32 = run_json(capsys, ["wide-area", "--json", "--download-encoding", "float32"])
+    slow = run_json(capsys, ["wide-area", "--json", "--shard-out-gbps", "0.5"])
+    assert isinstance(base, dict) and isinstance(f32, dict) and isinstance(slow, dict)
+    assert base["assumptions"]["download_encoding"] == "bfloat16"
+    assert f32["assumptions"]["download_encoding"] == "float32"
+    assert slow["assumptions"]["shard_out_gbps"] == 0.5
+    for enc, got in base["synchronizer"].items():
+        assert f32["synchronizer"][enc]["out_gbps"] == pytest.approx(2 * got["out_gbps"])
+        assert f32["synchronizer"][enc]["shards"] >= got["shards"]
+        assert slow["synchronizer"][enc]["shards"] > got["shards"]
+    # a faster delta encode needs no more shards than the measured one
+    delta = ["wide-area", "--json", "--download-encoding", "int4-delta"]
+    measured = run_json(capsys, delta)
+    quick = run_json(capsys, [*delta, "--shard-encode-gvps", "int4-delta=10"])
+    assert isinstance(measured, dict) and isinstance(quick, dict)
+    assert all(
+        quick["synchronizer"][e]["shards"] <= v["shards"]
+        for e, v in measured["synchronizer"].items()
+    )
+    assert quick["synchronizer"]["bf16"]["shards"] < measured["synchronizer"]["bf16"]["shards"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--shard-out-gbps", "0"], "out_gbps must be a finite number > 0"),
+        (["--shard-out-gbps", "-1"], "out_gbps must be a finite number > 0"),
+        (["--shard-out-gbps", "fast"], "invalid float value: 'fast'"),
+        (["--download-encoding", "bf16"], "invalid choice: 'bf16'"),
+        (["--shard-encode-gvps", "int4=1"], "--shard-encode-gvps wants ENCODING=G values/s"),
+        (["--shard-encode-gvps", "int8-delta=quick"], "int8-delta='quick' is not a number"),
+        (["--shard-encode-gvps", "int8-delta=0"], "encode_gvps: int8-delta=0.0"),
+        (["--shard-gbps", "bf16=x"], "--shard-gbps: bf16='x' is not a number"),
+    ],
+)
+def test_wide_area_rejects_bad_download_side(
+    capsys: pytest.CaptureFixture[str], argv: list[str], says: str
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["wide-area", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
