@@ -62,6 +62,7 @@ from ddiloco.learner.uploads import UPLOAD_FALLBACK_S, upload_overrides, with_po
 from ddiloco.wire import broadcast, codec
 from ddiloco.wire.broadcast import Held
 from ddiloco.wire.protocol import (
+    DEFAULT_BROADCAST_ENCODING,
     LAYOUT_KEY,
     MODEL_KEY,
     Heartbeat,
@@ -135,7 +136,7 @@ class Streamer:
         """Per fragment served in a delta encoding: the copy last downloaded and its token
         (each fragment's downloads run in its shard's one thread, or at startup); before
         the first, our own initial values under their content's token (`_hold_initial`)."""
-        self.broadcast_encoding = "float32"
+        self.broadcast_encoding: str = DEFAULT_BROADCAST_ENCODING
         """How the synchronizer serves fragments, as it said at join (wire/broadcast.py)."""
         self.outbox = Outbox(len(layout.fragments))
         self.left: dict[int, dict[str, int]] = {}

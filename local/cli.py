@@ -35,7 +35,7 @@ from rich.text import Text
 from ddiloco.cli.errors import UsageError, fail, usage_errors
 from ddiloco.local.chaos import KINDS
 from ddiloco.local.launcher import LocalConfig, LocalRun
-from ddiloco.wire.protocol import BROADCAST_ENCODINGS
+from ddiloco.wire.protocol import BROADCAST_ENCODINGS, DEFAULT_BROADCAST_ENCODING
 
 PROG = "ddiloco local"
 
@@ -184,7 +184,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--broadcast-encoding",
         choices=list(BROADCAST_ENCODINGS),
-        default="bfloat16",
+        default=DEFAULT_BROADCAST_ENCODING,
         help="how the synchronizer serves merged fragments: bfloat16 (default), float32, int8, "
         "or int8-delta / int4-delta (quantized deltas from the copy each learner holds)",
     )

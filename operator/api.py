@@ -23,6 +23,8 @@ from typing import Annotated, Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
+from ddiloco.wire.protocol import DEFAULT_BROADCAST_ENCODING, BroadcastEncoding, UpdateEncoding
+
 GROUP: Final = "ddiloco.dev"
 VERSION: Final = "v1alpha1"
 KIND: Final = "DecoupledDiLoCoJob"
@@ -39,9 +41,6 @@ MANAGED_BY_US: Final = "ddiloco.dev/operator"
 # 10-character revision hash, a label value of at most 63 characters.
 MAX_JOB_NAME: Final = 39
 MAX_SHARDS: Final = 64  # synchronizer.shards
-UpdateEncoding = Literal["float32", "bfloat16", "int8", "int4"]
-BroadcastEncoding = Literal["float32", "bfloat16", "int8", "int8-delta", "int4-delta"]
-"""How learners encode the deltas they send (wire/protocol.py's UpdateEncoding)."""
 MAX_GROUP_NAME: Final = 16
 MAX_GROUPS: Final = 16
 MAX_REPLICAS: Final = 512
@@ -925,7 +924,7 @@ class JobSpec(_Model):
     """How learners encode the updates they send: bfloat16, float32, or int8 / int4
     (blockwise absmax scales, with error feedback on the learner). The synchronizer accepts
     only this encoding. Fixed for the job's life."""
-    broadcast_encoding: BroadcastEncoding = "bfloat16"
+    broadcast_encoding: BroadcastEncoding = DEFAULT_BROADCAST_ENCODING
     """How learners download merged fragments: bfloat16 (the default: level with float32 at
     equal tokens, at half its bytes), float32, int8, or int8-delta / int4-delta (the change
     since the copy the learner holds, quantized with its error carried into the next: every

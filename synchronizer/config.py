@@ -30,7 +30,12 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from ddiloco.wire.auth import StaticTokens, TokenFile, Tokens
-from ddiloco.wire.protocol import BroadcastEncoding, MergeRule, UpdateEncoding
+from ddiloco.wire.protocol import (
+    DEFAULT_BROADCAST_ENCODING,
+    BroadcastEncoding,
+    MergeRule,
+    UpdateEncoding,
+)
 
 DEFAULT_PORT = 8470
 
@@ -262,7 +267,7 @@ class SyncSettings(BaseSettings):
     max_norm_ratio: float = Field(100.0, gt=1.0)
     """Refuse an update whose norm exceeds this multiple of the recent median norm (kept in
     the fragment file, so it too survives a restart)."""
-    broadcast_encoding: BroadcastEncoding = "bfloat16"
+    broadcast_encoding: BroadcastEncoding = DEFAULT_BROADCAST_ENCODING
     """How merged fragments are served to learners (wire/broadcast.py): `bfloat16` (the
     default: learners rebase on Theta rounded to bfloat16, level with `float32` at equal
     tokens, at half its bytes), `float32`, `int8` (blockwise absmax codes of Theta, a float32

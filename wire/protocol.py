@@ -62,6 +62,9 @@ BROADCAST_ENCODINGS: Final[tuple[str, ...]] = (
     "int8-delta",
     "int4-delta",
 )
+DEFAULT_BROADCAST_ENCODING: Final = "bfloat16"
+"""What the synchronizer serves unless told otherwise: level with float32 at equal tokens, at
+half its bytes (bench/RESULTS.md, "Downloads: bytes up plus down against data-parallel")."""
 HELD_QUERY: Final = "held"
 """GET /v1/fragments/{p}?held=<token>: the token of the fragment the learner holds (the
 `ddiloco.served` metadata of its last download), for a delta from it (wire/broadcast.py)."""
@@ -186,7 +189,7 @@ class JoinResponse(_Msg):
     upload_port: int | None = None
     """The port of this synchronizer's upload listener (`SyncSettings.upload_port`, upload_port.py)
     on the host the learner reached it by; None: post updates to the main port."""
-    broadcast_encoding: str = "float32"
+    broadcast_encoding: BroadcastEncoding
     """How fragments are served (`SyncSettings.broadcast_encoding`, wire/broadcast.py): with a
     delta encoding a joiner names the copy it holds already (its own initial values) by
     their content, and needs no download of a version 0 that equals them."""
