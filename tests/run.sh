@@ -18,6 +18,7 @@
 # Extra arguments go to pytest, e.g. `bash tests/run.sh -m "not integration"`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+run_start=$(date +%s)
 PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
@@ -33,34 +34,39 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+# The builds need only the standard library and the packages above, so they start now, beside
+# the virtual environment's downloads: the Go builds (CPU) one after another, the image (mostly
+# downloads and disk) beside them. Each runs in a process group of its own, stopped if this
+# script fails first; its log is shown when it is done.
+builds_log=$(mktemp)
+image_log=$(mktemp)
+setsid bash -c '
+  set -euo pipefail
+  for build in tests/integration/k8senv.py tests/s3server.py tests/integration/kueueenv.py; do
+    start=$(date +%s)
+    "$0" "$build" build
+    echo "$(basename "$build" .py) ready after $(( $(date +%s) - start ))s"
+  done' "$PY" >"$builds_log" 2>&1 &
+builds_pid=$!
+setsid "$PY" tests/integration/image.py build >"$image_log" 2>&1 &
+image_pid=$!
+trap 'kill -- "-$builds_pid" "-$image_pid" 2>/dev/null || true' EXIT
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e '.[dev]'
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-# The image build is mostly downloads and disk, the Go builds below are CPU: they run side by
-# side, and the image's log is shown when it is done (or failed).
-image_log=$(mktemp)
-image_start=$(date +%s)
-.venv/bin/python tests/integration/image.py build >"$image_log" 2>&1 &
-image_pid=$!
-trap 'kill "$image_pid" 2>/dev/null || true' EXIT  # a failed Go build stops it too
-start=$(date +%s)
-.venv/bin/python tests/integration/k8senv.py build
-echo "k8senv ready after $(( $(date +%s) - start ))s"
-start=$(date +%s)
-.venv/bin/python tests/s3server.py build
-echo "s3server ready after $(( $(date +%s) - start ))s"
-start=$(date +%s)
-.venv/bin/python tests/integration/kueueenv.py build
-echo "kueue ready after $(( $(date +%s) - start ))s"
-image_rc=0
-wait "$image_pid" || image_rc=$?
+echo "environment and lint ready after $(( $(date +%s) - run_start ))s"
+for job in builds image; do
+  pid_var=${job}_pid log_var=${job}_log
+  rc=0
+  wait "${!pid_var}" || rc=$?
+  cat "${!log_var}"
+  rm -f "${!log_var}"
+  if [ "$rc" -ne 0 ]; then
+    echo "the $job failed (exit $rc)" >&2
+    exit "$rc"
+  fi
+  echo "$job ready $(( $(date +%s) - run_start ))s after the start"
+done
 trap - EXIT
-cat "$image_log"
-rm -f "$image_log"
-if [ "$image_rc" -ne 0 ]; then
-  echo "image build failed (exit $image_rc)" >&2
-  exit "$image_rc"
-fi
-echo "image ready after $(( $(date +%s) - image_start ))s (built beside the Go builds)"
 exec .venv/bin/python -m pytest tests --durations=40 "$@"
